@@ -1,0 +1,195 @@
+"""The one norm kernel behind every jaxclip op and transform.
+
+Everything that measures a gradient goes through this module:
+
+* sums of squares accumulate in float32 whatever the leaf dtype (float64 for
+  float64 leaves under ``jax_enable_x64``), within a leaf *and* across leaves,
+  so bfloat16 trees do not lose precision and float16 trees do not overflow;
+* the square root has a custom JVP whose tangent is zero at zero, so
+  ``jax.grad`` through any clip is finite at an all-zero input;
+* the clip factor ``max_norm / max(norm, max_norm)`` is written so that a zero
+  threshold with a zero norm gives ``0``, an infinite threshold gives ``1``
+  and a non-finite norm gives ``nan`` (the failure stays visible);
+* scaling a half-precision leaf multiplies in float32 and casts back, so the
+  product cannot overflow; under ``jit`` XLA fuses the casts into the scale,
+  so no float32 copy of the leaf is materialised.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+Axes = int | Sequence[int] | None
+
+_HALF_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
+def accumulation_dtype(dtype: Any) -> jnp.dtype:
+  """The real dtype in which sums over a leaf of ``dtype`` are accumulated.
+
+  float64 / complex128 leaves accumulate in float64; every other inexact
+  dtype (bfloat16, float16, float32, complex64) in float32.
+  """
+  dtype = jnp.dtype(dtype)
+  real = jnp.finfo(dtype).dtype  # complex64 -> float32, complex128 -> float64
+  if real == jnp.dtype(jnp.float64):
+    return real
+  return jnp.dtype(jnp.float32)
+
+
+def tree_accumulation_dtype(tree: Any) -> jnp.dtype:
+  """The accumulation dtype shared by all leaves of ``tree`` (float32 if empty)."""
+  dtypes = [accumulation_dtype(jnp.result_type(x)) for x in jax.tree.leaves(tree)]
+  return jnp.dtype(jnp.result_type(jnp.float32, *dtypes))
+
+
+@jax.custom_jvp
+def safe_sqrt(x: jax.Array) -> jax.Array:
+  """``sqrt(x)`` for ``x >= 0`` whose derivative at ``0`` is ``0``, not ``inf``."""
+  return jnp.sqrt(x)
+
+
+@safe_sqrt.defjvp
+def _safe_sqrt_jvp(primals, tangents):
+  (x,), (dx,) = primals, tangents
+  y = jnp.sqrt(x)
+  positive = x > 0
+  # The coefficient is a primal value, so the transposed (reverse-mode) rule
+  # multiplies the cotangent by an exact zero where x == 0: no 0 * inf.
+  coef = jnp.where(positive, 0.5 / jnp.where(positive, y, 1), 0).astype(y.dtype)
+  return y, coef * dx
+
+
+def _canonical_axes(ndim: int, axis: Axes) -> tuple[int, ...] | None:
+  if axis is None:
+    return None
+  if isinstance(axis, int):
+    axis = (axis,)
+  out = []
+  for a in axis:
+    a = int(a)
+    if not -ndim <= a < max(ndim, 1):
+      raise ValueError(f"axis {a} is out of bounds for a leaf of rank {ndim}.")
+    out.append(a % ndim if ndim else 0)
+  return tuple(out)
+
+
+def abs_sq(x: jax.Array) -> jax.Array:
+  """``|x|**2`` elementwise, in ``x``'s accumulation dtype."""
+  x = jnp.asarray(x)
+  acc = accumulation_dtype(x.dtype)
+  if jnp.iscomplexobj(x):
+    return jnp.square(x.real.astype(acc)) + jnp.square(x.imag.astype(acc))
+  return jnp.square(x.astype(acc))
+
+
+def safe_abs(x: jax.Array) -> jax.Array:
+  """``|x|`` elementwise in the accumulation dtype; finite gradient at 0."""
+  x = jnp.asarray(x)
+  if jnp.iscomplexobj(x):
+    return safe_sqrt(abs_sq(x))
+  return jnp.abs(x.astype(accumulation_dtype(x.dtype)))
+
+
+def leaf_sumsq(x: jax.Array, axis: Axes = None, keepdims: bool = False) -> jax.Array:
+  """``sum(|x|**2)`` over ``axis`` (all axes if ``None``), accumulated in float32+."""
+  x = jnp.asarray(x)
+  return jnp.sum(abs_sq(x), axis=_canonical_axes(x.ndim, axis), keepdims=keepdims)
+
+
+def leaf_norm(
+    x: jax.Array, ord: float = 2, axis: Axes = None, keepdims: bool = False
+) -> jax.Array:
+  """The ``ord``-norm of ``x`` over ``axis`` (all axes if ``None``).
+
+  Returned in the accumulation dtype of ``x``. ``ord`` must already be
+  normalised by :func:`check_ord` (1, 2 or ``inf``).
+  """
+  x = jnp.asarray(x)
+  axes = _canonical_axes(x.ndim, axis)
+  if ord == 2:
+    return safe_sqrt(leaf_sumsq(x, axes, keepdims))
+  if ord == 1:
+    return jnp.sum(safe_abs(x), axis=axes, keepdims=keepdims)
+  # ord == inf. ``initial`` makes the max of an empty leaf 0, as its norm.
+  return jnp.max(safe_abs(x), axis=axes, keepdims=keepdims, initial=0.0)
+
+
+def tree_norm(tree: Any, ord: float = 2, axis_name: Any = None) -> jax.Array:
+  """The global ``ord``-norm of every leaf of ``tree`` together.
+
+  For ``ord=2`` this is ``sqrt(sum_leaves(sum(|x|**2)))`` with one square root
+  at the end (never a norm per leaf squared back). Empty trees give ``0``.
+
+  With ``axis_name`` (inside ``shard_map``/``pmap``/``vmap`` over a named
+  axis) the leaves are local shards: the partial sums (max for ``ord=inf``)
+  are combined across the axis with one scalar ``psum`` (``pmax``) before the
+  root, so every device gets the same global norm.
+  """
+  leaves = jax.tree.leaves(tree)
+  acc = tree_accumulation_dtype(tree)
+  if not leaves:
+    total = jnp.zeros((), acc)
+  elif ord == 2:
+    total = _sum_scalars([leaf_sumsq(x).astype(acc) for x in leaves])
+  elif ord == 1:
+    total = _sum_scalars([jnp.sum(safe_abs(x)).astype(acc) for x in leaves])
+  else:
+    total = jnp.max(jnp.stack([leaf_norm(x, math.inf).astype(acc) for x in leaves]))
+  if axis_name is not None:
+    reduce = jax.lax.pmax if ord == math.inf else jax.lax.psum
+    total = reduce(total, axis_name)
+  return safe_sqrt(total) if ord == 2 else total
+
+
+def _sum_scalars(parts: list[jax.Array]) -> jax.Array:
+  return jnp.sum(jnp.stack(parts)) if len(parts) > 1 else parts[0]
+
+
+def clip_scale(norm: jax.Array, max_norm: Any) -> jax.Array:
+  """The factor ``max_norm / max(norm, max_norm)``, safe at every edge.
+
+  ============================  =========
+  case                          factor
+  ============================  =========
+  ``norm < max_norm``           ``1``
+  ``norm >= max_norm > 0``      ``max_norm / norm``
+  ``norm == max_norm == 0``     ``0`` (zeros stay zeros, gradient 0)
+  ``max_norm == inf``           ``1``
+  ``max_norm < 0`` (traced)     acts as ``0``
+  ``norm`` is ``inf``/``nan``   ``nan``
+  ============================  =========
+  """
+  norm = jnp.asarray(norm)
+  max_norm = jnp.maximum(jnp.asarray(max_norm, norm.dtype), 0)
+  safe_norm = jnp.where(norm > 0, norm, 1)
+  scale = jnp.where(norm < max_norm, 1, max_norm / safe_norm)
+  return jnp.where(jnp.isfinite(norm), scale, jnp.nan).astype(norm.dtype)
+
+
+def apply_scale(x: jax.Array, scale: jax.Array) -> jax.Array:
+  """``x * scale`` computed in ``x``'s accumulation dtype, returned in ``x.dtype``."""
+  x = jnp.asarray(x)
+  if x.dtype in _HALF_DTYPES:
+    return (x.astype(jnp.float32) * scale.astype(jnp.float32)).astype(x.dtype)
+  return x * jnp.asarray(scale).astype(x.dtype)
+
+
+_ORDS = {1: 1, 2: 2, math.inf: math.inf, "inf": math.inf}
+
+
+def check_ord(ord: Any) -> float:
+  """Normalises ``ord`` to ``1``, ``2`` or ``inf``; anything else is a ``ValueError``."""
+  try:
+    return _ORDS[ord]
+  except (KeyError, TypeError):
+    pass
+  raise ValueError(
+      f"Unsupported ord={ord!r}: jaxclip norms support ord=1, ord=2 and "
+      "ord=inf (as torch.nn.utils.get_total_norm)."
+  )

@@ -1,0 +1,317 @@
+"""TensorFlow's clip-op family as pure functions over any pytree.
+
+Names and formulas follow ``tf.clip_by_value``, ``tf.clip_by_norm``,
+``tf.compat.v1.clip_by_average_norm``, ``tf.linalg.global_norm`` and
+``tf.clip_by_global_norm``; the arguments are pytrees instead of tensors or
+lists of tensors. ``None`` leaves are skipped and returned in place, and the
+output has the input's structure and every leaf's dtype.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jaxclip import _numerics
+from jaxclip import _validation
+
+PyTree = Any
+ArrayLike = jax.typing.ArrayLike
+
+
+def global_norm(tree: PyTree, *, ord: int | float | str = 2) -> jax.Array:
+  r"""Computes the global norm of every leaf of a pytree taken together.
+
+  .. math::
+
+    \|g\|_2 = \sqrt{\textstyle\sum_{t} \sum_i |t_i|^2}, \quad
+    \|g\|_1 = \textstyle\sum_t \sum_i |t_i|, \quad
+    \|g\|_\infty = \max_t \max_i |t_i|
+
+  The sums accumulate in float32 whatever the leaf dtype (float64 for float64
+  leaves under ``jax_enable_x64``), within and across leaves, so ten thousand
+  bfloat16 leaves or float16 leaves of size 300 give the right norm where a
+  sum in the leaf dtype drifts or overflows. Complex leaves contribute
+  ``|z|``. The gradient at an all-zero tree is zero, not NaN.
+
+  Args:
+    tree: A pytree of floating-point or complex arrays; ``None`` leaves are
+      ignored.
+    ord: ``2`` (default), ``1`` or ``inf``, as
+      ``torch.nn.utils.get_total_norm``.
+
+  Returns:
+    A scalar in float32 (float64 if any leaf is float64). ``0`` for an empty
+    tree; ``inf``/``nan`` if a leaf holds one.
+
+  Raises:
+    TypeError: if a leaf is an integer or boolean array (its path is named).
+    ValueError: if ``ord`` is not 1, 2 or inf.
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> import jaxclip
+    >>> jaxclip.ops.global_norm([jnp.array([-2., 3., 6.]), jnp.array([-4., 6., 12.])])
+    Array(15.652476, dtype=float32)
+    >>> jaxclip.ops.global_norm({'w': jnp.array([3., -4.])}, ord=1)
+    Array(7., dtype=float32)
+
+  References:
+    Pascanu et al., `On the difficulty of training Recurrent Neural Networks
+    <https://arxiv.org/abs/1211.5063>`_, 2012
+  """
+  ord = _numerics.check_ord(ord)
+  _validation.check_inexact_leaves(tree, "global_norm")
+  return _numerics.tree_norm(tree, ord)
+
+
+def clip_by_value(
+    tree: PyTree, clip_value_min: ArrayLike, clip_value_max: ArrayLike
+) -> PyTree:
+  r"""Clips every entry of every leaf to ``[clip_value_min, clip_value_max]``.
+
+  .. math::
+
+    t_i \mapsto \min(\max(t_i, \mathrm{lo}), \mathrm{hi})
+
+  Each entry is clipped on its own, so the direction of a gradient can change
+  (``[-1, 2, 10]`` clipped to ``[0, 3]`` is ``[0, 2, 3]``); use
+  :func:`clip_by_norm` or :func:`clip_by_global_norm` to keep it.
+
+  Bounds are scalars or arrays broadcastable to each leaf's shape. Integer
+  leaves keep their dtype; a fractional bound is rounded inwards for them
+  (``lo`` up, ``hi`` down), so the result never leaves the interval. The
+  gradient is ``1`` inside the interval and ``0`` outside.
+
+  Args:
+    tree: A pytree of real (integer or floating-point) arrays.
+    clip_value_min: The lower bound.
+    clip_value_max: The upper bound.
+
+  Returns:
+    The clipped pytree, with the input's structure, shapes and dtypes.
+
+  Raises:
+    ValueError: if a concrete bound is NaN, if concretely
+      ``clip_value_min > clip_value_max``, or if a bound does not broadcast to
+      a leaf's shape. Traced bounds cannot be checked: with ``lo > hi`` every
+      entry becomes ``hi``, as in TensorFlow and ``jnp.clip``.
+    TypeError: if a leaf is complex or boolean.
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> import jaxclip
+    >>> jaxclip.ops.clip_by_value(jnp.array([-1, 2, 10]), 0, 3)
+    Array([0, 2, 3], dtype=int32)
+    >>> jaxclip.ops.clip_by_value({'w': jnp.array([-1.5, 0.5])}, -1.0, 1.0)
+    {'w': Array([-1. ,  0.5], dtype=float32)}
+  """
+  _validation.check_bounds(clip_value_min, clip_value_max, "clip_value_min",
+                           "clip_value_max")
+  _validation.check_real_leaves(tree, "clip_by_value")
+
+  def clip_leaf(path, x):
+    x = jnp.asarray(x)
+    lo = _bound_for(x.dtype, clip_value_min, jnp.ceil)
+    hi = _bound_for(x.dtype, clip_value_max, jnp.floor)
+    for b in (lo, hi):
+      if jnp.broadcast_shapes(x.shape, b.shape) != x.shape:
+        raise ValueError(
+            f"clip_by_value: a bound of shape {b.shape} does not broadcast to "
+            f"the leaf at {jax.tree_util.keystr(path) or '<root>'} of shape "
+            f"{x.shape}."
+        )
+    return jnp.minimum(jnp.maximum(x, lo), hi)
+
+  return jax.tree_util.tree_map_with_path(clip_leaf, tree)
+
+
+def _bound_for(dtype, bound, round_inwards) -> jax.Array:
+  """``bound`` cast to ``dtype``; for integer dtypes rounded inwards and saturated."""
+  bound = jnp.asarray(bound)
+  if not jnp.issubdtype(dtype, jnp.integer):
+    return bound.astype(dtype)
+  info = jnp.iinfo(dtype)
+  if jnp.issubdtype(bound.dtype, jnp.integer):
+    b_info = jnp.iinfo(bound.dtype)
+    lo, hi = max(info.min, b_info.min), min(info.max, b_info.max)
+  else:
+    bound, lo, hi = round_inwards(bound), float(info.min), float(info.max)
+  return jnp.clip(bound, lo, hi).astype(dtype)
+
+
+def clip_by_norm(tree: PyTree, clip_norm: ArrayLike, axes: Any = None) -> PyTree:
+  r"""Clips each leaf on its own to a maximum L2 norm.
+
+  .. math::
+
+    t \mapsto t \cdot \frac{c}{\max(\|t\|_2, c)}
+
+  with the norm taken over ``axes`` (every axis if ``None``): with
+  ``axes=[1]`` each row of a matrix is held to ``clip_norm``, with ``[0]``
+  each column. Within a leaf the direction is kept, but each leaf is scaled by
+  its own factor, so the balance *between* leaves changes; use
+  :func:`clip_by_global_norm` to keep it.
+
+  ==============================  ==========================================
+  case                            result
+  ==============================  ==========================================
+  ``norm <= clip_norm``           the leaf, unchanged
+  ``clip_norm == 0``              zeros (gradient 0), never NaN
+  ``clip_norm == inf``            the leaf, unchanged
+  leaf all zeros                  zeros; ``jax.grad`` finite (identity)
+  leaf holds ``inf``/``nan``      NaN everywhere in that slice
+  traced negative ``clip_norm``   acts as ``0``
+  ==============================  ==========================================
+
+  Args:
+    tree: A pytree of floating-point or complex arrays.
+    clip_norm: The maximum L2 norm, ``>= 0``; a scalar or an array that
+      broadcasts against the reduced norm.
+    axes: ``None``, an int, or a sequence of ints: the axes the norm is taken
+      over (applied to every leaf).
+
+  Returns:
+    The clipped pytree, with the input's structure and dtypes.
+
+  Raises:
+    ValueError: for a concrete negative or NaN ``clip_norm``.
+    TypeError: if a leaf is an integer or boolean array (its path is named).
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> import jaxclip
+    >>> jaxclip.ops.clip_by_norm(jnp.array([-2., 3., 6.]), 5.)  # norm 7 -> 5
+    Array([-1.4285715,  2.142857 ,  4.285714 ], dtype=float32)
+    >>> jaxclip.ops.clip_by_norm(jnp.array([[3., 4.], [0., 1.]]), 1., axes=[1])
+    Array([[0.6, 0.8],
+           [0. , 1. ]], dtype=float32)
+  """
+  _validation.check_threshold(clip_norm, "clip_norm")
+  _validation.check_inexact_leaves(tree, "clip_by_norm")
+
+  def clip_leaf(x):
+    x = jnp.asarray(x)
+    norm = _numerics.leaf_norm(x, 2, axes, keepdims=True)
+    return _numerics.apply_scale(x, _numerics.clip_scale(norm, clip_norm))
+
+  return jax.tree.map(clip_leaf, tree)
+
+
+def clip_by_average_norm(tree: PyTree, clip_norm: ArrayLike) -> PyTree:
+  r"""Clips each leaf so that its L2 norm divided by its size is at most ``clip_norm``.
+
+  TensorFlow v1's ``tf.clip_by_average_norm``, leaf by leaf:
+
+  .. math::
+
+    t \mapsto t \cdot \min\!\Big(1, \frac{c \cdot n}{\|t\|_2}\Big),
+    \qquad n = \text{number of elements of } t
+
+  which is :func:`clip_by_norm` with a threshold of ``clip_norm * n``. The
+  edge cases are those of :func:`clip_by_norm`.
+
+  Args:
+    tree: A pytree of floating-point or complex arrays.
+    clip_norm: The maximum average L2 norm, ``>= 0``.
+
+  Returns:
+    The clipped pytree, with the input's structure and dtypes.
+
+  Raises:
+    ValueError: for a concrete negative or NaN ``clip_norm``.
+    TypeError: if a leaf is an integer or boolean array.
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> import jaxclip
+    >>> jaxclip.ops.clip_by_average_norm(jnp.array([3., 4.]), 1.)
+    Array([1.2, 1.6], dtype=float32)
+  """
+  _validation.check_threshold(clip_norm, "clip_norm")
+  _validation.check_inexact_leaves(tree, "clip_by_average_norm")
+
+  def clip_leaf(x):
+    x = jnp.asarray(x)
+    norm = _numerics.leaf_norm(x, 2)
+    threshold = jnp.asarray(clip_norm, norm.dtype) * x.size
+    return _numerics.apply_scale(x, _numerics.clip_scale(norm, threshold))
+
+  return jax.tree.map(clip_leaf, tree)
+
+
+def clip_by_global_norm(
+    tree: PyTree,
+    clip_norm: ArrayLike,
+    use_norm: ArrayLike | None = None,
+    *,
+    ord: int | float | str = 2,
+) -> tuple[PyTree, jax.Array]:
+  r"""Scales every leaf by one common factor so the global norm is at most ``clip_norm``.
+
+  .. math::
+
+    t \mapsto t \cdot \frac{c}{\max(\|g\|, c)}, \qquad
+    \|g\| = \sqrt{\textstyle\sum_t \|t\|_2^2}
+
+  All leaves share one factor, so both the direction of the whole gradient
+  and the balance between its tensors are kept (Pascanu et al., 2012). The
+  norm is :func:`global_norm` (float32 accumulation), or ``use_norm`` if
+  given, e.g. a norm a trainer computed in float32 or across devices.
+
+  =============================  ===========================================
+  case                           result
+  =============================  ===========================================
+  ``norm <= clip_norm``          the tree, unchanged
+  ``clip_norm == 0``             zeros (gradient 0), never NaN
+  all-zero tree                  zeros; ``jax.grad`` finite
+  norm is ``inf`` or ``nan``     every entry NaN, as TensorFlow, so the
+                                 failure is visible (see
+                                 :func:`jaxclip.skip_nonfinite`-style
+                                 policies for skipping such steps)
+  traced negative ``clip_norm``  acts as ``0``
+  =============================  ===========================================
+
+  Args:
+    tree: A pytree of floating-point or complex arrays.
+    clip_norm: The maximum global norm, ``>= 0``.
+    use_norm: A precomputed global norm to use instead of computing one; it
+      is also what is returned as the norm.
+    ord: The norm: ``2`` (default), ``1`` or ``inf``.
+
+  Returns:
+    ``(clipped_tree, norm)``: the clipped pytree with the input's structure
+    and dtypes, and the global norm before clipping.
+
+  Raises:
+    ValueError: for a concrete negative or NaN ``clip_norm`` or an
+      unsupported ``ord``.
+    TypeError: if a leaf is an integer or boolean array (its path is named).
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> import jaxclip
+    >>> tree = [jnp.array([-2., 3., 6.]), jnp.array([-4., 6., 12.])]
+    >>> clipped, norm = jaxclip.ops.clip_by_global_norm(tree, 14.5)
+    >>> norm  # sqrt(7**2 + 14**2)
+    Array(15.652476, dtype=float32)
+    >>> print(f"{jaxclip.ops.global_norm(clipped):.4f}")
+    14.5000
+
+  References:
+    Pascanu et al., `On the difficulty of training Recurrent Neural Networks
+    <https://arxiv.org/abs/1211.5063>`_, 2012
+  """
+  ord = _numerics.check_ord(ord)
+  _validation.check_threshold(clip_norm, "clip_norm")
+  _validation.check_inexact_leaves(tree, "clip_by_global_norm")
+  if use_norm is None:
+    norm = _numerics.tree_norm(tree, ord)
+  else:
+    norm = jnp.asarray(use_norm)
+    if not jnp.issubdtype(norm.dtype, jnp.floating):
+      norm = norm.astype(_numerics.tree_accumulation_dtype(tree))
+  scale = _numerics.clip_scale(norm, clip_norm)
+  return jax.tree.map(lambda x: _numerics.apply_scale(x, scale), tree), norm

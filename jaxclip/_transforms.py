@@ -1,0 +1,213 @@
+"""TensorFlow's clip family as optax ``GradientTransformationExtraArgs``."""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from jaxclip import _numerics
+from jaxclip import _ops
+from jaxclip import _validation
+
+ArrayLike = jax.typing.ArrayLike
+
+
+def stateless(update: Any) -> optax.GradientTransformationExtraArgs:
+  """A transform with an empty state whose ``update`` maps ``updates`` alone.
+
+  ``update_fn`` accepts ``state=None`` (it never reads its state), any
+  ``params`` and any extra keyword arguments, as optax's own transforms do.
+  """
+
+  def init_fn(params):
+    del params
+    return optax.EmptyState()
+
+  def update_fn(updates, state, params=None, **extra_args):
+    del params, extra_args
+    return update(updates), state
+
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def clip_by_value(
+    min_value: ArrayLike, max_value: ArrayLike
+) -> optax.GradientTransformationExtraArgs:
+  r"""Clips every entry of the updates to ``[min_value, max_value]``.
+
+  The transform form of :func:`jaxclip.ops.clip_by_value` (Keras's
+  ``clipvalue=`` is ``clip_by_value(-v, v)``). Value clipping bounds each
+  entry on its own, so it can change the update's direction; prefer
+  :func:`clip_by_global_norm` unless entries are independent.
+
+  Args:
+    min_value: Lower bound, a scalar or an array broadcastable to each leaf.
+    max_value: Upper bound.
+
+  Returns:
+    An :class:`optax.GradientTransformationExtraArgs` with an empty state.
+
+  Raises:
+    ValueError: for concrete NaN bounds or ``min_value > max_value``.
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> import optax, jaxclip
+    >>> tx = optax.chain(jaxclip.clip_by_value(-1.0, 1.0), optax.sgd(1.0))
+    >>> params = {'w': jnp.zeros(3)}
+    >>> updates, _ = tx.update({'w': jnp.array([-3., 0.5, 2.])}, tx.init(params))
+    >>> updates['w']
+    Array([ 1. , -0.5, -1. ], dtype=float32)
+  """
+  _validation.check_bounds(min_value, max_value, "min_value", "max_value")
+  return stateless(lambda u: _ops.clip_by_value(u, min_value, max_value))
+
+
+def clip(max_delta: ArrayLike) -> optax.GradientTransformationExtraArgs:
+  r"""Clips updates elementwise to ``[-max_delta, max_delta]`` (``optax.clip``).
+
+  A drop-in for ``optax.clip``: same name, signature and results, with a clear
+  ``ValueError`` for a concrete negative or NaN ``max_delta`` (optax silently
+  returns ``max_delta`` everywhere then).
+
+  Args:
+    max_delta: The largest absolute value an entry may keep, ``>= 0``.
+
+  Returns:
+    An :class:`optax.GradientTransformationExtraArgs` with an empty state.
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> import jaxclip
+    >>> tx = jaxclip.clip(0.5)
+    >>> tx.update(jnp.array([-2., 0.1, 3.]), tx.init(None))[0]
+    Array([-0.5,  0.1,  0.5], dtype=float32)
+  """
+  _validation.check_threshold(max_delta, "max_delta")
+  return stateless(lambda u: _ops.clip_by_value(u, -max_delta, max_delta))
+
+
+def clip_by_norm(
+    max_norm: ArrayLike, axes: Any = None
+) -> optax.GradientTransformationExtraArgs:
+  r"""Clips each leaf of the updates on its own to L2 norm ``max_norm``.
+
+  The transform form of :func:`jaxclip.ops.clip_by_norm` and of Keras's
+  ``clipnorm=``: :math:`u \mapsto u \cdot c / \max(\|u\|_2, c)` per leaf (per
+  row with ``axes=[1]``, per column with ``axes=[0]``). Each leaf gets its own
+  factor, so the balance between leaves changes; a per-tensor threshold is
+  smaller than a global one for the same model.
+
+  Args:
+    max_norm: The maximum L2 norm of each leaf (or slice), ``>= 0``.
+    axes: The axes the norm is taken over; ``None`` for the whole leaf.
+
+  Returns:
+    An :class:`optax.GradientTransformationExtraArgs` with an empty state.
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> import jaxclip
+    >>> tx = jaxclip.clip_by_norm(5.0)
+    >>> tx.update({'w': jnp.array([-2., 3., 6.])}, tx.init(None))[0]['w']
+    Array([-1.4285715,  2.142857 ,  4.285714 ], dtype=float32)
+  """
+  _validation.check_threshold(max_norm, "max_norm")
+  return stateless(lambda u: _ops.clip_by_norm(u, max_norm, axes))
+
+
+def clip_by_average_norm(max_norm: ArrayLike) -> optax.GradientTransformationExtraArgs:
+  r"""Clips each leaf so its L2 norm divided by its size is at most ``max_norm``.
+
+  The transform form of :func:`jaxclip.ops.clip_by_average_norm` (TensorFlow
+  v1's ``clip_by_average_norm``).
+
+  Args:
+    max_norm: The maximum average L2 norm of each leaf, ``>= 0``.
+
+  Returns:
+    An :class:`optax.GradientTransformationExtraArgs` with an empty state.
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> import jaxclip
+    >>> tx = jaxclip.clip_by_average_norm(1.0)
+    >>> tx.update([jnp.array([3., 4.])], tx.init(None))[0]
+    [Array([1.2, 1.6], dtype=float32)]
+  """
+  _validation.check_threshold(max_norm, "max_norm")
+  return stateless(lambda u: _ops.clip_by_average_norm(u, max_norm))
+
+
+class ClipByGlobalNormState(NamedTuple):
+  """State of :func:`clip_by_global_norm`.
+
+  Attributes:
+    pre_clip_norm: The global norm of the last updates before clipping (float32,
+      or float64 for float64 params); ``0`` before the first step. Read it
+      from any chain with ``optax.tree.get(opt_state, "pre_clip_norm")``.
+  """
+
+  pre_clip_norm: jax.Array
+
+
+def clip_by_global_norm(
+    max_norm: ArrayLike, *, ord: int | float | str = 2
+) -> optax.GradientTransformationExtraArgs:
+  r"""Scales all updates by one factor so their global norm is at most ``max_norm``.
+
+  .. math::
+
+    u \mapsto u \cdot \frac{c}{\max(\|u\|, c)}
+
+  A drop-in for ``optax.clip_by_global_norm`` that also keeps the pre-clip
+  norm in its state (for logging and for choosing a threshold), accumulates
+  the norm in float32 for half-precision updates, returns zeros rather than
+  NaN for a zero threshold with zero updates, has a finite gradient at zero,
+  and supports ``ord=1`` and ``ord=inf`` as PyTorch's ``clip_grad_norm_``.
+  A non-finite norm turns every entry NaN (as TensorFlow and optax), so a bad
+  step is visible.
+
+  Args:
+    max_norm: The maximum global norm, ``>= 0``; a number, an array or a
+      traced value (e.g. a schedule under ``optax.inject_hyperparams``).
+    ord: ``2`` (default), ``1`` or ``inf``.
+
+  Returns:
+    An :class:`optax.GradientTransformationExtraArgs` whose state is a
+    :class:`ClipByGlobalNormState`.
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> import optax, jaxclip
+    >>> tx = optax.chain(jaxclip.clip_by_global_norm(1.0), optax.sgd(0.1))
+    >>> params = {'w': jnp.zeros(2)}
+    >>> state = tx.init(params)
+    >>> updates, state = tx.update({'w': jnp.array([3., 4.])}, state, params)
+    >>> optax.tree.get(state, 'pre_clip_norm')
+    Array(5., dtype=float32)
+    >>> updates['w'].round(4)
+    Array([-0.06, -0.08], dtype=float32)
+
+  References:
+    Pascanu et al., `On the difficulty of training Recurrent Neural Networks
+    <https://arxiv.org/abs/1211.5063>`_, 2012
+  """
+  ord = _numerics.check_ord(ord)
+  _validation.check_threshold(max_norm, "max_norm")
+
+  def init_fn(params):
+    return ClipByGlobalNormState(
+        pre_clip_norm=jnp.zeros((), _numerics.tree_accumulation_dtype(params)))
+
+  def update_fn(updates, state, params=None, **extra_args):
+    del params, extra_args
+    clipped, norm = _ops.clip_by_global_norm(updates, max_norm, ord=ord)
+    if state is not None:
+      norm = norm.astype(state.pre_clip_norm.dtype)
+    return clipped, ClipByGlobalNormState(pre_clip_norm=norm)
+
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
