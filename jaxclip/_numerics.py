@@ -44,8 +44,18 @@ def accumulation_dtype(dtype: Any) -> jnp.dtype:
 
 def tree_accumulation_dtype(tree: Any) -> jnp.dtype:
   """The accumulation dtype shared by all leaves of ``tree`` (float32 if empty)."""
-  dtypes = [accumulation_dtype(jnp.result_type(x)) for x in jax.tree.leaves(tree)]
-  return jnp.dtype(jnp.result_type(jnp.float32, *dtypes))
+  dtypes = {accumulation_dtype(jnp.result_type(x)) for x in jax.tree.leaves(tree)}
+  return jnp.dtype(jnp.float64) if jnp.dtype(jnp.float64) in dtypes else jnp.dtype(jnp.float32)
+
+
+def compute_dtype(dtype: Any) -> jnp.dtype:
+  """The dtype in which products with a leaf of ``dtype`` are formed.
+
+  float32 for the half-precision dtypes (so a product cannot overflow
+  float16), the leaf's own dtype otherwise.
+  """
+  dtype = jnp.dtype(dtype)
+  return jnp.dtype(jnp.float32) if dtype in _HALF_DTYPES else dtype
 
 
 @jax.custom_jvp
@@ -73,9 +83,9 @@ def _canonical_axes(ndim: int, axis: Axes) -> tuple[int, ...] | None:
   out = []
   for a in axis:
     a = int(a)
-    if not -ndim <= a < max(ndim, 1):
+    if not -ndim <= a < ndim:
       raise ValueError(f"axis {a} is out of bounds for a leaf of rank {ndim}.")
-    out.append(a % ndim if ndim else 0)
+    out.append(a % ndim)
   return tuple(out)
 
 
@@ -120,30 +130,45 @@ def leaf_norm(
   return jnp.max(safe_abs(x), axis=axes, keepdims=keepdims, initial=0.0)
 
 
-def tree_norm(tree: Any, ord: float = 2, axis_name: Any = None) -> jax.Array:
+def tree_norm(
+    tree: Any, ord: float = 2, axis_name: Any = None, replicated: Any = None
+) -> jax.Array:
   """The global ``ord``-norm of every leaf of ``tree`` together.
 
   For ``ord=2`` this is ``sqrt(sum_leaves(sum(|x|**2)))`` with one square root
   at the end (never a norm per leaf squared back). Empty trees give ``0``.
 
   With ``axis_name`` (inside ``shard_map``/``pmap``/``vmap`` over a named
-  axis) the leaves are local shards: the partial sums (max for ``ord=inf``)
-  are combined across the axis with one scalar ``psum`` (``pmax``) before the
-  root, so every device gets the same global norm.
+  axis, or a tuple of axes) the leaves are local shards: the partial sums
+  (max for ``ord=inf``) are combined across the axes with a scalar ``psum``
+  (``pmax``) before the root, so every device gets the same global norm.
+  ``replicated`` says which leaves are the same on every device of an axis,
+  so their sums are added once rather than once per device: ``None`` (every
+  leaf is a shard), a pytree prefix of ``tree`` with ``True``/``False``, axis
+  names or ``PartitionSpec`` leaves, or a callable ``(path, leaf) -> ...``;
+  see :func:`jaxclip._distributed.leaf_reduction_axes`.
   """
   leaves = jax.tree.leaves(tree)
   acc = tree_accumulation_dtype(tree)
-  if not leaves:
-    total = jnp.zeros((), acc)
-  elif ord == 2:
-    total = _sum_scalars([leaf_sumsq(x).astype(acc) for x in leaves])
+  if ord == 2:
+    parts = [leaf_sumsq(x).astype(acc) for x in leaves]
   elif ord == 1:
-    total = _sum_scalars([jnp.sum(safe_abs(x)).astype(acc) for x in leaves])
+    parts = [jnp.sum(safe_abs(x)).astype(acc) for x in leaves]
   else:
-    total = jnp.max(jnp.stack([leaf_norm(x, math.inf).astype(acc) for x in leaves]))
+    parts = [leaf_norm(x, math.inf).astype(acc) for x in leaves]
   if axis_name is not None:
-    reduce = jax.lax.pmax if ord == math.inf else jax.lax.psum
-    total = reduce(total, axis_name)
+    # Imported here: _distributed builds on this module.
+    from jaxclip import _distributed
+
+    total = _distributed.combine_across_devices(tree, parts, ord, axis_name, replicated)
+  elif replicated is not None:
+    raise ValueError("replicated= only has a meaning together with axis_name=.")
+  elif not parts:
+    total = jnp.zeros((), acc)
+  elif ord == math.inf:
+    total = jnp.max(jnp.stack(parts))
+  else:
+    total = _sum_scalars(parts)
   return safe_sqrt(total) if ord == 2 else total
 
 
@@ -173,18 +198,29 @@ def clip_scale(norm: jax.Array, max_norm: Any) -> jax.Array:
 
 
 def apply_scale(x: jax.Array, scale: jax.Array) -> jax.Array:
-  """``x * scale`` computed in ``x``'s accumulation dtype, returned in ``x.dtype``."""
+  """``x * scale`` formed in :func:`compute_dtype`, returned in ``x.dtype``."""
   x = jnp.asarray(x)
-  if x.dtype in _HALF_DTYPES:
-    return (x.astype(jnp.float32) * scale.astype(jnp.float32)).astype(x.dtype)
-  return x * jnp.asarray(scale).astype(x.dtype)
+  dtype = compute_dtype(x.dtype)
+  return (x.astype(dtype) * jnp.asarray(scale).astype(dtype)).astype(x.dtype)
 
 
-_ORDS = {1: 1, 2: 2, math.inf: math.inf, "inf": math.inf}
+_ORDS = {None: 2, 1: 1, 2: 2, math.inf: math.inf, "inf": math.inf}
 
 
 def check_ord(ord: Any) -> float:
-  """Normalises ``ord`` to ``1``, ``2`` or ``inf``; anything else is a ``ValueError``."""
+  """Normalises ``ord`` to ``1``, ``2`` or ``inf`` (``None`` means 2).
+
+  A concrete 0-d array is read as its value; a traced one (as
+  ``optax.inject_hyperparams`` makes of numeric arguments) cannot choose a
+  reduction and raises, asking for ``static_args=("ord",)``.
+  """
+  if isinstance(ord, jax.core.Tracer):
+    raise ValueError(
+        "ord must be a static Python value, not a traced array; with "
+        "optax.inject_hyperparams pass static_args=('ord',)."
+    )
+  if hasattr(ord, "shape") and getattr(ord, "shape", None) == ():
+    ord = ord.item()
   try:
     return _ORDS[ord]
   except (KeyError, TypeError):

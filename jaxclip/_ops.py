@@ -13,6 +13,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxclip import _numerics
 from jaxclip import _validation
@@ -21,7 +22,13 @@ PyTree = Any
 ArrayLike = jax.typing.ArrayLike
 
 
-def global_norm(tree: PyTree, *, ord: int | float | str = 2) -> jax.Array:
+def global_norm(
+    tree: PyTree,
+    *,
+    ord: int | float | str = 2,
+    axis_name: Any = None,
+    replicated: Any = None,
+) -> jax.Array:
   r"""Computes the global norm of every leaf of a pytree taken together.
 
   .. math::
@@ -36,11 +43,30 @@ def global_norm(tree: PyTree, *, ord: int | float | str = 2) -> jax.Array:
   sum in the leaf dtype drifts or overflows. Complex leaves contribute
   ``|z|``. The gradient at an all-zero tree is zero, not NaN.
 
+  On many devices: under ``jax.jit`` with sharded arrays nothing is needed
+  (XLA all-reduces one scalar). Inside ``jax.shard_map`` or ``jax.pmap``,
+  where each device holds local shards, pass ``axis_name``: the partial sums
+  are ``psum``-ed (``pmax``-ed for ``ord=inf``) across those axes, so every
+  device gets the norm of the whole tree. Leaves that every device holds in
+  full (replicated, as FSDP's unsharded parameters) must be named in
+  ``replicated`` so they are counted once, not once per device.
+
   Args:
     tree: A pytree of floating-point or complex arrays; ``None`` leaves are
       ignored.
     ord: ``2`` (default), ``1`` or ``inf``, as
       ``torch.nn.utils.get_total_norm``.
+    axis_name: Inside ``shard_map``/``pmap``/``vmap``, the mesh axis name
+      (or tuple of names) the leaves are sharded over; ``None`` (default)
+      for a tree that is whole on this device or sharded under ``jit``.
+    replicated: Which leaves are replicated over which of those axes:
+      ``None`` (default: every leaf is a shard over every axis), a pytree
+      prefix of ``tree`` whose leaves are ``True`` (replicated over all of
+      ``axis_name``), ``False`` (a shard), an axis name or tuple of names it
+      is replicated over, or its ``PartitionSpec`` (e.g. the ``in_specs`` of
+      the parameters: a shard over the axes the spec names, replicated over
+      the rest); or a callable ``(path, leaf)`` returning one of these.
+      Needs ``axis_name``.
 
   Returns:
     A scalar in float32 (float64 if any leaf is float64). ``0`` for an empty
@@ -48,15 +74,26 @@ def global_norm(tree: PyTree, *, ord: int | float | str = 2) -> jax.Array:
 
   Raises:
     TypeError: if a leaf is an integer or boolean array (its path is named).
-    ValueError: if ``ord`` is not 1, 2 or inf.
+    ValueError: if ``ord`` is not 1, 2 or inf, or ``replicated`` does not
+      match the tree or names an axis outside ``axis_name``.
 
   Examples:
-    >>> import jax.numpy as jnp
+    >>> import jax, jax.numpy as jnp
     >>> import jaxclip
     >>> jaxclip.ops.global_norm([jnp.array([-2., 3., 6.]), jnp.array([-4., 6., 12.])])
     Array(15.652476, dtype=float32)
     >>> jaxclip.ops.global_norm({'w': jnp.array([3., -4.])}, ord=1)
     Array(7., dtype=float32)
+
+    Two shards of ``w`` (one per device along axis ``'i'``; ``vmap`` stands
+    in for ``shard_map`` here) and a bias ``b`` that both hold in full:
+
+    >>> def norm(w_shard, b):
+    ...   return jaxclip.ops.global_norm({'w': w_shard, 'b': b}, axis_name='i',
+    ...                                  replicated={'w': False, 'b': True})
+    >>> w_shards, b = jnp.array([[3., 0.], [0., 4.]]), jnp.array([12.])
+    >>> jax.vmap(norm, in_axes=(0, None), axis_name='i')(w_shards, b)  # sqrt(9+16+144)
+    Array([13., 13.], dtype=float32)
 
   References:
     Pascanu et al., `On the difficulty of training Recurrent Neural Networks
@@ -64,7 +101,7 @@ def global_norm(tree: PyTree, *, ord: int | float | str = 2) -> jax.Array:
   """
   ord = _numerics.check_ord(ord)
   _validation.check_inexact_leaves(tree, "global_norm")
-  return _numerics.tree_norm(tree, ord)
+  return _numerics.tree_norm(tree, ord, axis_name, replicated)
 
 
 def clip_by_value(
@@ -114,8 +151,8 @@ def clip_by_value(
 
   def clip_leaf(path, x):
     x = jnp.asarray(x)
-    lo = _bound_for(x.dtype, clip_value_min, jnp.ceil)
-    hi = _bound_for(x.dtype, clip_value_max, jnp.floor)
+    lo = _bound_for(x.dtype, clip_value_min, up=True)
+    hi = _bound_for(x.dtype, clip_value_max, up=False)
     for b in (lo, hi):
       if jnp.broadcast_shapes(x.shape, b.shape) != x.shape:
         raise ValueError(
@@ -128,17 +165,28 @@ def clip_by_value(
   return jax.tree_util.tree_map_with_path(clip_leaf, tree)
 
 
-def _bound_for(dtype, bound, round_inwards) -> jax.Array:
-  """``bound`` cast to ``dtype``; for integer dtypes rounded inwards and saturated."""
-  bound = jnp.asarray(bound)
+def _bound_for(dtype, bound, up: bool) -> jax.Array:
+  """``bound`` cast to ``dtype``; for integer dtypes rounded (``up`` for a lower
+  bound, down for an upper one) and saturated to the dtype's range.
+
+  A concrete bound is rounded in float64 on the host, so a bound such as
+  ``-1e-80`` (which float32 would turn into ``-0.0``) still rounds to ``-1``.
+  """
   if not jnp.issubdtype(dtype, jnp.integer):
-    return bound.astype(dtype)
+    return jnp.asarray(bound).astype(dtype)
   info = jnp.iinfo(dtype)
+  concrete = _validation.concrete_value(bound)
+  if concrete is not None:
+    if not np.issubdtype(concrete.dtype, np.integer):
+      concrete = (np.ceil if up else np.floor)(concrete.astype(np.float64))
+    return jnp.asarray(np.clip(concrete, info.min, info.max).astype(dtype))
+  bound = jnp.asarray(bound)
   if jnp.issubdtype(bound.dtype, jnp.integer):
     b_info = jnp.iinfo(bound.dtype)
     lo, hi = max(info.min, b_info.min), min(info.max, b_info.max)
   else:
-    bound, lo, hi = round_inwards(bound), float(info.min), float(info.max)
+    bound = jnp.ceil(bound) if up else jnp.floor(bound)
+    lo, hi = float(info.min), float(info.max)
   return jnp.clip(bound, lo, hi).astype(dtype)
 
 
@@ -248,6 +296,8 @@ def clip_by_global_norm(
     use_norm: ArrayLike | None = None,
     *,
     ord: int | float | str = 2,
+    axis_name: Any = None,
+    replicated: Any = None,
 ) -> tuple[PyTree, jax.Array]:
   r"""Scales every leaf by one common factor so the global norm is at most ``clip_norm``.
 
@@ -278,8 +328,14 @@ def clip_by_global_norm(
     tree: A pytree of floating-point or complex arrays.
     clip_norm: The maximum global norm, ``>= 0``.
     use_norm: A precomputed global norm to use instead of computing one; it
-      is also what is returned as the norm.
+      is also what is returned as the norm (``axis_name`` is then unused).
     ord: The norm: ``2`` (default), ``1`` or ``inf``.
+    axis_name: Inside ``shard_map``/``pmap``, the mesh axis (or tuple of
+      axes) the leaves are sharded over, as in :func:`global_norm`: every
+      device then scales its shards by the same factor. Not needed under
+      ``jax.jit`` with sharded arrays, which keeps each leaf's sharding.
+    replicated: Which leaves are replicated across ``axis_name`` and counted
+      once; see :func:`global_norm`.
 
   Returns:
     ``(clipped_tree, norm)``: the clipped pytree with the input's structure
@@ -308,7 +364,7 @@ def clip_by_global_norm(
   _validation.check_threshold(clip_norm, "clip_norm")
   _validation.check_inexact_leaves(tree, "clip_by_global_norm")
   if use_norm is None:
-    norm = _numerics.tree_norm(tree, ord)
+    norm = _numerics.tree_norm(tree, ord, axis_name, replicated)
   else:
     norm = jnp.asarray(use_norm)
     if not jnp.issubdtype(norm.dtype, jnp.floating):

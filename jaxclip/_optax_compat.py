@@ -85,7 +85,7 @@ def unitwise_norm(x: ArrayLike, axis: Axis = None) -> jax.Array:
   optax's layer conventions: the whole array for scalars and vectors, axis 0
   for rank 2 and 3 (linear and multi-head linear), axes ``(0, 1, 2)`` for rank
   4 (HWIO convolutions) and ``(0, 1, 2, 3)`` for rank 5. A drop-in for
-  ``optax.unitwise_norm``, accumulated in float32 and returned in ``x``'s
+  ``optax.transforms.unitwise_norm``, accumulated in float32 and returned in ``x``'s
   real dtype.
 
   Args:
@@ -122,7 +122,7 @@ def unitwise_clip(
       g \cdot m / \max(\|g\|, \epsilon) & \text{otherwise} \end{cases}
 
   The elementwise step of adaptive gradient clipping, a drop-in for
-  ``optax.unitwise_clip``. All three arrays must have the same shape; the
+  ``optax.transforms.unitwise_clip``. All three arrays must have the same shape; the
   product is computed in float32 for half-precision ``grad`` and returned in
   ``grad``'s dtype.
 
@@ -199,7 +199,9 @@ def adaptive_grad_clip(
   def update_fn(updates, state, params=None, **extra_args):
     del extra_args
     if params is None:
-      raise ValueError(optax.NO_PARAMS_MSG)
+      raise ValueError(
+          "adaptive_grad_clip needs the current parameters: call "
+          "update(updates, state, params).")
 
     def clip_leaf(g, p):
       g_norm = unitwise_norm(g, axis)
@@ -222,8 +224,13 @@ def _check_batch_dim(grads: Any, fn_name: str) -> None:
     )
 
 
-def _per_example_clip(grads, l2_norm_clip):
-  """Clipped sum over axis 0 and the number of clipped examples."""
+def _per_example_clip(grads, l2_norm_clip, *, mask=None, accumulate=False):
+  """Clipped sum over axis 0 and the number of clipped examples.
+
+  ``mask`` (bool, one per example) drops padding examples from the sum (even
+  non-finite ones) and from the count; ``accumulate=True`` returns the sums in
+  float32 (or wider) instead of casting back to each leaf's dtype.
+  """
   leaves = jax.tree.leaves(grads)
   acc = _numerics.tree_accumulation_dtype(grads)
   sumsq = sum(
@@ -234,19 +241,29 @@ def _per_example_clip(grads, l2_norm_clip):
   # A non-finite example gets a NaN factor, so the sum shows it (optax's sum
   # is NaN there too: NaN * 1 or inf * 0).
   multipliers = _numerics.clip_scale(norms, bound)
-  num_clipped = jnp.sum(multipliers < 1.0)
+  clipped = multipliers < 1.0
+  if mask is not None:
+    clipped = clipped & mask
+  num_clipped = jnp.sum(clipped)
 
   def weighted_sum(g):
     g = jnp.asarray(g)
-    dtype = jnp.promote_types(g.dtype, jnp.float32)
-    out = jnp.tensordot(multipliers.astype(dtype), g.astype(dtype), axes=1)
-    return out.astype(g.dtype)
+    dtype = _numerics.compute_dtype(g.dtype)
+    # A broadcast product and a sum rather than a dot: under jit with the batch
+    # axis sharded (explicit sharding), a dot contracting a sharded axis needs
+    # an output sharding, while a sum reduces it with one all-reduce.
+    m = multipliers.astype(dtype).reshape((-1,) + (1,) * (g.ndim - 1))
+    terms = m * g.astype(dtype)
+    if mask is not None:
+      terms = jnp.where(mask.reshape(m.shape), terms, 0)
+    out = jnp.sum(terms, axis=0)
+    return out if accumulate else out.astype(g.dtype)
 
   return jax.tree.map(weighted_sum, grads), num_clipped
 
 
 def per_example_global_norm_clip(
-    grads: Any, l2_norm_clip: ArrayLike
+    grads: Any, l2_norm_clip: ArrayLike, *, axis_name: Any = None
 ) -> tuple[Any, jax.Array]:
   r"""Clips each example's gradient to global norm ``l2_norm_clip`` and sums them.
 
@@ -259,9 +276,21 @@ def per_example_global_norm_clip(
   with float32 accumulation and a finite gradient at zero; integer gradients
   raise ``TypeError`` (optax silently promotes them).
 
+  Inside ``jax.shard_map`` (or ``pmap``) over the batch axis each device holds
+  whole examples, so their norms are local; pass ``axis_name`` to ``psum``
+  the clipped sums and counts so every device gets the global ones. Under
+  ``shard_map``'s default ``check_vma=True``, take the per-example gradients
+  with respect to ``jax.lax.pcast(params, axis_name, to='varying')``: JAX
+  sums the gradients of replicated parameters across devices otherwise,
+  mixing examples before they are clipped. For long batches,
+  :func:`jaxclip.per_example_clipped_grad` does all this in chunks.
+
   Args:
     grads: A pytree whose every leaf has the batch dimension on axis 0.
     l2_norm_clip: The largest per-example global norm, ``>= 0``.
+    axis_name: The mesh axis (or tuple of axes) the batch is split over
+      inside ``shard_map``/``pmap``; ``None`` (default) sums the local batch
+      only.
 
   Returns:
     ``(clipped_sum, num_clipped)``: the sum over the batch of the clipped
@@ -282,7 +311,10 @@ def per_example_global_norm_clip(
   _validation.check_threshold(l2_norm_clip, "l2_norm_clip")
   _validation.check_inexact_leaves(grads, "per_example_global_norm_clip")
   _check_batch_dim(grads, "per_example_global_norm_clip")
-  return _per_example_clip(grads, l2_norm_clip)
+  clipped_sum, num_clipped = _per_example_clip(grads, l2_norm_clip)
+  if axis_name is not None:
+    clipped_sum, num_clipped = jax.lax.psum((clipped_sum, num_clipped), axis_name)
+  return clipped_sum, num_clipped
 
 
 def per_example_layer_norm_clip(

@@ -155,7 +155,11 @@ class ClipByGlobalNormState(NamedTuple):
 
 
 def clip_by_global_norm(
-    max_norm: ArrayLike, *, ord: int | float | str = 2
+    max_norm: ArrayLike,
+    *,
+    ord: int | float | str | None = None,
+    axis_name: Any = None,
+    replicated: Any = None,
 ) -> optax.GradientTransformationExtraArgs:
   r"""Scales all updates by one factor so their global norm is at most ``max_norm``.
 
@@ -171,10 +175,27 @@ def clip_by_global_norm(
   A non-finite norm turns every entry NaN (as TensorFlow and optax), so a bad
   step is visible.
 
+  Under ``jax.jit`` with sharded parameters (FSDP, tensor parallelism) it
+  works as is: XLA all-reduces one scalar and every leaf keeps its sharding.
+  Inside ``jax.shard_map``/``jax.pmap``, where the updates are local shards,
+  pass ``axis_name`` (and ``replicated`` for leaves every device holds in
+  full) so all devices share the global norm, as in
+  :func:`jaxclip.ops.global_norm`.
+
   Args:
     max_norm: The maximum global norm, ``>= 0``; a number, an array or a
       traced value (e.g. a schedule under ``optax.inject_hyperparams``).
-    ord: ``2`` (default), ``1`` or ``inf``.
+    ord: ``None`` or ``2`` for the L2 norm (default), ``1`` or ``inf``. The
+      default is ``None``, as in ``optax.tree.norm``, because
+      ``optax.inject_hyperparams`` turns every numeric argument into a
+      traced array; to pass an explicit ``ord`` through it, add
+      ``static_args=("ord",)``.
+    axis_name: Inside ``shard_map``/``pmap``, the mesh axis (or tuple of
+      axes) the updates are sharded over; ``None`` (default) otherwise.
+    replicated: Which leaves are replicated across ``axis_name`` (counted
+      once): a pytree prefix of the updates with ``True``/``False``, axis
+      names or ``PartitionSpec`` leaves, or a callable ``(path, leaf)``; see
+      :func:`jaxclip.ops.global_norm`.
 
   Returns:
     An :class:`optax.GradientTransformationExtraArgs` whose state is a
@@ -205,7 +226,8 @@ def clip_by_global_norm(
 
   def update_fn(updates, state, params=None, **extra_args):
     del params, extra_args
-    clipped, norm = _ops.clip_by_global_norm(updates, max_norm, ord=ord)
+    clipped, norm = _ops.clip_by_global_norm(
+        updates, max_norm, ord=ord, axis_name=axis_name, replicated=replicated)
     if state is not None:
       norm = norm.astype(state.pre_clip_norm.dtype)
     return clipped, ClipByGlobalNormState(pre_clip_norm=norm)

@@ -7,11 +7,14 @@ the ops document what a bad traced value does.
 
 from __future__ import annotations
 
+import operator
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from jaxclip import _numerics
 
 
 def concrete_value(x: Any) -> np.ndarray | None:
@@ -29,7 +32,7 @@ def check_threshold(value: Any, name: str) -> None:
   v = concrete_value(value)
   if v is None:
     return
-  if not np.issubdtype(v.dtype, np.number) or np.iscomplexobj(v):
+  if not jnp.issubdtype(v.dtype, jnp.number) or np.iscomplexobj(v):
     raise TypeError(f"{name} must be a real number or array, got {value!r}.")
   if np.any(np.isnan(v)):
     raise ValueError(f"{name} must not be NaN, got {value!r}.")
@@ -42,7 +45,7 @@ def check_bounds(lo: Any, hi: Any, lo_name: str, hi_name: str) -> None:
   vlo, vhi = concrete_value(lo), concrete_value(hi)
   for v, name, raw in ((vlo, lo_name, lo), (vhi, hi_name, hi)):
     if v is not None:
-      if not np.issubdtype(v.dtype, np.number) or np.iscomplexobj(v):
+      if not jnp.issubdtype(v.dtype, jnp.number) or np.iscomplexobj(v):
         raise TypeError(f"{name} must be a real number or array, got {raw!r}.")
       if np.any(np.isnan(v)):
         raise ValueError(f"{name} must not be NaN, got {raw!r}.")
@@ -81,3 +84,69 @@ def check_real_leaves(tree: Any, fn_name: str) -> None:
           f"leaf at {where} has dtype {dtype}; elementwise bounds are not "
           "defined for it."
       )
+
+
+def check_size(value: Any, name: str, minimum: int = 1) -> int | None:
+  """``value`` as a Python int ``>= minimum``, or ``None`` if it is traced.
+
+  A size fixes the shape of a transform's state, so it is only needed
+  concretely in ``init`` (see :func:`require_size`); ``update`` reads it from
+  the state's shapes. That way ``optax.inject_hyperparams``, which turns
+  every int argument into a (traced) array, still works. Raises ``TypeError``
+  for a non-integer and ``ValueError`` below ``minimum``.
+  """
+  if isinstance(value, jax.core.Tracer):
+    return None
+  if isinstance(value, bool):
+    raise TypeError(f"{name} must be an int, got {value!r}.")
+  try:
+    size = operator.index(value)
+  except TypeError:
+    raise TypeError(f"{name} must be an int, got {value!r}.") from None
+  if size < minimum:
+    raise ValueError(f"{name} must be at least {minimum}, got {size}.")
+  return size
+
+
+def require_size(size: int | None, name: str) -> int:
+  """``size`` from :func:`check_size`; a ``TypeError`` if it was traced."""
+  if size is None:
+    raise TypeError(
+        f"{name} fixes the shape of the transform's state, so it must be a "
+        f"concrete int when the state is initialised. Under "
+        f"optax.inject_hyperparams with a jitted init, pass "
+        f"static_args=({name!r},)."
+    )
+  return size
+
+
+def check_interval(value: Any, name: str, lo: float, hi: float,
+                   *, hi_open: bool = False) -> None:
+  """Raises ``ValueError`` unless a concrete ``value`` lies in ``[lo, hi]``.
+
+  With ``hi_open`` the interval is ``[lo, hi)``. Traced values are not checked.
+  """
+  v = concrete_value(value)
+  if v is None:
+    return
+  if not jnp.issubdtype(v.dtype, jnp.number) or np.iscomplexobj(v):
+    raise TypeError(f"{name} must be a real number, got {value!r}.")
+  bad_hi = np.any(v >= hi) if hi_open else np.any(v > hi)
+  if np.any(np.isnan(v)) or np.any(v < lo) or bad_hi:
+    right = ")" if hi_open else "]"
+    raise ValueError(f"{name} must lie in [{lo}, {hi}{right}, got {value!r}.")
+
+
+def check_static_ord(ord: Any) -> float:
+  """``ord`` normalised by ``_numerics.check_ord``; ``None`` means 2.
+
+  The default is ``None`` rather than ``2`` because ``optax.inject_hyperparams``
+  turns every numeric argument, defaults included, into a traced array.
+  """
+  if ord is None:
+    return 2
+  if isinstance(ord, jax.core.Tracer):
+    raise TypeError(
+        "ord selects the norm's code path, so it cannot be traced: under "
+        "optax.inject_hyperparams pass static_args=('ord',).")
+  return _numerics.check_ord(ord)

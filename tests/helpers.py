@@ -1,0 +1,61 @@
+"""Shared test helpers."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def tree_allclose(a, b, *, rtol=1e-6, atol=0.0) -> bool:
+  """True if two pytrees have one structure, equal dtypes and close leaves."""
+  if jax.tree.structure(a) != jax.tree.structure(b):
+    return False
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+    x, y = jnp.asarray(x), jnp.asarray(y)
+    if x.shape != y.shape or x.dtype != y.dtype:
+      return False
+    xf = np.asarray(x.astype(jnp.promote_types(x.dtype, jnp.float32)))
+    yf = np.asarray(y.astype(jnp.promote_types(y.dtype, jnp.float32)))
+    if not np.allclose(xf, yf, rtol=rtol, atol=atol, equal_nan=True):
+      return False
+  return True
+
+
+def assert_tree_allclose(a, b, *, rtol=1e-6, atol=0.0) -> None:
+  assert jax.tree.structure(a) == jax.tree.structure(b), (
+      jax.tree.structure(a), jax.tree.structure(b))
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+    x, y = jnp.asarray(x), jnp.asarray(y)
+    assert x.shape == y.shape, (x.shape, y.shape)
+    assert x.dtype == y.dtype, (x.dtype, y.dtype)
+    np.testing.assert_allclose(
+        np.asarray(x.astype(jnp.promote_types(x.dtype, jnp.float32))),
+        np.asarray(y.astype(jnp.promote_types(y.dtype, jnp.float32))),
+        rtol=rtol, atol=atol)
+
+
+def assert_dtypes_kept(inp, out) -> None:
+  """Every output leaf has its input leaf's dtype and shape."""
+  assert jax.tree.structure(inp) == jax.tree.structure(out)
+  for x, y in zip(jax.tree.leaves(inp), jax.tree.leaves(out)):
+    assert jnp.asarray(y).dtype == jnp.asarray(x).dtype, (x.dtype, y.dtype)
+    assert jnp.shape(y) == jnp.shape(x)
+
+
+def all_finite(tree) -> bool:
+  return all(bool(jnp.all(jnp.isfinite(x))) for x in jax.tree.leaves(tree))
+
+
+def random_tree(seed: int = 0, dtype=jnp.float32, scale: float = 1.0, scalar: bool = True):
+  """A small nested pytree (dict, list, tuple, None) of random arrays."""
+  k = jax.random.split(jax.random.key(seed), 4)
+  tree = {
+      "dense": {"w": scale * jax.random.normal(k[0], (4, 3), dtype),
+                "b": scale * jax.random.normal(k[1], (3,), dtype)},
+      "layers": [scale * jax.random.normal(k[2], (2, 2, 3), dtype), None],
+      "scalar": (scale * jax.random.normal(k[3], (), dtype),),
+  }
+  if not scalar:
+    del tree["scalar"]
+  return tree

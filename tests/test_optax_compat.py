@@ -1,0 +1,141 @@
+"""Replacing optax.X by jaxclip.X gives optax's numbers (float32 rounding)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jaxclip
+from tests.helpers import assert_tree_allclose
+
+
+def _tree(seed, shapes, scale=1.0):
+  keys = jax.random.split(jax.random.key(seed), len(shapes))
+  return {f"p{i}": scale * jax.random.normal(k, s) for i, (k, s) in enumerate(zip(keys, shapes))}
+
+
+SHAPES = [(5,), (4, 3), (2, 3, 4), (3, 3, 2, 4), (2, 2, 2, 3, 2), (1, 6)]
+
+
+def _same_transform(ours, theirs, grads, params=None, rtol=1e-6):
+  a, _ = ours.update(grads, ours.init(grads), params)
+  b, _ = theirs.update(grads, theirs.init(grads), params)
+  assert_tree_allclose(a, b, rtol=rtol, atol=1e-7)
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("scale", [0.1, 1.0, 10.0])
+def test_clip(seed, scale):
+  g = _tree(seed, SHAPES, scale)
+  _same_transform(jaxclip.clip(0.7), optax.clip(0.7), g)
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("threshold", [0.05, 0.5, 5.0])
+def test_clip_by_block_rms(seed, threshold):
+  g = _tree(seed, SHAPES)
+  _same_transform(jaxclip.clip_by_block_rms(threshold), optax.clip_by_block_rms(threshold), g)
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("max_norm", [0.1, 3.0, 1e3])
+def test_clip_by_global_norm(seed, max_norm):
+  g = _tree(seed, SHAPES)
+  _same_transform(jaxclip.clip_by_global_norm(max_norm), optax.clip_by_global_norm(max_norm), g)
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("clipping", [0.01, 0.1, 10.0])
+def test_adaptive_grad_clip(seed, clipping):
+  g = _tree(seed, SHAPES, 2.0)
+  p = _tree(seed + 100, SHAPES)
+  _same_transform(jaxclip.adaptive_grad_clip(clipping), optax.adaptive_grad_clip(clipping),
+                  g, params=p, rtol=2e-6)
+
+
+@pytest.mark.parametrize("axis", [0, 1, (0, 1), -1])
+def test_adaptive_grad_clip_axis(axis):
+  g = _tree(0, [(4, 3), (2, 3, 4)], 2.0)
+  p = _tree(1, [(4, 3), (2, 3, 4)])
+  _same_transform(jaxclip.adaptive_grad_clip(0.1, axis=axis),
+                  optax.adaptive_grad_clip(0.1, axis=axis), g, params=p, rtol=2e-6)
+
+
+def test_adaptive_grad_clip_needs_params():
+  tx = jaxclip.adaptive_grad_clip(0.1)
+  with pytest.raises(ValueError):
+    tx.update({"w": jnp.ones(2)}, tx.init({"w": jnp.ones(2)}))
+
+
+@pytest.mark.parametrize("shape", SHAPES + [()])
+@pytest.mark.parametrize("axis", [None, 0])
+def test_unitwise_norm(shape, axis):
+  if axis is not None and len(shape) == 0:
+    return
+  x = jax.random.normal(jax.random.key(3), shape)
+  np.testing.assert_allclose(jaxclip.unitwise_norm(x, axis),
+                             optax.transforms.unitwise_norm(x, axis), rtol=1e-6)
+  assert jaxclip.unitwise_norm(x, axis).shape == x.shape
+
+
+def test_unitwise_norm_rank6_needs_axis():
+  with pytest.raises(ValueError, match="axis"):
+    jaxclip.unitwise_norm(jnp.ones((2,) * 6))
+
+
+def test_unitwise_clip():
+  g = jax.random.normal(jax.random.key(4), (4, 3)) * 3
+  gn = jaxclip.unitwise_norm(g)
+  mn = jnp.full_like(gn, 1.5)
+  np.testing.assert_allclose(jaxclip.unitwise_clip(gn, mn, g),
+                             optax.transforms.unitwise_clip(gn, mn, g), rtol=1e-6)
+  with pytest.raises(ValueError, match="shape"):
+    jaxclip.unitwise_clip(gn[:1], mn, g)
+
+
+@pytest.mark.parametrize("clip_value", [0.0, 0.5, 3.0, jnp.inf])
+def test_per_example_global_norm_clip(clip_value):
+  g = _tree(5, [(8, 3), (8, 2, 2), (8,)], 2.0)
+  ours = jaxclip.per_example_global_norm_clip(g, clip_value)
+  theirs = optax.per_example_global_norm_clip(g, clip_value)
+  assert_tree_allclose(ours[0], theirs[0], rtol=1e-5, atol=1e-6)
+  assert int(ours[1]) == int(theirs[1])
+
+
+@pytest.mark.parametrize("uniform", [True, False])
+@pytest.mark.parametrize("clip_value", [0.0, 0.5, 3.0])
+def test_per_example_layer_norm_clip(uniform, clip_value):
+  g = _tree(6, [(8, 3), (8, 2, 2), (8,)], 2.0)
+  ours = jaxclip.per_example_layer_norm_clip(g, clip_value, uniform)
+  theirs = optax.per_example_layer_norm_clip(g, clip_value, uniform)
+  assert_tree_allclose(ours[0], theirs[0], rtol=1e-5, atol=1e-6)
+  for a, b in zip(jax.tree.leaves(ours[1]), jax.tree.leaves(theirs[1])):
+    assert int(a) == int(b)
+
+
+def test_per_example_needs_batch_dim():
+  with pytest.raises(ValueError, match="batch"):
+    jaxclip.per_example_global_norm_clip([jnp.ones((3, 2)), jnp.ones((4, 2))], 1.0)
+  with pytest.raises(ValueError, match="batch"):
+    jaxclip.per_example_layer_norm_clip([jnp.ones(())], 1.0)
+
+
+# ---------------------------------------------------------------- where jaxclip is more correct
+
+
+def test_more_correct_bf16_global_norm():
+  """1,000 bf16 leaves: jaxclip's norm is their exact norm (float32 sums)."""
+  leaves = [jnp.full((100,), 0.03162, jnp.bfloat16)] * 1000
+  true = np.sqrt(sum(np.sum(np.asarray(x, np.float64) ** 2) for x in leaves))
+  _, state = (tx := jaxclip.clip_by_global_norm(1.0)).update(leaves, tx.init(leaves))
+  np.testing.assert_allclose(float(state.pre_clip_norm), true, rtol=1e-4)
+
+
+def test_more_correct_zero_threshold_zero_updates():
+  g = {"w": jnp.zeros(3)}
+  for tx in (jaxclip.clip_by_global_norm(0.0), jaxclip.clip_by_block_rms(0.0)):
+    out, _ = tx.update(g, tx.init(g))
+    np.testing.assert_array_equal(out["w"], 0.0)
