@@ -6,33 +6,61 @@ module) that chains with any optax optimizer.
 """
 
 from jaxclip import ops as ops
+from jaxclip._autoclip import AutoClipState as AutoClipState
+from jaxclip._autoclip import autoclip as autoclip
+from jaxclip._distributed import per_example_clipped_grad as per_example_clipped_grad
+from jaxclip._keras import clipped as clipped
 from jaxclip._optax_compat import adaptive_grad_clip as adaptive_grad_clip
 from jaxclip._optax_compat import clip_by_block_rms as clip_by_block_rms
 from jaxclip._optax_compat import per_example_global_norm_clip as per_example_global_norm_clip
 from jaxclip._optax_compat import per_example_layer_norm_clip as per_example_layer_norm_clip
 from jaxclip._optax_compat import unitwise_clip as unitwise_clip
 from jaxclip._optax_compat import unitwise_norm as unitwise_norm
+from jaxclip._robust import SkipNonfiniteState as SkipNonfiniteState
+from jaxclip._robust import ZeroNonfiniteState as ZeroNonfiniteState
+from jaxclip._robust import skip_nonfinite as skip_nonfinite
+from jaxclip._robust import zero_nonfinite as zero_nonfinite
+from jaxclip._spike import SkipOnSpikeState as SkipOnSpikeState
+from jaxclip._spike import skip_on_spike as skip_on_spike
+from jaxclip._threshold import ThresholdSuggestion as ThresholdSuggestion
+from jaxclip._threshold import suggest_threshold as suggest_threshold
 from jaxclip._transforms import ClipByGlobalNormState as ClipByGlobalNormState
 from jaxclip._transforms import clip as clip
 from jaxclip._transforms import clip_by_average_norm as clip_by_average_norm
 from jaxclip._transforms import clip_by_global_norm as clip_by_global_norm
 from jaxclip._transforms import clip_by_norm as clip_by_norm
 from jaxclip._transforms import clip_by_value as clip_by_value
+from jaxclip._zclip import ZClipState as ZClipState
+from jaxclip._zclip import zclip as zclip
 
 __version__ = "0.1.0"
 
 __all__ = (
+    "AutoClipState",
     "ClipByGlobalNormState",
+    "SkipNonfiniteState",
+    "SkipOnSpikeState",
+    "ThresholdSuggestion",
+    "ZClipState",
+    "ZeroNonfiniteState",
     "adaptive_grad_clip",
+    "autoclip",
     "clip",
     "clip_by_average_norm",
     "clip_by_block_rms",
     "clip_by_global_norm",
     "clip_by_norm",
     "clip_by_value",
+    "clipped",
     "ops",
+    "per_example_clipped_grad",
     "per_example_global_norm_clip",
     "per_example_layer_norm_clip",
+    "skip_nonfinite",
+    "skip_on_spike",
+    "suggest_threshold",
     "unitwise_clip",
     "unitwise_norm",
+    "zclip",
+    "zero_nonfinite",
 )

@@ -339,9 +339,9 @@ def per_example_layer_norm_clip(
   Examples:
     >>> import jax.numpy as jnp
     >>> import jaxclip
-    >>> grads = [jnp.array([[0., 3., 4.], [4., 0., 3.]])]
-    >>> jaxclip.per_example_layer_norm_clip(grads, 1.0)
-    ([Array([0.8, 0.6, 1.4], dtype=float32)], [Array(2, dtype=int32)])
+    >>> grads = [jnp.array([[0., 0., 2.], [2., 0., 0.], [0., .5, 0.]])]
+    >>> jaxclip.per_example_layer_norm_clip(grads, 1.0)  # two examples halved
+    ([Array([1. , 0.5, 1. ], dtype=float32)], [Array(2, dtype=int32)])
 
   References:
     McMahan et al., `Learning Differentially Private Recurrent Language Models

@@ -14,8 +14,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxclip import _numerics
-
 
 def concrete_value(x: Any) -> np.ndarray | None:
   """``x`` as a NumPy array if it is concrete, else ``None`` (a tracer)."""
@@ -120,33 +118,15 @@ def require_size(size: int | None, name: str) -> int:
   return size
 
 
-def check_interval(value: Any, name: str, lo: float, hi: float,
-                   *, hi_open: bool = False) -> None:
+def check_interval(value: Any, name: str, lo: float, hi: float) -> None:
   """Raises ``ValueError`` unless a concrete ``value`` lies in ``[lo, hi]``.
 
-  With ``hi_open`` the interval is ``[lo, hi)``. Traced values are not checked.
+  Traced values are not checked.
   """
   v = concrete_value(value)
   if v is None:
     return
   if not jnp.issubdtype(v.dtype, jnp.number) or np.iscomplexobj(v):
     raise TypeError(f"{name} must be a real number, got {value!r}.")
-  bad_hi = np.any(v >= hi) if hi_open else np.any(v > hi)
-  if np.any(np.isnan(v)) or np.any(v < lo) or bad_hi:
-    right = ")" if hi_open else "]"
-    raise ValueError(f"{name} must lie in [{lo}, {hi}{right}, got {value!r}.")
-
-
-def check_static_ord(ord: Any) -> float:
-  """``ord`` normalised by ``_numerics.check_ord``; ``None`` means 2.
-
-  The default is ``None`` rather than ``2`` because ``optax.inject_hyperparams``
-  turns every numeric argument, defaults included, into a traced array.
-  """
-  if ord is None:
-    return 2
-  if isinstance(ord, jax.core.Tracer):
-    raise TypeError(
-        "ord selects the norm's code path, so it cannot be traced: under "
-        "optax.inject_hyperparams pass static_args=('ord',).")
-  return _numerics.check_ord(ord)
+  if np.any(np.isnan(v)) or np.any(v < lo) or np.any(v > hi):
+    raise ValueError(f"{name} must lie in [{lo}, {hi}], got {value!r}.")

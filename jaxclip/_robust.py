@@ -1,0 +1,196 @@
+"""Robustness to bad steps: skip or repair non-finite gradients."""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from jaxclip import _validation
+
+ArrayLike = jax.typing.ArrayLike
+
+
+def select_tree(skip: jax.Array, old: Any, new: Any) -> Any:
+  """``old`` where ``skip`` else ``new``, leaf by leaf, keeping ``new``'s dtypes.
+
+  ``jnp.where`` copies the selected operand's bits, so a skipped step leaves
+  the selected tree bit-identical.
+  """
+  return jax.tree.map(
+      lambda o, n: jnp.where(skip, o, n).astype(jnp.result_type(n)), old, new)
+
+
+def zero_updates_where(skip: jax.Array, updates: Any) -> Any:
+  """Zeros (of each leaf's dtype) where ``skip``, else ``updates``."""
+  return jax.tree.map(lambda u: jnp.where(skip, jnp.zeros_like(u), u), updates)
+
+
+def all_finite(tree: Any, axis_name: Any = None) -> jax.Array:
+  """Whether every entry of every leaf is finite (across ``axis_name`` too)."""
+  leaves = jax.tree.leaves(tree)
+  ok = jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves])) if leaves else jnp.array(True)
+  if axis_name is not None:
+    ok = jax.lax.pmin(ok.astype(jnp.int32), axis_name) > 0
+  return ok
+
+
+class SkipNonfiniteState(NamedTuple):
+  """State of :func:`skip_nonfinite`.
+
+  Attributes:
+    inner_state: The wrapped transform's state, untouched by skipped steps.
+    num_nonfinite_skipped: int32, how many steps were skipped in total.
+    num_consecutive_nonfinite: int32, how many of the latest steps in a row
+      had non-finite updates (``0`` after a finite step).
+    nonfinite_step_skipped: bool, whether the last step was skipped.
+  """
+
+  inner_state: Any
+  num_nonfinite_skipped: jax.Array
+  num_consecutive_nonfinite: jax.Array
+  nonfinite_step_skipped: jax.Array
+
+
+def skip_nonfinite(
+    inner: optax.GradientTransformation,
+    *,
+    max_consecutive: ArrayLike | None = None,
+    axis_name: Any = None,
+) -> optax.GradientTransformationExtraArgs:
+  r"""Skips every step whose updates hold a NaN or an inf.
+
+  On such a step the wrapped transform is not applied: the updates returned
+  are zeros (parameters do not move) and ``inner``'s state is returned
+  bit-identical, so an Adam moment or a step count is never polluted by one
+  bad batch. A finite step is passed to ``inner`` unchanged.
+
+  After ``max_consecutive`` non-finite steps *in a row* the next ones are
+  let through, NaNs included, so a run that is broken for good fails loudly
+  (NaN parameters and loss) instead of silently standing still; the count
+  restarts at the first finite step. With ``max_consecutive=None`` (default)
+  non-finite steps are always skipped: watch ``num_consecutive_nonfinite``.
+  This is ``optax.apply_if_finite`` with an optional limit, a skipped-step
+  flag in the state, and ``axis_name`` for sharded updates.
+
+  Args:
+    inner: The transform (typically the whole optimizer) to protect.
+    max_consecutive: ``None`` or the number of non-finite steps in a row to
+      skip before letting them through (``>= 0``; may be traced).
+    axis_name: Inside ``shard_map``/``pmap``, the axis over which the updates
+      are sharded, so every device makes the same decision.
+
+  Returns:
+    An :class:`optax.GradientTransformationExtraArgs` whose state is a
+    :class:`SkipNonfiniteState`; extra arguments are forwarded to ``inner``.
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> import optax, jaxclip
+    >>> tx = jaxclip.skip_nonfinite(optax.adam(0.1))
+    >>> params = jnp.zeros(2)
+    >>> state = tx.init(params)
+    >>> updates, state = tx.update(jnp.array([jnp.nan, 1.]), state, params)
+    >>> updates
+    Array([0., 0.], dtype=float32)
+    >>> int(optax.tree.get(state, 'num_nonfinite_skipped'))
+    1
+  """
+  if max_consecutive is not None:
+    _validation.check_threshold(max_consecutive, "max_consecutive")
+  inner = optax.with_extra_args_support(inner)
+
+  def init_fn(params):
+    return SkipNonfiniteState(
+        inner_state=inner.init(params),
+        num_nonfinite_skipped=jnp.zeros((), jnp.int32),
+        num_consecutive_nonfinite=jnp.zeros((), jnp.int32),
+        nonfinite_step_skipped=jnp.array(False),
+    )
+
+  def update_fn(updates, state, params=None, **extra_args):
+    finite = all_finite(updates, axis_name)
+    in_a_row = jnp.where(finite, 0, optax.safe_increment(state.num_consecutive_nonfinite))
+    skip = jnp.logical_not(finite)
+    if max_consecutive is not None:
+      skip = skip & (in_a_row <= jnp.asarray(max_consecutive))
+    new_updates, inner_state = inner.update(updates, state.inner_state, params, **extra_args)
+    return zero_updates_where(skip, new_updates), SkipNonfiniteState(
+        inner_state=select_tree(skip, state.inner_state, inner_state),
+        num_nonfinite_skipped=jnp.where(
+            skip, optax.safe_increment(state.num_nonfinite_skipped),
+            state.num_nonfinite_skipped),
+        num_consecutive_nonfinite=in_a_row.astype(jnp.int32),
+        nonfinite_step_skipped=skip,
+    )
+
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+class ZeroNonfiniteState(NamedTuple):
+  """State of :func:`zero_nonfinite`.
+
+  Attributes:
+    num_nonfinite_zeroed: int32, how many entries were replaced by zero at the
+      last step (summed over devices with ``axis_name``).
+    num_steps_with_nonfinite: int32, how many steps so far had at least one.
+  """
+
+  num_nonfinite_zeroed: jax.Array
+  num_steps_with_nonfinite: jax.Array
+
+
+def zero_nonfinite(*, axis_name: Any = None) -> optax.GradientTransformationExtraArgs:
+  r"""Replaces every NaN, ``inf`` and ``-inf`` entry of the updates by ``0``.
+
+  Unlike :func:`skip_nonfinite`, the finite entries of the step are kept.
+  This suits rare, local overflows (one row of an embedding, one expert)
+  better than a broken batch: a NaN that comes from a bad loss usually
+  poisons every entry, and then the step is all zeros anyway. Leaves keep
+  their dtype; integer leaves are returned unchanged.
+
+  Args:
+    axis_name: Inside ``shard_map``/``pmap``, the axis over which the updates
+      are sharded, so the counts in the state are global.
+
+  Returns:
+    An :class:`optax.GradientTransformationExtraArgs` whose state is a
+    :class:`ZeroNonfiniteState`.
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> import optax, jaxclip
+    >>> tx = jaxclip.zero_nonfinite()
+    >>> updates, state = tx.update(jnp.array([1., jnp.inf, jnp.nan]), tx.init(None))
+    >>> updates
+    Array([1., 0., 0.], dtype=float32)
+    >>> int(optax.tree.get(state, 'num_nonfinite_zeroed'))
+    2
+  """
+
+  def init_fn(params):
+    del params
+    return ZeroNonfiniteState(
+        num_nonfinite_zeroed=jnp.zeros((), jnp.int32),
+        num_steps_with_nonfinite=jnp.zeros((), jnp.int32),
+    )
+
+  def update_fn(updates, state, params=None, **extra_args):
+    del params, extra_args
+    leaves = jax.tree.leaves(updates)
+    count = sum((jnp.sum(~jnp.isfinite(x), dtype=jnp.int32) for x in leaves),
+                jnp.zeros((), jnp.int32))
+    if axis_name is not None:
+      count = jax.lax.psum(count, axis_name)
+    repaired = jax.tree.map(
+        lambda x: jnp.where(jnp.isfinite(x), x, jnp.zeros_like(x)), updates)
+    return repaired, ZeroNonfiniteState(
+        num_nonfinite_zeroed=count,
+        num_steps_with_nonfinite=jnp.where(
+            count > 0, optax.safe_increment(state.num_steps_with_nonfinite),
+            state.num_steps_with_nonfinite),
+    )
+
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)

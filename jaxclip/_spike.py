@@ -1,0 +1,206 @@
+"""Skipping steps whose gradient norm or loss spikes (OLMo-core's rule)."""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from jaxclip import _history, _numerics, _validation
+from jaxclip._robust import select_tree, zero_updates_where
+
+ArrayLike = jax.typing.ArrayLike
+
+
+class SkipOnSpikeState(NamedTuple):
+  """State of :func:`skip_on_spike`.
+
+  Attributes:
+    inner_state: The wrapped transform's state, untouched by skipped steps.
+    spike_norm_history: float32 ``(window,)`` ring buffer of the latest finite
+      global norms of the updates (slots ``>= spike_norm_count`` unused).
+    spike_norm_count: int32, how many slots of the norm history are in use.
+    spike_norm_index: int32, the norm-history slot written next.
+    spike_loss_history: float32 ``(window,)`` ring buffer of the latest finite
+      losses passed as ``loss=`` (empty if none was ever passed).
+    spike_loss_count: int32, how many slots of the loss history are in use.
+    spike_loss_index: int32, the loss-history slot written next.
+    spike_grad_norm: float32, the global norm of the last updates (may be
+      ``nan``/``inf``: it records what came in).
+    spike_norm_threshold: float32, ``mean + sigma * std`` of the norm history
+      used at the last step; ``inf`` while the rule is inactive.
+    spike_loss_threshold: float32, the same for the loss.
+    spike_step_skipped: bool, whether the last step was skipped.
+    num_spike_skipped: int32, how many steps were skipped in total.
+  """
+
+  inner_state: Any
+  spike_norm_history: jax.Array
+  spike_norm_count: jax.Array
+  spike_norm_index: jax.Array
+  spike_loss_history: jax.Array
+  spike_loss_count: jax.Array
+  spike_loss_index: jax.Array
+  spike_grad_norm: jax.Array
+  spike_norm_threshold: jax.Array
+  spike_loss_threshold: jax.Array
+  spike_step_skipped: jax.Array
+  num_spike_skipped: jax.Array
+
+
+def _check(history: _history.History, value: jax.Array, sigma: Any,
+           min_count: int) -> tuple[jax.Array, jax.Array]:
+  """``(is_spike, threshold)`` of ``value`` against ``history``."""
+  # The reference counts the current value towards the warm-up; a standard
+  # deviation also needs two previous values.
+  active = (history.size + 1 >= min_count) & (history.size >= 2)
+  mean, std = _history.mean_std(history, ddof=1)
+  sigma = jnp.asarray(sigma).astype(jnp.float32)
+  # Written as the reference: a NaN or inf value fails the comparison.
+  within = (value - mean) <= sigma * std
+  threshold = jnp.where(active, mean + sigma * std, jnp.inf)
+  return active & jnp.logical_not(within), threshold
+
+
+def skip_on_spike(
+    inner: optax.GradientTransformation,
+    *,
+    window: int = 128,
+    sigma: ArrayLike = 6.0,
+    ord: int | float | str | None = None,
+    axis_name: Any = None,
+    replicated: Any = None,
+) -> optax.GradientTransformationExtraArgs:
+  r"""Skips a step whose gradient norm (or loss) spikes above its recent history.
+
+  OLMo-core's ``SkipStepOptimizer`` rule as an optax wrapper. With
+  :math:`\mu, s` the mean and (unbiased) standard deviation of the previous
+  ``window`` values of the global norm :math:`\|g\|`, the step is skipped if
+
+  .. math::
+
+    \|g_t\| - \mu > \sigma \, s \quad\text{or}\quad \|g_t\| \text{ is not finite,}
+
+  and likewise for the loss when it is passed as ``tx.update(..., loss=l)``
+  (each series is checked against its own history). A skipped step returns
+  zero updates and ``inner``'s state bit-identical; the others go through
+  ``inner`` unchanged. Every extra argument, ``loss`` included, is forwarded
+  to ``inner``.
+
+  The rule is inactive (nothing is skipped, not even a NaN step: compose with
+  :func:`jaxclip.skip_nonfinite` for that) until the history holds
+  ``max(2, window // 2)`` values counting the current one, as in OLMo-core.
+  Values of skipped steps still enter the history (as in OLMo-core), so a
+  lasting shift in scale is accepted after a while.
+
+  Deliberate differences from OLMo-core: NaN and inf values are never
+  recorded (OLMo-core records them and filters them out when computing the
+  statistics), so the window holds the latest ``window`` *finite* values and
+  only those count towards activation; and the rule also waits for two
+  previous values, where the reference, with ``window <= 5``, would compute
+  the standard deviation of a single value (NaN) and skip every step.
+
+  Args:
+    inner: The transform (typically the whole optimizer) to protect.
+    window: How many previous values the statistics use (a Python int
+      ``>= 1``; it fixes the state's shape).
+    sigma: How many standard deviations above the mean count as a spike
+      (``>= 0``; may be traced).
+    ord: The norm: ``None`` (L2, default), ``2``, ``1`` or ``inf``; a static
+      choice (list it in ``static_args`` under ``optax.inject_hyperparams``).
+    axis_name: Inside ``shard_map``/``pmap``, the axis over which the updates
+      are sharded (the norm is reduced across it).
+    replicated: Which leaves are the same on every device of ``axis_name``,
+      as for :func:`jaxclip.clip_by_global_norm`.
+
+  Returns:
+    An :class:`optax.GradientTransformationExtraArgs` whose state is a
+    :class:`SkipOnSpikeState`.
+
+  Raises:
+    ValueError: for ``window < 1``, a concrete negative or NaN ``sigma``, or a
+      ``loss`` that is not a scalar.
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> import optax, jaxclip
+    >>> tx = jaxclip.skip_on_spike(optax.sgd(1.0), window=8, sigma=3.0)
+    >>> params = jnp.zeros(2)
+    >>> state = tx.init(params)
+    >>> for g in [1., 2., 1., 2., 1., 2., 1., 2., 50.]:
+    ...   updates, state = tx.update(jnp.array([g, 0.]), state, params, loss=3.0)
+    >>> updates  # the last step spiked: skipped
+    Array([0., 0.], dtype=float32)
+    >>> print(f"{optax.tree.get(state, 'spike_norm_threshold'):.4f}")
+    3.1036
+    >>> int(optax.tree.get(state, 'num_spike_skipped'))
+    1
+
+  References:
+    Allen Institute for AI, `OLMo-core's SkipStepOptimizer
+    <https://github.com/allenai/OLMo-core/blob/main/src/olmo_core/optim/skip_step_optimizer.py>`_,
+    2024
+  """
+  window = _validation.check_size(window, "window")
+  _validation.check_threshold(sigma, "sigma")
+  ord = _numerics.check_ord(ord)
+  inner = optax.with_extra_args_support(inner)
+
+  def init_fn(params):
+    size = _validation.require_size(window, "window")
+    norms, losses = _history.empty(size), _history.empty(size)
+    return SkipOnSpikeState(
+        inner_state=inner.init(params),
+        spike_norm_history=norms.values,
+        spike_norm_count=norms.size,
+        spike_norm_index=norms.index,
+        spike_loss_history=losses.values,
+        spike_loss_count=losses.size,
+        spike_loss_index=losses.index,
+        spike_grad_norm=jnp.zeros((), jnp.float32),
+        spike_norm_threshold=jnp.array(jnp.inf, jnp.float32),
+        spike_loss_threshold=jnp.array(jnp.inf, jnp.float32),
+        spike_step_skipped=jnp.array(False),
+        num_spike_skipped=jnp.zeros((), jnp.int32),
+    )
+
+  def update_fn(updates, state, params=None, **extra_args):
+    norm = _numerics.tree_norm(updates, ord, axis_name, replicated).astype(jnp.float32)
+    min_count = max(2, state.spike_norm_history.shape[0] // 2)
+    norms = _history.History(
+        state.spike_norm_history, state.spike_norm_count, state.spike_norm_index)
+    losses = _history.History(
+        state.spike_loss_history, state.spike_loss_count, state.spike_loss_index)
+    skip, norm_threshold = _check(norms, norm, sigma, min_count)
+    norms = _history.push(norms, norm)
+    loss_threshold = state.spike_loss_threshold
+    if extra_args.get("loss") is not None:
+      loss = jnp.asarray(extra_args["loss"])
+      if loss.shape != ():
+        raise ValueError(
+            f"skip_on_spike needs a scalar loss=, got shape {loss.shape}.")
+      loss = loss.astype(jnp.float32)
+      loss_spike, loss_threshold = _check(losses, loss, sigma, min_count)
+      skip = skip | loss_spike
+      losses = _history.push(losses, loss)
+
+    new_updates, inner_state = inner.update(updates, state.inner_state, params, **extra_args)
+    return zero_updates_where(skip, new_updates), SkipOnSpikeState(
+        inner_state=select_tree(skip, state.inner_state, inner_state),
+        spike_norm_history=norms.values,
+        spike_norm_count=norms.size,
+        spike_norm_index=norms.index,
+        spike_loss_history=losses.values,
+        spike_loss_count=losses.size,
+        spike_loss_index=losses.index,
+        spike_grad_norm=norm,
+        spike_norm_threshold=norm_threshold,
+        spike_loss_threshold=loss_threshold,
+        spike_step_skipped=skip,
+        num_spike_skipped=jnp.where(
+            skip, optax.safe_increment(state.num_spike_skipped), state.num_spike_skipped),
+    )
+
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)

@@ -1,0 +1,527 @@
+"""Multi-device clipping: sharded trees under jit, shard_map, pmap, per-example clipping.
+
+The checks that need several devices are the ``md_*`` functions below. They
+run together in one subprocess (this file run as a script) on 8 virtual CPU
+devices, because ``XLA_FLAGS=--xla_force_host_platform_device_count=8`` must
+be set before JAX is imported; each becomes one parametrized pytest case.
+Everything else runs in-process on one device (``vmap`` with ``axis_name``
+stands in for a device axis).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+import traceback
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jaxclip
+from jaxclip import _distributed
+
+ROOT = Path(__file__).resolve().parents[1]
+N_DEVICES = 8
+CLIP = 30.0  # clips some examples of the test problems, not all
+
+# ----------------------------------------------------------------------------
+# Shared helpers
+# ----------------------------------------------------------------------------
+
+
+def _assert_trees_close(actual, expected, rtol=2e-6, atol=1e-6):
+  assert jax.tree.structure(actual) == jax.tree.structure(expected)
+  for a, e in zip(jax.tree.leaves(actual), jax.tree.leaves(expected), strict=True):
+    assert a.shape == e.shape and a.dtype == e.dtype, (a.shape, a.dtype, e.shape, e.dtype)
+    tol = 1e-2 if a.dtype == jnp.bfloat16 else rtol
+    np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(e, np.float32),
+                               rtol=tol, atol=atol)
+
+
+def _loss(params, x, y):
+  h = jnp.tanh(x @ params["w1"] + params["b1"])
+  return jnp.sum((h @ params["w2"] - y) ** 2)
+
+
+def _mlp_problem(batch=12, seed=0):
+  rng = np.random.default_rng(seed)
+  params = {
+      "w1": jnp.asarray(rng.normal(size=(5, 8)), jnp.float32),
+      "b1": jnp.asarray(rng.normal(size=(8,)), jnp.float32),
+      "w2": jnp.asarray(rng.normal(size=(8, 3)), jnp.float32),
+  }
+  x = jnp.asarray(rng.normal(size=(batch, 5)), jnp.float32)
+  y = jnp.asarray(rng.normal(size=(batch, 3)), jnp.float32)
+  return params, x, y
+
+
+@jax.jit
+def _reference_per_example(params, x, y, clip):
+  grads = jax.vmap(jax.grad(_loss), in_axes=(None, 0, 0))(params, x, y)
+  return jaxclip.per_example_global_norm_clip(grads, clip)
+
+
+# FSDP-style layout on a ('data', 'model') mesh: kernels sharded on both axes,
+# a bias sharded over 'model' only (replicated over 'data'), a norm scale
+# replicated everywhere, an embedding sharded over 'data' only.
+FSDP_SPECS = {
+    "dense": {"kernel": P("data", "model"), "bias": P("model")},
+    "out": {"kernel": P("model", "data")},
+    "norm_scale": P(),
+    "embed": P("data", None),
+}
+
+
+def _fsdp_host_tree(seed=0):
+  rng = np.random.default_rng(seed)
+  return {
+      "dense": {"kernel": rng.normal(size=(16, 8)).astype(np.float32),
+                "bias": rng.normal(size=(8,)).astype(np.float32)},
+      "out": {"kernel": rng.normal(size=(8, 16)).astype(jnp.bfloat16)},
+      "norm_scale": rng.normal(size=(5,)).astype(np.float32),
+      "embed": rng.normal(size=(32, 4)).astype(np.float32),
+  }
+
+
+_COLLECTIVE = re.compile(
+    r"=\s*(\([^=]*?\)|\S+)\s+(all-reduce|all-gather|all-to-all|collective-permute|"
+    r"reduce-scatter)(-start)?\(")
+
+
+def _compiled(fn, *args):
+  """fn jitted and compiled for args: call it, and read its HLO."""
+  return jax.jit(fn).lower(*args).compile()
+
+
+def _collectives(compiled):
+  """(kind, result type) of every collective in the compiled HLO."""
+  return [(m.group(2), m.group(1)) for m in _COLLECTIVE.finditer(compiled.as_text())]
+
+
+def _assert_only_scalar_all_reduces(compiled):
+  found = _collectives(compiled)
+  kinds = {k for k, _ in found}
+  assert kinds == {"all-reduce"}, found
+  for _, result_type in found:
+    shapes = re.findall(r"\[([^\]]*)\]", result_type)
+    assert shapes and all(s == "" for s in shapes), f"non-scalar all-reduce: {result_type}"
+
+
+# ----------------------------------------------------------------------------
+# Multi-device checks (run in the subprocess)
+# ----------------------------------------------------------------------------
+
+
+def _meshes():
+  types = jax.sharding.AxisType
+  return [jax.make_mesh((4, 2), ("data", "model"), axis_types=(t, t))
+          for t in (types.Explicit, types.Auto)]
+
+
+_jit_global_norm = jax.jit(jaxclip.ops.global_norm, static_argnames="ord")
+_jit_clip_by_global_norm = jax.jit(jaxclip.ops.clip_by_global_norm)
+
+
+def md_jit_sharded_ops_match_single_device():
+  host = _fsdp_host_tree()
+  single = jax.tree.map(jnp.asarray, host)
+  for mesh in _meshes():
+    with jax.set_mesh(mesh):
+      tree = jax.tree.map(lambda x, s, mesh=mesh: jax.device_put(x, NamedSharding(mesh, s)),
+                          host, FSDP_SPECS)
+      for ord in (2, 1, math.inf):
+        norm_fn = _compiled(lambda t, ord=ord: jaxclip.ops.global_norm(t, ord=ord), tree)
+        np.testing.assert_allclose(norm_fn(tree), _jit_global_norm(single, ord=ord), rtol=2e-6)
+        _assert_only_scalar_all_reduces(norm_fn)
+      clip_fn = _compiled(lambda t: jaxclip.ops.clip_by_global_norm(t, 3.0), tree)
+      (out, norm), (ref, ref_norm) = clip_fn(tree), _jit_clip_by_global_norm(single, 3.0)
+      assert float(ref_norm) > 3.0  # the clip is active
+      np.testing.assert_allclose(norm, ref_norm, rtol=2e-6)
+      _assert_trees_close(out, ref)
+      for o, t in zip(jax.tree.leaves(out), jax.tree.leaves(tree), strict=True):
+        assert o.sharding.is_equivalent_to(t.sharding, o.ndim), (o.sharding, t.sharding)
+      _assert_only_scalar_all_reduces(clip_fn)
+
+
+def md_jit_sharded_transform_keeps_shardings():
+  host = _fsdp_host_tree(1)
+  single = jax.tree.map(jnp.asarray, host)
+  tx = optax.chain(jaxclip.clip_by_global_norm(2.0), optax.sgd(0.1, momentum=0.9))
+  ref_updates, ref_state = jax.jit(lambda u: tx.update(u, tx.init(u), u))(single)
+  for mesh in _meshes():
+    with jax.set_mesh(mesh):
+      tree = jax.tree.map(lambda x, s, mesh=mesh: jax.device_put(x, NamedSharding(mesh, s)),
+                          host, FSDP_SPECS)
+      state = jax.jit(tx.init)(tree)
+      update_fn = _compiled(lambda u, s: tx.update(u, s, u), tree, state)
+      updates, new_state = update_fn(tree, state)
+      _assert_trees_close(updates, ref_updates)
+      np.testing.assert_allclose(optax.tree.get(new_state, "pre_clip_norm"),
+                                 optax.tree.get(ref_state, "pre_clip_norm"), rtol=2e-6)
+      momentum = new_state[1][0].trace
+      for u, m, t in zip(*map(jax.tree.leaves, (updates, momentum, tree)), strict=True):
+        assert u.sharding.is_equivalent_to(t.sharding, u.ndim)
+        assert m.sharding.is_equivalent_to(t.sharding, m.ndim)
+      _assert_only_scalar_all_reduces(update_fn)
+
+
+def _local_norm_fn(mesh, ord, replicated, check_vma=True):
+  def local(t):
+    return jaxclip.ops.global_norm(t, ord=ord, axis_name=("data", "model"),
+                                   replicated=replicated)
+  return jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(FSDP_SPECS,), out_specs=P(),
+                               check_vma=check_vma))
+
+
+def md_shard_map_replicated_leaves_counted_once():
+  host = _fsdp_host_tree(2)
+  single = jax.tree.map(jnp.asarray, host)
+  mesh = jax.make_mesh((4, 2), ("data", "model"))
+  with jax.set_mesh(mesh):
+    tree = jax.tree.map(lambda x, s, mesh=mesh: jax.device_put(x, NamedSharding(mesh, s)),
+                        host, FSDP_SPECS)
+    by_path = lambda path, leaf: {
+        "bias": "data", "norm_scale": True, "embed": ("model",)}.get(path[-1].key, False)
+    for check_vma in (True, False):
+      for replicated in (FSDP_SPECS, by_path):
+        for ord in (2, 1, math.inf):
+          got = _local_norm_fn(mesh, ord, replicated, check_vma)(tree)
+          np.testing.assert_allclose(got, _jit_global_norm(single, ord=ord), rtol=2e-6)
+    # Without replicated=, every leaf counts as a shard: the replicated ones
+    # are counted once per device and the norm is too large.
+    naive = _local_norm_fn(mesh, 2, None, check_vma=False)(tree)
+    assert float(naive) > 1.05 * float(_jit_global_norm(single))
+
+
+def md_shard_map_transform_and_clip_op():
+  host = _fsdp_host_tree(3)
+  single = jax.tree.map(jnp.asarray, host)
+  mesh = jax.make_mesh((4, 2), ("data", "model"))
+  tx = jaxclip.clip_by_global_norm(2.0, axis_name=("data", "model"), replicated=FSDP_SPECS)
+  ref_out, ref_norm = _jit_clip_by_global_norm(single, 2.0)
+
+  def local(t):
+    updates, state = tx.update(t, tx.init(t))
+    clipped, norm = jaxclip.ops.clip_by_global_norm(
+        t, 2.0, axis_name=("data", "model"), replicated=FSDP_SPECS)
+    return updates, state.pre_clip_norm, clipped, norm
+
+  with jax.set_mesh(mesh):
+    tree = jax.tree.map(lambda x, s, mesh=mesh: jax.device_put(x, NamedSharding(mesh, s)),
+                        host, FSDP_SPECS)
+    fn = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(FSDP_SPECS,),
+                               out_specs=(FSDP_SPECS, P(), FSDP_SPECS, P())))
+    updates, pre_clip_norm, clipped, norm = fn(tree)
+  for out, n in ((updates, pre_clip_norm), (clipped, norm)):
+    np.testing.assert_allclose(n, ref_norm, rtol=2e-6)
+    _assert_trees_close(jax.tree.map(np.asarray, out), jax.tree.map(np.asarray, ref_out))
+
+
+def md_pmap_with_replicated_leaf():
+  rng = np.random.default_rng(4)
+  w = rng.normal(size=(N_DEVICES, 3, 2)).astype(np.float32)  # one shard per device
+  b = rng.normal(size=(7,)).astype(np.float32)  # the same on every device
+  full = {"w": jnp.asarray(w.reshape(-1, 2)), "b": jnp.asarray(b)}
+
+  def local(w_shard, bias):
+    tree = {"w": w_shard, "b": bias}
+    replicated = {"w": False, "b": True}
+    norm = jaxclip.ops.global_norm(tree, axis_name="i", replicated=replicated)
+    inf_norm = jaxclip.ops.global_norm(tree, ord="inf", axis_name="i", replicated=replicated)
+    clipped, _ = jaxclip.ops.clip_by_global_norm(tree, 1.5, axis_name="i",
+                                                 replicated=replicated)
+    return norm, inf_norm, clipped
+
+  norm, inf_norm, clipped = jax.pmap(local, axis_name="i", in_axes=(0, None))(w, b)
+  ref_clipped, ref_norm = _jit_clip_by_global_norm(full, 1.5)
+  np.testing.assert_allclose(norm, np.full(N_DEVICES, ref_norm), rtol=2e-6)
+  np.testing.assert_allclose(inf_norm, _jit_global_norm(full, ord=math.inf))
+  np.testing.assert_allclose(clipped["w"].reshape(-1, 2), ref_clipped["w"], rtol=2e-6)
+  for i in range(N_DEVICES):
+    np.testing.assert_allclose(clipped["b"][i], ref_clipped["b"], rtol=2e-6)
+
+
+def md_per_example_clipping_in_shard_map():
+  params, x, y = _mlp_problem(batch=64)
+  ref_sum, ref_count = _reference_per_example(params, x, y, CLIP)
+  assert 0 < int(ref_count) < 64
+  mesh = jax.make_mesh((N_DEVICES,), ("data",))
+
+  def with_op(p, xb, yb):
+    p = _distributed.as_varying(p, "data")
+    grads = jax.vmap(jax.grad(_loss), in_axes=(None, 0, 0))(p, xb, yb)
+    return jaxclip.per_example_global_norm_clip(grads, CLIP, axis_name="data")
+
+  helper = jaxclip.per_example_clipped_grad(
+      _loss, CLIP, microbatch_size=3, batch_argnums=(1, 2), axis_name="data")
+  with jax.set_mesh(mesh):
+    xs, ys = (jax.device_put(a, NamedSharding(mesh, P("data"))) for a in (x, y))
+    for fn, check_vma in ((with_op, True), (helper, True), (helper, False)):
+      if True:
+        out = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=(P(), P("data"), P("data")),
+                                    out_specs=(P(), P()), check_vma=check_vma))(params, xs, ys)
+        _assert_trees_close(out[0], ref_sum, rtol=1e-5, atol=1e-5)
+        assert int(out[1]) == int(ref_count)
+
+
+def md_per_example_helper_under_jit_with_spmd_axis_name():
+  params, x, y = _mlp_problem(batch=64, seed=1)
+  ref_sum, ref_count = _reference_per_example(params, x, y, CLIP)
+  mesh = jax.make_mesh((N_DEVICES,), ("data",))
+  with jax.set_mesh(mesh):
+    xs, ys = (jax.device_put(a, NamedSharding(mesh, P("data"))) for a in (x, y))
+    ps = jax.device_put(params, NamedSharding(mesh, P()))
+    for microbatch_size in (None, 16):
+      fn = jaxclip.per_example_clipped_grad(
+          _loss, CLIP, microbatch_size=microbatch_size, batch_argnums=(1, 2),
+          spmd_axis_name="data")
+      compiled = _compiled(fn, ps, xs, ys)
+      total, count = compiled(ps, xs, ys)
+      _assert_trees_close(total, ref_sum, rtol=1e-5, atol=1e-5)
+      assert int(count) == int(ref_count)
+      # Per-example gradients stay where their examples are: the only
+      # collectives are the all-reduces of the summed gradient and count.
+      kinds = {k for k, _ in _collectives(compiled)}
+      assert kinds == {"all-reduce"}, kinds
+    bad = jaxclip.per_example_clipped_grad(
+        _loss, CLIP, microbatch_size=12, batch_argnums=(1, 2), spmd_axis_name="data")
+    with pytest.raises(ValueError, match="multiple of the 8 devices"):
+      jax.jit(bad)(ps, xs, ys)
+
+
+MD_CHECKS = sorted(name for name in dict(globals()) if name.startswith("md_"))
+
+
+def _run_checks_in_this_process() -> dict[str, str]:
+  assert jax.device_count() == N_DEVICES, jax.devices()
+  results = {}
+  for name in MD_CHECKS:
+    try:
+      globals()[name]()
+      results[name] = "ok"
+    except Exception:  # reported to the parent test, one case per check
+      results[name] = traceback.format_exc()
+  return results
+
+
+def _device_env() -> dict[str, str]:
+  env = dict(os.environ)
+  env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") +
+                      f" --xla_force_host_platform_device_count={N_DEVICES}").strip()
+  env["JAX_PLATFORMS"] = "cpu"
+  env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+  return env
+
+
+@pytest.fixture(scope="module")
+def subprocess_runs():
+  """Runs the multi-device checks and the FSDP example, side by side."""
+  example = ROOT / "examples" / "fsdp_training.py"
+  commands = {"checks": [sys.executable, __file__],
+              "example": [sys.executable, str(example), "--steps", "40"]}
+  procs = {name: subprocess.Popen(cmd, env=_device_env(), cwd=ROOT, text=True,
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+           for name, cmd in commands.items()}
+  results = {}
+  for name, proc in procs.items():
+    try:
+      stdout, stderr = proc.communicate(timeout=600)
+    except subprocess.TimeoutExpired:
+      proc.kill()
+      stdout, stderr = proc.communicate()
+    results[name] = (proc.returncode, stdout, stderr)
+  return results
+
+
+@pytest.fixture(scope="module")
+def multi_device_results(subprocess_runs):
+  returncode, stdout, stderr = subprocess_runs["checks"]
+  lines = stdout.strip().splitlines()
+  assert returncode == 0 and lines, stdout[-3000:] + stderr[-3000:]
+  return json.loads(lines[-1])
+
+
+@pytest.mark.parametrize("name", MD_CHECKS)
+def test_multi_device(multi_device_results, name):
+  assert multi_device_results[name] == "ok", multi_device_results[name]
+
+
+def test_fsdp_example_runs(subprocess_runs):
+  returncode, stdout, stderr = subprocess_runs["example"]
+  assert returncode == 0, stdout[-3000:] + stderr[-3000:]
+  assert "loss decreased" in stdout and "all-reduces of scalars only: True" in stdout, stdout
+
+
+# ----------------------------------------------------------------------------
+# One-device tests: replicated= resolution, vmap axes, the per-example helper
+# ----------------------------------------------------------------------------
+
+
+def test_leaf_reduction_axes_forms():
+  tree = {"a": jnp.ones(2), "b": {"c": jnp.ones(3), "d": None}, "e": jnp.ones(1)}
+  names = ("data", "model")
+  axes = lambda r: _distributed.leaf_reduction_axes(tree, names, r)
+  assert axes(None) == [names] * 3
+  assert axes({"a": True, "b": False, "e": "model"}) == [(), names, ("data",)]
+  assert axes({"a": ("data", "model"), "b": P(None, "model"), "e": P(("data", "model"))}) == [
+      (), ("model",), names]
+  assert axes(lambda path, leaf: leaf.size == 3) == [names, (), names]
+  assert _distributed.leaf_reduction_axes(tree, "data", {"a": P("model"), "b": True,
+                                                         "e": False}) == [(), (), ("data",)]
+
+
+@pytest.mark.parametrize(
+    "replicated, error, match",
+    [({"a": "expert"}, ValueError, "not among axis_name"),
+     ({"a": 3}, TypeError, "PartitionSpec"),
+     ({"a": True, "zzz": False}, ValueError, "pytree prefix"),
+     (lambda path, leaf: None, TypeError, "leaf at \\['a'\\]")])
+def test_replicated_errors(replicated, error, match):
+  with pytest.raises(error, match=match):
+    jax.vmap(lambda a: jaxclip.ops.global_norm({"a": a}, axis_name="i",
+                                               replicated=replicated),
+             axis_name="i")(jnp.ones((2, 3)))
+
+
+def test_replicated_needs_axis_name_and_axis_names_distinct():
+  with pytest.raises(ValueError, match="axis_name"):
+    jaxclip.ops.global_norm({"a": jnp.ones(2)}, replicated=True)
+  with pytest.raises(ValueError, match="distinct"):
+    jax.vmap(lambda a: jaxclip.ops.global_norm(a, axis_name=("i", "i")),
+             axis_name="i")(jnp.ones((2, 3)))
+
+
+@settings(max_examples=12, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 3), st.booleans()), min_size=1, max_size=4),
+       st.sampled_from([1, 2, math.inf]), st.integers(0, 2**16))
+def test_vmap_shards_match_whole_tree(leaf_specs, ord, seed):
+  """Splitting the sharded leaves over a vmapped axis gives the whole tree's norm."""
+  n, rng = 3, np.random.default_rng(seed)
+  leaf_specs = [(1, False)] + leaf_specs  # vmap needs one mapped input
+  leaves = [jnp.asarray(rng.normal(size=(n * rows, 2)), jnp.float32) for rows, _ in leaf_specs]
+  replicated = [rep for _, rep in leaf_specs]
+  shards = [x if rep else x.reshape(n, -1, 2) for x, rep in zip(leaves, replicated, strict=True)]
+  in_axes = ([None if rep else 0 for rep in replicated],)
+  local = lambda t: jaxclip.ops.global_norm(t, ord=ord, axis_name="i", replicated=replicated)
+  got = jax.jit(jax.vmap(local, in_axes=in_axes, axis_name="i"))(shards)
+  np.testing.assert_allclose(got, np.full(n, _jit_global_norm(leaves, ord=ord)), rtol=2e-6)
+
+
+def test_transform_with_axis_name_under_vmap_and_grad_at_zero():
+  tx = jaxclip.clip_by_global_norm(1.0, axis_name="i", replicated={"w": False, "b": True})
+  w, b = jnp.array([[3.0], [4.0]]), jnp.array([0.0])  # global norm 5
+
+  def step(w_shard, bias):
+    updates, state = tx.update({"w": w_shard, "b": bias}, tx.init({"w": w_shard, "b": bias}))
+    return updates["w"], state.pre_clip_norm
+
+  upd, norm = jax.vmap(step, in_axes=(0, None), axis_name="i")(w, b)
+  np.testing.assert_allclose(norm, [5.0, 5.0])
+  np.testing.assert_allclose(upd, [[0.6], [0.8]], rtol=1e-6)
+  grad = jax.vmap(jax.grad(lambda x: jaxclip.ops.global_norm(x, axis_name="i")),
+                  axis_name="i")(jnp.zeros((2, 3)))
+  assert np.all(np.asarray(grad) == 0)
+
+
+def test_per_example_global_norm_clip_axis_name_under_vmap():
+  params, x, y = _mlp_problem(batch=12)
+  grads = jax.jit(jax.vmap(jax.grad(_loss), in_axes=(None, 0, 0)))(params, x, y)
+  ref_sum, ref_count = _reference_per_example(params, x, y, CLIP)
+  split = jax.tree.map(lambda g: g.reshape((3, 4) + g.shape[1:]), grads)
+  out, count = jax.jit(jax.vmap(
+      lambda g: jaxclip.per_example_global_norm_clip(g, CLIP, axis_name="i"),
+      axis_name="i"))(split)
+  _assert_trees_close(jax.tree.map(lambda a: a[1], out), ref_sum, rtol=1e-5, atol=1e-5)
+  assert list(np.asarray(count)) == [int(ref_count)] * 3
+
+
+@pytest.mark.parametrize("microbatch_size", [None, 1, 4, 5, 12, 50])
+def test_per_example_clipped_grad_matches_per_example_clip(microbatch_size):
+  params, x, y = _mlp_problem(batch=12)
+  ref_sum, ref_count = _reference_per_example(params, x, y, CLIP)
+  assert 0 < int(ref_count) < 12
+  fn = jaxclip.per_example_clipped_grad(_loss, CLIP, microbatch_size=microbatch_size,
+                                        batch_argnums=(1, 2))
+  total, count = jax.jit(fn)(params, x, y)
+  _assert_trees_close(total, ref_sum, rtol=1e-5, atol=1e-5)
+  assert int(count) == int(ref_count) and count.dtype == ref_count.dtype
+
+
+def test_per_example_clipped_grad_options():
+  params, x, y = _mlp_problem(batch=6)
+  ref_sum, _ = _reference_per_example(params, x, y, 0.5)
+  # A shared (non-batch) argument before the batch, and each example seen
+  # with a batch axis of one.
+  loss = lambda p, scale, xb, yb: scale * _loss(p, xb[0], yb[0])
+  fn = jaxclip.per_example_clipped_grad(loss, 0.5, microbatch_size=4, batch_argnums=(2, 3),
+                                        keep_batch_dim=True)
+  total, _ = jax.jit(fn)(params, jnp.float32(1.0), x, y)
+  _assert_trees_close(total, ref_sum, rtol=1e-5, atol=1e-5)
+  # The threshold may be traced.
+  traced = jax.jit(lambda c: jaxclip.per_example_clipped_grad(
+      _loss, c, microbatch_size=4, batch_argnums=(1, 2))(params, x, y))(0.5)
+  _assert_trees_close(traced[0], ref_sum, rtol=1e-5, atol=1e-5)
+
+
+def test_per_example_clipped_grad_padding_drops_nonfinite():
+  # The padding examples are zeros; log(0) makes their gradients non-finite.
+  loss = lambda w, x: jnp.sum(jnp.log(x) * w)
+  x = jnp.array([[1.0, 2.0], [3.0, 0.5], [2.0, 2.0]])
+  fn = jaxclip.per_example_clipped_grad(loss, 1.0, microbatch_size=2)
+  total, count = jax.jit(fn)(jnp.ones(2), x)
+  grads = jnp.log(x)
+  ref, ref_count = jaxclip.per_example_global_norm_clip([grads], 1.0)
+  np.testing.assert_allclose(total, ref[0], rtol=1e-6)
+  assert int(count) == int(ref_count)
+
+
+def test_per_example_clipped_grad_half_precision_params():
+  params, x, y = _mlp_problem(batch=8)
+  ref_sum, _ = _reference_per_example(params, x, y, CLIP)
+  half = jax.tree.map(lambda p: p.astype(jnp.bfloat16), params)
+  loss = lambda p, xb, yb: _loss(jax.tree.map(lambda a: a.astype(jnp.float32), p), xb, yb)
+  total, _ = jax.jit(jaxclip.per_example_clipped_grad(loss, CLIP, microbatch_size=2,
+                                                      batch_argnums=(1, 2)))(half, x, y)
+  assert all(t.dtype == jnp.bfloat16 for t in jax.tree.leaves(total))
+  for t, r in zip(jax.tree.leaves(total), jax.tree.leaves(ref_sum), strict=True):
+    np.testing.assert_allclose(np.asarray(t, np.float32), r, rtol=0.05, atol=0.05)
+
+
+@pytest.mark.parametrize(
+    "kwargs, args, match",
+    [({"microbatch_size": 0}, None, "positive integer"),
+     ({"microbatch_size": 2.5}, None, "positive integer"),
+     ({"batch_argnums": 0}, None, "batch_argnums"),
+     ({}, (jnp.ones(3), jnp.ones((4, 3)), jnp.ones((5, 3))), "batch dimension"),
+     ({"batch_argnums": 3}, (jnp.ones(3), jnp.ones((4, 3))), "batch_argnums")])
+def test_per_example_clipped_grad_errors(kwargs, args, match):
+  loss = lambda w, x, *rest: jnp.dot(w, x)
+  kwargs = {"batch_argnums": (1, 2), **kwargs} if args and len(args) == 3 else kwargs
+  with pytest.raises(ValueError, match=match):
+    fn = jaxclip.per_example_clipped_grad(loss, 1.0, **kwargs)
+    fn(*(args or (jnp.ones(3), jnp.ones((4, 3)))))
+
+
+def test_per_example_clipped_grad_rejects_bad_threshold_and_int_params():
+  with pytest.raises(ValueError, match="l2_norm_clip"):
+    jaxclip.per_example_clipped_grad(lambda w, x: w @ x, -1.0)
+  with pytest.raises(TypeError, match="per_example_clipped_grad"):
+    jaxclip.per_example_clipped_grad(lambda w, x: w @ x, 1.0)(jnp.ones(3, jnp.int32),
+                                                               jnp.ones((2, 3)))
+
+
+if __name__ == "__main__":
+  jax.config.update("jax_numpy_dtype_promotion", "strict")
+  print(json.dumps(_run_checks_in_this_process()))
