@@ -240,12 +240,11 @@ def clip_by_norm(tree: PyTree, clip_norm: ArrayLike, axes: Any = None) -> PyTree
   _validation.check_threshold(clip_norm, "clip_norm")
   _validation.check_inexact_leaves(tree, "clip_by_norm")
 
-  def clip_leaf(x):
-    x = jnp.asarray(x)
-    norm = _numerics.leaf_norm(x, 2, axes, keepdims=True)
-    return _numerics.apply_scale(x, _numerics.clip_scale(norm, clip_norm))
-
-  return jax.tree.map(clip_leaf, tree)
+  leaves, treedef = jax.tree.flatten(tree)
+  scales = _numerics.map_leaf_norms(
+      lambda norm, size: _numerics.clip_scale(norm, clip_norm), leaves, 2, axes)
+  return treedef.unflatten([_numerics.apply_scale(x, s) for x, s in zip(leaves, scales,
+                                                                        strict=True)])
 
 
 def clip_by_average_norm(tree: PyTree, clip_norm: ArrayLike) -> PyTree:
@@ -281,13 +280,13 @@ def clip_by_average_norm(tree: PyTree, clip_norm: ArrayLike) -> PyTree:
   _validation.check_threshold(clip_norm, "clip_norm")
   _validation.check_inexact_leaves(tree, "clip_by_average_norm")
 
-  def clip_leaf(x):
-    x = jnp.asarray(x)
-    norm = _numerics.leaf_norm(x, 2)
-    threshold = jnp.asarray(clip_norm, norm.dtype) * x.size
-    return _numerics.apply_scale(x, _numerics.clip_scale(norm, threshold))
+  def scale(norm, size):
+    return _numerics.clip_scale(norm, jnp.asarray(clip_norm, norm.dtype) * size)
 
-  return jax.tree.map(clip_leaf, tree)
+  leaves, treedef = jax.tree.flatten(tree)
+  scales = _numerics.map_leaf_norms(scale, leaves, 2)
+  return treedef.unflatten([_numerics.apply_scale(x, s) for x, s in zip(leaves, scales,
+                                                                        strict=True)])
 
 
 def clip_by_global_norm(

@@ -1,0 +1,270 @@
+"""The benchmark cases: train step, standalone clip, compile sweep, size sweep."""
+
+from __future__ import annotations
+
+import os
+import statistics
+import subprocess
+import sys
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import jaxclip
+from benchmarks import _timing, _trees
+
+MAX_NORM = 1.0
+
+
+def _nbytes(tree: Any) -> int:
+  return int(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree)))
+
+
+def _temp_mb(compiled: Any) -> float | None:
+  try:
+    return compiled.memory_analysis().temp_size_in_bytes / 2**20
+  except Exception:  # memory_analysis is not implemented on every backend
+    return None
+
+
+# ----------------------------------------------------------------------------
+# Train step: clip + adam, donated params and optimizer state.
+# ----------------------------------------------------------------------------
+
+TRAIN_CASES = {
+    "adam": lambda: optax.adam(1e-4),
+    "jaxclip.clip_by_global_norm + adam":
+        lambda: optax.chain(jaxclip.clip_by_global_norm(MAX_NORM), optax.adam(1e-4)),
+    "optax.clip_by_global_norm + adam":
+        lambda: optax.chain(optax.clip_by_global_norm(MAX_NORM), optax.adam(1e-4)),
+    "jaxclip.clip_by_norm + adam":
+        lambda: optax.chain(jaxclip.clip_by_norm(MAX_NORM), optax.adam(1e-4)),
+    "jaxclip.clip_by_value + adam":
+        lambda: optax.chain(jaxclip.clip_by_value(-1e-3, 1e-3), optax.adam(1e-4)),
+    "optax.clip + adam":
+        lambda: optax.chain(optax.clip(1e-3), optax.adam(1e-4)),
+}
+# The optax counterpart of each jaxclip case, and how many extra full reads of
+# the gradients the clip needs at the floor (a norm pass; value clipping none).
+TRAIN_OPTAX = {"jaxclip.clip_by_global_norm + adam": "optax.clip_by_global_norm + adam",
+               "jaxclip.clip_by_value + adam": "optax.clip + adam"}
+TRAIN_EXTRA_READS = {"adam": 0, "jaxclip.clip_by_value + adam": 0, "optax.clip + adam": 0}
+
+
+def compile_train_step(tx: optax.GradientTransformation, params: Any, grads: Any):
+  def step(params, opt_state, grads):
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+
+  opt_state = tx.init(params)
+  compiled = jax.jit(step, donate_argnums=(0, 1)).lower(params, opt_state, grads).compile()
+  return compiled, opt_state
+
+
+def run_train_steps(shapes: dict, reps: int, read_floor_s: float) -> list[dict]:
+  rows = []
+  for name, make in TRAIN_CASES.items():
+    params, grads = _trees.make_tree(shapes, seed=1), _trees.make_tree(shapes, seed=2)
+    compiled, opt_state = compile_train_step(make(), params, grads)
+    seconds, _ = _timing.time_loop(lambda s, c=compiled, g=grads: c(*s, g),
+                                   (params, opt_state), reps)
+    rows.append({"case": name, "ms": 1e3 * seconds, "temp_mb": _temp_mb(compiled),
+                 "extra_reads": TRAIN_EXTRA_READS.get(name, 1)})
+    del params, grads, opt_state, compiled
+  by_name = {r["case"]: r for r in rows}
+  adam_ms = by_name["adam"]["ms"]
+  for r in rows:
+    r["x_adam"] = r["ms"] / adam_ms
+    other = TRAIN_OPTAX.get(r["case"])
+    r["x_optax"] = r["ms"] / by_name[other]["ms"] if other else None
+    r["x_floor"] = r["ms"] / (adam_ms + r["extra_reads"] * 1e3 * read_floor_s)
+  return rows
+
+
+# ----------------------------------------------------------------------------
+# Standalone clip (donated) against the bandwidth floor, optax and torch.
+# ----------------------------------------------------------------------------
+
+
+def bandwidth_floor(num: int, dtype: Any, reps: int) -> tuple[float, float]:
+  """(read, scale) seconds: a sum over, and an in-place scale of, one flat buffer."""
+  flat = jnp.full((num,), 1e-3, dtype)
+  read = jax.jit(jnp.sum)
+  read_s = _timing.time_call(lambda: read(flat), reps)
+  scale = jax.jit(lambda x, s: x * s.astype(x.dtype), donate_argnums=0)
+  s = jnp.float32(0.999)
+  scale_s, _ = _timing.time_loop(lambda x: scale(x, s), flat, reps)
+  return read_s, scale_s
+
+
+def _torch_clip_seconds(shapes: dict, dtype_name: str, reps: int) -> float | None:
+  try:
+    import torch
+  except ImportError:
+    return None
+  torch.set_num_threads(os.cpu_count() or 1)
+  # Same device kind as jax's: CUDA tensors when jax runs on a GPU and torch can.
+  cuda = jax.default_backend() == "gpu" and torch.cuda.is_available()
+  device = "cuda" if cuda else "cpu"
+  dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype_name]
+  params = []
+  for shape in shapes.values():
+    p = torch.zeros(shape, dtype=dtype, device=device)
+    p.grad = torch.randn(shape, dtype=torch.float32, device=device).mul_(1e-2).to(dtype)
+    params.append(p)
+
+  def fn():
+    torch.nn.utils.clip_grad_norm_(params, MAX_NORM, foreach=True)
+    if cuda:
+      torch.cuda.synchronize()
+
+  for _ in range(2):
+    fn()
+  times = []
+  for _ in range(reps):
+    t0 = time.perf_counter()
+    fn()
+    times.append(time.perf_counter() - t0)
+  return statistics.median(times)
+
+
+def run_standalone(shapes: dict, dtype: Any, reps: int, peak_gbps: float | None,
+                   with_torch: bool = True) -> list[dict]:
+  """The norm pass and the clip, for jaxclip and optax, against the floor."""
+  tree = _trees.make_tree(shapes, dtype)
+  nbytes, num = _nbytes(tree), _trees.num_params(shapes)
+  read_s, scale_s = bandwidth_floor(num, dtype, reps)
+  floor_s = read_s + scale_s
+  dname = jnp.dtype(dtype).name
+  rows = [{"case": f"floor: read pass ({dname})", "ms": 1e3 * read_s, "bytes": nbytes},
+          {"case": f"floor: in-place scale pass ({dname})", "ms": 1e3 * scale_s,
+           "bytes": 2 * nbytes}]
+  for lib, norm_fn in (("jaxclip", jaxclip.ops.global_norm), ("optax", optax.tree.norm)):
+    compiled = jax.jit(norm_fn).lower(tree).compile()
+    seconds = _timing.time_call(lambda c=compiled: c(tree), reps)
+    rows.append({"case": f"{lib} global_norm ({dname})", "ms": 1e3 * seconds, "bytes": nbytes,
+                 "x_floor": seconds / read_s, "temp_mb": _temp_mb(compiled)})
+  clip_rows = {}
+  for lib, make in (("jaxclip", jaxclip.clip_by_global_norm), ("optax", optax.clip_by_global_norm)):
+    tx = make(MAX_NORM)
+    state = tx.init(tree)
+    compiled = jax.jit(lambda t, tx=tx, state=state: tx.update(t, state)[0],
+                       donate_argnums=0).lower(tree).compile()
+    tree = _trees.make_tree(shapes, dtype)
+    seconds, tree = _timing.time_loop(compiled, tree, reps)
+    row = {"case": f"{lib}.clip_by_global_norm ({dname})", "ms": 1e3 * seconds,
+           "bytes": 3 * nbytes, "x_floor": seconds / floor_s, "temp_mb": _temp_mb(compiled)}
+    clip_rows[lib] = row
+    rows.append(row)
+  torch_s = _torch_clip_seconds(shapes, dname, reps) if with_torch else None
+  rows.append({"case": f"torch clip_grad_norm_(foreach=True) ({dname})",
+               "ms": None if torch_s is None else 1e3 * torch_s, "bytes": 3 * nbytes,
+               "x_floor": None if torch_s is None else torch_s / floor_s})
+  jc = clip_rows["jaxclip"]
+  jc["x_optax"] = jc["ms"] / clip_rows["optax"]["ms"]
+  jc["x_torch"] = None if torch_s is None else jc["ms"] / (1e3 * torch_s)
+  for r in rows:
+    if r["ms"]:
+      r["gbps"] = r["bytes"] / (r["ms"] * 1e-3) / 1e9
+      r["pct_peak"] = 100 * r["gbps"] / peak_gbps if peak_gbps else None
+  return rows
+
+
+# ----------------------------------------------------------------------------
+# Compile time against the number of leaves.
+# ----------------------------------------------------------------------------
+
+COMPILE_IMPLS = ("tree_map x*s", "jaxclip.clip_by_global_norm", "jaxclip.clip_by_norm",
+                 "optax.clip_by_global_norm")
+
+
+def compile_fn(impl: str):
+  if impl == "tree_map x*s":
+    return lambda t, s: jax.tree.map(lambda x: x * s, t)
+  lib, name = impl.split(".")
+  make = getattr(jaxclip if lib == "jaxclip" else optax, name)
+  tx = make(MAX_NORM)
+  return lambda t, s: tx.update(t, tx.init(t))[0]
+
+
+def compile_once(impl: str, leaves: int, mixed: bool) -> float:
+  tree = _trees.make_tree(_trees.many_leaf_shapes(leaves, mixed))
+  return _timing.compile_seconds(compile_fn(impl), tree, jnp.float32(0.5))
+
+
+def run_compile_sweep(leaf_counts: list[int], timeout_s: float | None, mixed_at: int | None
+                      ) -> list[dict]:
+  """Seconds to compile each impl, each in a fresh process when ``timeout_s`` is set.
+
+  Once an impl runs past ``timeout_s`` it is not run at larger leaf counts
+  (reported as ``> timeout_s``).
+  """
+  rows, given_up = [], set()
+  jobs = [(n, False) for n in leaf_counts] + ([(mixed_at, True)] if mixed_at else [])
+  for n, mixed in jobs:
+    row = {"leaves": n, "mixed": mixed}
+    for impl in COMPILE_IMPLS:
+      if impl in given_up:
+        row[impl] = ("gave up", timeout_s)
+        continue
+      if timeout_s is None:
+        row[impl] = ("ok", compile_once(impl, n, mixed))
+        continue
+      cmd = [sys.executable, "-m", "benchmarks._compile_one", impl, str(n), str(int(mixed))]
+      try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, check=True)
+        row[impl] = ("ok", float(out.stdout.strip().splitlines()[-1]))
+      except subprocess.TimeoutExpired:
+        row[impl] = ("timeout", timeout_s)
+        if not mixed:
+          given_up.add(impl)
+      print(f"  compile {impl:30s} leaves={n:5d}{' mixed' if mixed else ''}: {row[impl]}",
+            flush=True)
+    rows.append(row)
+  return rows
+
+
+# ----------------------------------------------------------------------------
+# Size sweep: standalone clip against the tree size.
+# ----------------------------------------------------------------------------
+
+
+def run_size_sweep(shrinks: list[int], reps: int, with_torch: bool) -> list[dict]:
+  rows = []
+  for shrink in shrinks:
+    shapes = _trees.gpt2_shapes(shrink)
+    res = {r["case"].split(" (")[0]: r for r in run_standalone(shapes, jnp.float32, reps, None,
+                                                               with_torch)}
+    floor_ms = res["floor: read pass"]["ms"] + res["floor: in-place scale pass"]["ms"]
+    torch_row = res["torch clip_grad_norm_(foreach=True)"]
+    rows.append({"params": _trees.num_params(shapes), "floor_ms": floor_ms,
+                 "jaxclip_ms": res["jaxclip.clip_by_global_norm"]["ms"],
+                 "optax_ms": res["optax.clip_by_global_norm"]["ms"],
+                 "torch_ms": torch_row["ms"],
+                 "jaxclip_gbps": res["jaxclip.clip_by_global_norm"]["gbps"]})
+  return rows
+
+
+def temp_bytes_table(shapes: dict) -> list[dict]:
+  """Extra (temporary) buffer bytes XLA allocates for each train step, float32 and bf16."""
+  rows = []
+  for dtype in (jnp.float32, jnp.bfloat16):
+    params = _trees.make_tree(shapes, dtype)
+    for name in ("adam", "jaxclip.clip_by_global_norm + adam", "optax.clip_by_global_norm + adam"):
+      compiled, _ = compile_train_step(TRAIN_CASES[name](), params, params)
+      rows.append({"dtype": jnp.dtype(dtype).name, "case": name, "temp_mb": _temp_mb(compiled),
+                   "grads_mb": _nbytes(params) / 2**20})
+  return rows
+
+
+def check_numbers(tree_shapes: dict) -> None:
+  """Sanity check before timing: jaxclip and optax clip to the same numbers."""
+  tree = _trees.make_tree(tree_shapes)
+  a, _ = jaxclip.clip_by_global_norm(0.1).update(tree, jaxclip.clip_by_global_norm(0.1).init(tree))
+  b, _ = optax.clip_by_global_norm(0.1).update(tree, optax.EmptyState())
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+    np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-7)

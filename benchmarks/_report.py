@@ -1,0 +1,115 @@
+"""Formats the benchmark's results as a markdown report and a PNG plot."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+
+def _f(x: Any, fmt: str = "{:.2f}") -> str:
+  if x is None or (isinstance(x, float) and math.isnan(x)):
+    return "n/a"
+  return fmt.format(x)
+
+
+def _table(header: list[str], rows: list[list[str]]) -> str:
+  lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+  lines += ["| " + " | ".join(r) + " |" for r in rows]
+  return "\n".join(lines)
+
+
+def markdown(meta: dict, train: list[dict], standalone: list[list[dict]], compile_rows: list[dict],
+             impls: tuple[str, ...], size_rows: list[dict], temp_rows: list[dict]) -> str:
+  out = ["# jaxclip benchmark results", ""]
+  out += [f"- {k}: {v}" for k, v in meta.items()]
+  out += ["", "Times are medians of the repetitions. `x floor` divides by the bandwidth "
+          "floor measured in the same run: for a train step, adam alone plus one read pass "
+          "over the gradients (none for value clipping); for a standalone clip, one read "
+          "pass plus one in-place scale pass over one flat buffer of the same bytes.", ""]
+  if train:
+    out += [f"## Train step: clip + adam, {meta['train tree']}", ""]
+    out.append(_table(
+        ["case", "median ms", "x adam", "x optax", "x floor", "temp MiB"],
+        [[r["case"], _f(r["ms"], "{:.1f}"), _f(r["x_adam"], "{:.3f}"),
+          _f(r.get("x_optax"), "{:.3f}"), _f(r["x_floor"], "{:.3f}"), _f(r["temp_mb"], "{:.1f}")]
+         for r in train]))
+    out.append("")
+  for rows in standalone:
+    out += [f"## Standalone jitted clip (donated), {meta['clip tree']}", ""]
+    out.append(_table(
+        ["case", "median ms", "GB/s", "% peak", "x floor", "x optax", "x torch", "temp MiB"],
+        [[r["case"], _f(r["ms"], "{:.2f}"), _f(r.get("gbps"), "{:.1f}"),
+          _f(r.get("pct_peak"), "{:.0f}"), _f(r.get("x_floor"), "{:.3f}"),
+          _f(r.get("x_optax"), "{:.3f}"), _f(r.get("x_torch"), "{:.3f}"),
+          _f(r.get("temp_mb"), "{:.1f}")] for r in rows]))
+    out.append("")
+  if temp_rows:
+    out += ["## Extra buffers of the compiled train step (XLA memory analysis)", ""]
+    out.append(_table(["dtype", "case", "temp MiB", "gradients MiB"],
+                      [[r["dtype"], r["case"], _f(r["temp_mb"], "{:.2f}"),
+                        _f(r["grads_mb"], "{:.1f}")] for r in temp_rows]))
+    out.append("")
+  if compile_rows:
+    out += ["## Compile time (s, trace + lower + compile) against the number of leaves", "",
+            "Small float32 leaves: `(64,)` each, or mixed 1-D/2-D shapes of 64-100 elements. "
+            "`xN` is the ratio to the bare `jax.tree.map(lambda x: x * s, tree)`.", ""]
+    header = ["leaves"]
+    for impl in impls:
+      header += [impl] + ([] if impl == impls[0] else ["x"])
+    body = []
+    for r in compile_rows:
+      base = r[impls[0]][1] if r[impls[0]][0] == "ok" else None
+      line = [f"{r['leaves']}{' (mixed)' if r['mixed'] else ''}"]
+      for impl in impls:
+        status, sec = r[impl]
+        line.append(_f(sec) if status == "ok" else
+                    (f"> {sec:.0f} (timed out)" if status == "timeout" else "not run"))
+        if impl != impls[0]:
+          line.append(_f(sec / base) if status == "ok" and base else "n/a")
+      body.append(line)
+    out.append(_table(header, body))
+    out.append("")
+  if size_rows:
+    out += ["## Standalone clip against the tree size (GPT-2 shapes, widths divided)", ""]
+    out.append(_table(
+        ["params", "floor ms", "jaxclip ms", "x floor", "jaxclip GB/s", "optax ms", "torch ms"],
+        [[f"{r['params'] / 1e6:.1f}M", _f(r["floor_ms"]), _f(r["jaxclip_ms"]),
+          _f(r["jaxclip_ms"] / r["floor_ms"], "{:.3f}"), _f(r["jaxclip_gbps"], "{:.1f}"),
+          _f(r["optax_ms"]), _f(r["torch_ms"])] for r in size_rows]))
+    out.append("")
+  return "\n".join(out)
+
+
+def plot(path: str, compile_rows: list[dict], impls: tuple[str, ...], size_rows: list[dict]
+         ) -> None:
+  import matplotlib
+
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+  rows = [r for r in compile_rows if not r["mixed"]]
+  for impl in impls:
+    pts = [(r["leaves"], r[impl][1]) for r in rows if r[impl][0] == "ok"]
+    if pts:
+      ax1.plot(*zip(*pts, strict=True), marker="o", label=impl)
+    cut = [(r["leaves"], r[impl][1]) for r in rows if r[impl][0] == "timeout"]
+    if cut:
+      ax1.scatter(*zip(*cut, strict=True), marker="^", color="red", zorder=3)
+  ax1.set(xscale="log", yscale="log", xlabel="number of leaves", ylabel="compile time (s)",
+          title="Compile time (red ^: timed out)")
+  ax1.legend(fontsize=8)
+  if size_rows:
+    params = [r["params"] for r in size_rows]
+    for key, label in (("floor_ms", "bandwidth floor"), ("jaxclip_ms", "jaxclip"),
+                       ("optax_ms", "optax"), ("torch_ms", "torch foreach")):
+      vals = [r[key] for r in size_rows]
+      if all(v is not None for v in vals):
+        style = "--" if key == "floor_ms" else "-"
+        ax2.plot(params, vals, marker="o", label=label, linestyle=style)
+    ax2.set(xscale="log", yscale="log", xlabel="parameters", ylabel="clip_by_global_norm (ms)",
+            title="Standalone jitted clip (donated)")
+    ax2.legend(fontsize=8)
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)

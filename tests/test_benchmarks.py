@@ -1,0 +1,105 @@
+"""The benchmark package runs, the clip stays fused, and grouped norms stay exact."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jaxclip
+from benchmarks import _cases, _main, _trees
+
+# Three gradient-sized leaves and a bias: a clipped copy of any weight would
+# need at least _SMALLEST_WEIGHT bytes of temporary memory.
+_SHAPES = {"w_in": (256, 256), "w_out": (512, 128), "w_emb": (1000, 64), "bias": (256,)}
+_SMALLEST_WEIGHT = 1000 * 64 * 4
+
+
+def test_benchmark_quick_run_writes_table_and_plot(tmp_path):
+  text = _main.main(["--quick", "--out", str(tmp_path)])
+  written = (tmp_path / "results.md").read_text()
+  assert written.strip() == text.strip()
+  for section in ("## Train step", "## Standalone jitted clip", "## Compile time",
+                  "## Standalone clip against the tree size", "load average", "x floor"):
+    assert section in text
+  assert "jaxclip.clip_by_global_norm + adam" in text
+  png = (tmp_path / "results.png").read_bytes()
+  assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+
+
+@pytest.mark.parametrize("clip", [
+    lambda: jaxclip.clip_by_global_norm(1.0),
+    lambda: jaxclip.clip_by_norm(1.0),
+    lambda: jaxclip.clip_by_value(-1e-3, 1e-3),
+], ids=["clip_by_global_norm", "clip_by_norm", "clip_by_value"])
+def test_clip_adam_step_holds_no_gradient_sized_buffer(clip):
+  params = _trees.make_tree(_SHAPES)
+  compiled, _ = _cases.compile_train_step(optax.chain(clip(), optax.adam(1e-3)), params, params)
+  temp = compiled.memory_analysis().temp_size_in_bytes
+  assert temp < _SMALLEST_WEIGHT // 8, (
+      f"the compiled clip+adam step allocates {temp} temporary bytes: the clip is no longer "
+      "fused into adam's update (a clipped copy of the gradients is materialised)")
+
+
+def test_memory_analysis_does_see_a_materialised_clip():
+  # The check above can fail: optax 0.2's clip_by_global_norm materialises the
+  # clipped gradients before adam, and the same measurement shows it.
+  params = _trees.make_tree(_SHAPES)
+  tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-3))
+  compiled, _ = _cases.compile_train_step(tx, params, params)
+  assert compiled.memory_analysis().temp_size_in_bytes >= _SMALLEST_WEIGHT
+
+
+def test_standalone_donated_clip_is_in_place():
+  tree = _trees.make_tree(_SHAPES)
+  tx = jaxclip.clip_by_global_norm(1.0)
+  state = tx.init(tree)
+  compiled = jax.jit(lambda t: tx.update(t, state)[0], donate_argnums=0).lower(tree).compile()
+  assert compiled.memory_analysis().temp_size_in_bytes < _SMALLEST_WEIGHT // 8
+
+
+def test_many_leaves_compile_to_about_one_kernel_per_leaf():
+  # Compile time follows the number of HLO fusions; one reduction per small
+  # leaf plus a chain of thousands of scalar adds is what made it quadratic.
+  tree = _trees.make_tree(_trees.many_leaf_shapes(256))
+  scale_only = jax.jit(lambda t: jax.tree.map(lambda x: x * 0.5, t)).lower(tree).compile()
+  tx = jaxclip.clip_by_global_norm(1.0)
+  clip = jax.jit(lambda t: tx.update(t, tx.init(t))[0]).lower(tree).compile()
+  count = lambda c: c.as_text().count(" fusion(")  # noqa: E731
+  assert count(clip) <= count(scale_only) + 256 // 8, (count(clip), count(scale_only))
+
+
+def _reference_norm(leaves, ord):
+  flat = np.concatenate([np.abs(np.asarray(x, np.complex128)).ravel() for x in leaves])
+  if ord == math.inf:
+    return flat.max(initial=0.0)
+  return np.sum(flat**ord) ** (1 / ord)
+
+
+@pytest.mark.parametrize("ord", [1, 2, math.inf])
+def test_grouped_norm_matches_float64_reference(ord):
+  rng = np.random.default_rng(0)
+  sizes = [1, 3, 5, 64, 64, 65, 100, 7, (1 << 16) + 3]
+  leaves = [rng.normal(size=n).astype(np.float32) for n in sizes]
+  leaves += [rng.normal(size=(9, 7)).astype(jnp.bfloat16), np.full((300,), 200.0, np.float16),
+             (rng.normal(size=6) + 1j * rng.normal(size=6)).astype(np.complex64),
+             np.zeros((0,), np.float32)]
+  got = jax.jit(lambda t: jaxclip.ops.global_norm(t, ord=ord))(leaves)
+  assert got.dtype == jnp.float32
+  np.testing.assert_allclose(float(got), _reference_norm(leaves, ord), rtol=2e-6)
+  assert math.isnan(float(jaxclip.ops.global_norm([*leaves, np.float32([np.nan])], ord=ord)))
+
+
+def test_grouped_norm_gradient_is_finite_at_zero_and_right_elsewhere():
+  zeros = [jnp.zeros((5,)), jnp.zeros((64,)), jnp.zeros((3, 3))]
+  grads = jax.grad(lambda t: jaxclip.ops.global_norm(t))(zeros)
+  assert all(bool(jnp.all(g == 0)) for g in grads)
+  tree = [jnp.arange(1.0, 6.0), jnp.full((64,), 0.5), jnp.ones((3, 3))]
+  grads = jax.grad(lambda t: jaxclip.ops.global_norm(t))(tree)
+  norm = jaxclip.ops.global_norm(tree)
+  for g, x in zip(grads, tree, strict=True):
+    np.testing.assert_allclose(g, x / norm, rtol=1e-6)
