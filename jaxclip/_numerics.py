@@ -89,9 +89,25 @@ def _canonical_axes(ndim: int, axis: Axes) -> tuple[int, ...] | None:
   return tuple(out)
 
 
+def _reduction_input(x: jax.Array) -> jax.Array:
+  """``x`` as the input of a norm reduction.
+
+  On XLA:CPU a bfloat16 leaf that feeds both the norm reduction and the
+  scale pass gets its float32 conversion materialised as a full-size buffer
+  (the reduction kernel cannot absorb a convert whose operand has a second
+  user). An optimization barrier gives the reduction its own operand, so the
+  convert fuses into it: no float32 copy, and about 3x faster on a 4M-entry
+  leaf. The barrier is an identity for values and gradients; it is applied
+  only where it was measured to help.
+  """
+  if x.dtype == jnp.bfloat16 and jax.default_backend() == "cpu":
+    return jax.lax.optimization_barrier(x)
+  return x
+
+
 def abs_sq(x: jax.Array) -> jax.Array:
   """``|x|**2`` elementwise, in ``x``'s accumulation dtype."""
-  x = jnp.asarray(x)
+  x = _reduction_input(jnp.asarray(x))
   acc = accumulation_dtype(x.dtype)
   if jnp.iscomplexobj(x):
     return jnp.square(x.real.astype(acc)) + jnp.square(x.imag.astype(acc))
@@ -100,7 +116,7 @@ def abs_sq(x: jax.Array) -> jax.Array:
 
 def safe_abs(x: jax.Array) -> jax.Array:
   """``|x|`` elementwise in the accumulation dtype; finite gradient at 0."""
-  x = jnp.asarray(x)
+  x = _reduction_input(jnp.asarray(x))
   if jnp.iscomplexobj(x):
     return safe_sqrt(abs_sq(x))
   return jnp.abs(x.astype(accumulation_dtype(x.dtype)))

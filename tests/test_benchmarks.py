@@ -62,6 +62,21 @@ def test_standalone_donated_clip_is_in_place():
   assert compiled.memory_analysis().temp_size_in_bytes < _SMALLEST_WEIGHT // 8
 
 
+@pytest.mark.parametrize("clip", [
+    lambda: jaxclip.clip_by_global_norm(1.0),
+    lambda: jaxclip.clip_by_norm(1.0),
+], ids=["clip_by_global_norm", "clip_by_norm"])
+def test_bfloat16_clip_holds_no_float32_copy(clip):
+  # The norm accumulates in float32, but no full-size float32 copy of a
+  # bfloat16 leaf may be materialised for it (XLA:CPU did so before the
+  # reduction got its own operand, see _numerics._reduction_input).
+  tree = jax.tree.map(lambda x: x.astype(jnp.bfloat16), _trees.make_tree(_SHAPES))
+  tx = clip()
+  state = tx.init(tree)
+  compiled = jax.jit(lambda t: tx.update(t, state)[0], donate_argnums=0).lower(tree).compile()
+  assert compiled.memory_analysis().temp_size_in_bytes < _SMALLEST_WEIGHT // 8
+
+
 def test_many_leaves_compile_to_about_one_kernel_per_leaf():
   # Compile time follows the number of HLO fusions; one reduction per small
   # leaf plus a chain of thousands of scalar adds is what made it quadratic.
