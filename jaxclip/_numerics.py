@@ -168,12 +168,8 @@ def tree_norm(
   acc = tree_accumulation_dtype(tree)
   if axis_name is None:
     parts = _grouped_parts(leaves, ord, acc)
-  elif ord == 2:
-    parts = [leaf_sumsq(x).astype(acc) for x in leaves]
-  elif ord == 1:
-    parts = [jnp.sum(safe_abs(x)).astype(acc) for x in leaves]
   else:
-    parts = [leaf_norm(x, math.inf).astype(acc) for x in leaves]
+    parts = [_leaf_part(x, ord).astype(acc) for x in leaves]
   if axis_name is not None:
     # Imported here: _distributed builds on this module.
     from jaxclip import _distributed
@@ -194,6 +190,21 @@ def tree_norm(
 _SMALL_LEAF = 1 << 16
 # How many small leaves one group combines.
 _GROUP = 32
+
+
+def _leaf_part(x: jax.Array, ord: float) -> jax.Array:
+  """One leaf's share of a tree norm: ``sum |x|**2``, ``sum |x|`` or ``max |x|``."""
+  if ord == 2:
+    return leaf_sumsq(x)
+  if ord == 1:
+    return jnp.sum(safe_abs(x))
+  return leaf_norm(x, math.inf)
+
+
+def _on_mesh(x: jax.Array) -> bool:
+  """Whether ``x`` carries a mesh sharding (sharded arrays under ``jax.set_mesh``)."""
+  sharding = getattr(jax.typeof(x), "sharding", None)
+  return sharding is not None and not sharding.mesh.empty
 
 
 def _grouped_parts(leaves: list[Any], ord: float, acc: jnp.dtype) -> list[jax.Array]:
@@ -218,13 +229,12 @@ def _grouped_parts(leaves: list[Any], ord: float, acc: jnp.dtype) -> list[jax.Ar
     if x.size == 0:
       continue
     if x.size > _SMALL_LEAF:
-      parts.append(jnp.max(term(x), initial=0.0) if ord == math.inf else jnp.sum(term(x)))
+      parts.append(_leaf_part(x, ord))
       continue
-    sharding = getattr(jax.typeof(x), "sharding", None)
-    if sharding is None or sharding.mesh.empty:
-      key = (1 << (x.size - 1).bit_length(), accumulation_dtype(x.dtype))
+    if _on_mesh(x):
+      key = (x.shape, x.dtype, jax.typeof(x).sharding)
     else:
-      key = (x.shape, x.dtype, sharding)
+      key = (1 << (x.size - 1).bit_length(), accumulation_dtype(x.dtype))
     groups.setdefault(key, []).append(x)
   for key, group in groups.items():
     for start in range(0, len(group), _GROUP):
@@ -257,8 +267,7 @@ def map_leaf_norms(
   groups: dict[Any, list[int]] = {}
   for i, x in enumerate(leaves):
     x = jnp.asarray(x)
-    sharding = getattr(jax.typeof(x), "sharding", None)
-    if x.size > _SMALL_LEAF or (sharding is not None and not sharding.mesh.empty):
+    if x.size > _SMALL_LEAF or _on_mesh(x):
       out[i] = fn(leaf_norm(x, ord, axis, keepdims=True), x.size)
     else:
       groups.setdefault((x.shape, x.dtype), []).append(i)
