@@ -17,6 +17,7 @@ Everything that measures a gradient goes through this module:
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -105,13 +106,24 @@ def _reduction_input(x: jax.Array) -> jax.Array:
   return x
 
 
+def _convert(x: jax.Array, dtype: Any) -> jax.Array:
+  """``x.astype(dtype)`` as one primitive, nothing when the dtype matches.
+
+  The hot per-leaf paths use ``lax`` directly: ``jnp`` functions are nested
+  ``jit`` calls, and thousands of them make tracing a big tree slow.
+  """
+  return x if x.dtype == dtype else jax.lax.convert_element_type(x, dtype)
+
+
 def abs_sq(x: jax.Array) -> jax.Array:
   """``|x|**2`` elementwise, in ``x``'s accumulation dtype."""
   x = _reduction_input(jnp.asarray(x))
   acc = accumulation_dtype(x.dtype)
   if jnp.iscomplexobj(x):
-    return jnp.square(x.real.astype(acc)) + jnp.square(x.imag.astype(acc))
-  return jnp.square(x.astype(acc))
+    re, im = _convert(jax.lax.real(x), acc), _convert(jax.lax.imag(x), acc)
+    return jax.lax.add(jax.lax.mul(re, re), jax.lax.mul(im, im))
+  x = _convert(x, acc)
+  return jax.lax.mul(x, x)
 
 
 def safe_abs(x: jax.Array) -> jax.Array:
@@ -119,13 +131,97 @@ def safe_abs(x: jax.Array) -> jax.Array:
   x = _reduction_input(jnp.asarray(x))
   if jnp.iscomplexobj(x):
     return safe_sqrt(abs_sq(x))
-  return jnp.abs(x.astype(accumulation_dtype(x.dtype)))
+  return jax.lax.abs(_convert(x, accumulation_dtype(x.dtype)))
+
+
+def _plain_reduce(terms: jax.Array, op: str, axes: tuple[int, ...] | None,
+                  keepdims: bool) -> jax.Array:
+  if op == "sum":
+    return jnp.sum(terms, axis=axes, keepdims=keepdims)
+  # ``initial`` makes the max of an empty leaf 0, as its norm.
+  return jnp.max(terms, axis=axes, keepdims=keepdims, initial=0.0)
+
+
+def _reduce(terms: jax.Array, op: str, axes: tuple[int, ...] | None = None,
+            keepdims: bool = False, *, of_float16: bool = False) -> jax.Array:
+  """``jnp.sum`` (``op="sum"``) or ``jnp.max`` of non-negative ``terms``.
+
+  ``of_float16`` says that the terms are computed from float16 values. On
+  XLA:CPU the float32 conversion of a float16 leaf is never fused into a
+  plain reduction: it is materialised as a full-size float32 copy (twice the
+  leaf's bytes). A two-output reduction keeps the conversion inside the
+  reduction kernel, so no copy is made (see :func:`_float16_reduce`).
+  """
+  if of_float16 and jax.default_backend() == "cpu" and terms.size:
+    return _float16_reduce(terms, op, tuple(range(terms.ndim)) if axes is None else axes,
+                           keepdims)
+  return _plain_reduce(terms, op, axes, keepdims)
+
+
+# The two-output reduction accumulates sequentially, so it runs over blocks of
+# at most this many terms; the block results are reduced by a plain reduction.
+_SEQUENTIAL_BLOCK = 1024
+
+
+def _two_output_reduce(terms: jax.Array, op: str, axes: tuple[int, ...]) -> jax.Array:
+  """``op`` over ``axes`` as a reduction with a second output XLA cannot drop.
+
+  The second output is the maximum, which is ``0`` only where every
+  (non-negative) term is, so selecting on it leaves the value unchanged.
+  """
+  zero = jnp.zeros((), terms.dtype)
+  first = jax.lax.add if op == "sum" else jax.lax.max
+
+  def combine(a, b):
+    return first(a[0], b[0]), jax.lax.max(a[1], b[1])
+
+  total, peak = jax.lax.reduce((terms, terms), (zero, zero), combine, axes)
+  return jnp.where(peak == 0, zero, total)
+
+
+def _largest_divisor(n: int, at_most: int, at_least: int) -> int | None:
+  return next((b for b in range(min(n, at_most), at_least - 1, -1) if n % b == 0), None)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(1, 2, 3))
+def _float16_reduce(terms: jax.Array, op: str, axes: tuple[int, ...],
+                    keepdims: bool) -> jax.Array:
+  """:func:`_plain_reduce` of float16-derived terms without a float32 copy (XLA:CPU).
+
+  A reduction over at most ``_SEQUENTIAL_BLOCK`` terms is one two-output
+  reduction. A whole large leaf is reduced in blocks of a divisor of its size
+  (or in whole blocks plus the remainder) and the block results, a
+  ``1/_SEQUENTIAL_BLOCK``-th of the leaf, are reduced plainly: as accurate
+  as the plain float32 reduction, and faster on CPU. A reduction over part of
+  the axes of a large leaf falls back to the plain reduction. Derivatives are
+  taken through the plain reduction.
+  """
+  reduced = math.prod(terms.shape[a] for a in axes)
+  if reduced <= _SEQUENTIAL_BLOCK:
+    total = _two_output_reduce(terms, op, axes)
+  elif len(axes) < terms.ndim:
+    return _plain_reduce(terms, op, axes, keepdims)
+  else:
+    flat = jax.lax.reshape(terms, (terms.size,))
+    block = _largest_divisor(terms.size, _SEQUENTIAL_BLOCK, _SEQUENTIAL_BLOCK // 8)
+    if block is None:  # zero-pad to whole blocks: no sum or maximum changes
+      block = _SEQUENTIAL_BLOCK
+      flat = jax.lax.pad(flat, jnp.zeros((), flat.dtype), ((0, -terms.size % block, 0),))
+    blocks = jax.lax.reshape(flat, (flat.size // block, block))
+    total = _plain_reduce(_two_output_reduce(blocks, op, (1,)), op, None, False)
+  return jax.lax.expand_dims(total, axes) if keepdims else total
+
+
+@_float16_reduce.defjvp
+def _float16_reduce_jvp(op, axes, keepdims, primals, tangents):
+  return jax.jvp(lambda t: _plain_reduce(t, op, axes, keepdims), primals, tangents)
 
 
 def leaf_sumsq(x: jax.Array, axis: Axes = None, keepdims: bool = False) -> jax.Array:
   """``sum(|x|**2)`` over ``axis`` (all axes if ``None``), accumulated in float32+."""
   x = jnp.asarray(x)
-  return jnp.sum(abs_sq(x), axis=_canonical_axes(x.ndim, axis), keepdims=keepdims)
+  return _reduce(abs_sq(x), "sum", _canonical_axes(x.ndim, axis), keepdims,
+                 of_float16=x.dtype == jnp.float16)
 
 
 def leaf_norm(
@@ -140,10 +236,8 @@ def leaf_norm(
   axes = _canonical_axes(x.ndim, axis)
   if ord == 2:
     return safe_sqrt(leaf_sumsq(x, axes, keepdims))
-  if ord == 1:
-    return jnp.sum(safe_abs(x), axis=axes, keepdims=keepdims)
-  # ord == inf. ``initial`` makes the max of an empty leaf 0, as its norm.
-  return jnp.max(safe_abs(x), axis=axes, keepdims=keepdims, initial=0.0)
+  return _reduce(safe_abs(x), "sum" if ord == 1 else "max", axes, keepdims,
+                 of_float16=x.dtype == jnp.float16)
 
 
 def tree_norm(
@@ -186,19 +280,21 @@ def tree_norm(
   return safe_sqrt(total) if ord == 2 else total
 
 
-# Leaves of at most this many elements are reduced in groups (see below).
+# Leaves of at most _SMALL_LEAF elements are reduced together (see
+# _grouped_parts): added elementwise _GROUP at a time, or, those of more than
+# _TINY_LEAF and at most _CONCAT_LEAF elements, concatenated _CHUNK_LEAVES at
+# a time into chunks of at most _CHUNK_ELEMENTS elements.
 _SMALL_LEAF = 1 << 16
-# How many small leaves one group combines.
 _GROUP = 32
+_TINY_LEAF = 64
+_CONCAT_LEAF = 1024
+_CHUNK_LEAVES = 128
+_CHUNK_ELEMENTS = 1 << 16
 
 
 def _leaf_part(x: jax.Array, ord: float) -> jax.Array:
   """One leaf's share of a tree norm: ``sum |x|**2``, ``sum |x|`` or ``max |x|``."""
-  if ord == 2:
-    return leaf_sumsq(x)
-  if ord == 1:
-    return jnp.sum(safe_abs(x))
-  return leaf_norm(x, math.inf)
+  return leaf_sumsq(x) if ord == 2 else leaf_norm(x, ord)
 
 
 def _on_mesh(x: jax.Array) -> bool:
@@ -212,40 +308,61 @@ def _grouped_parts(leaves: list[Any], ord: float, acc: jnp.dtype) -> list[jax.Ar
 
   One scalar per leaf would make XLA build one fusion per leaf and then one
   chain of thousands of scalar adds, which compiles in time quadratic in the
-  number of leaves (optax's clip takes minutes at 5,000 leaves). Instead,
-  small leaves are flattened, their ``|x|**2`` (``|x|``) zero-padded to the
-  next power of two and added (maxed) elementwise in groups of ``_GROUP``
-  before a single reduction per group. Zero padding leaves every sum and
-  maximum of non-negative terms unchanged; large leaves keep one reduction
-  each, so no leaf is copied. Leaves that carry a mesh (sharded arrays under
-  ``jax.set_mesh``) are only grouped with leaves of the same shape and
-  sharding and never reshaped, so grouping adds no collective.
+  number of leaves (optax's clip takes minutes at 5,000 leaves). Instead
+  small leaves are reduced together, a few kernels per thousand leaves:
+
+  * leaves of more than ``_TINY_LEAF`` and at most ``_CONCAT_LEAF`` elements
+    (biases, norm scales) are flattened and concatenated per dtype, up to
+    ``_CHUNK_LEAVES`` leaves and ``_CHUNK_ELEMENTS`` elements at a time, and
+    each chunk is reduced once. The copy is at most ``_CHUNK_ELEMENTS``
+    elements, and compiles fast whatever the mix of shapes;
+  * the other small leaves are flattened, their ``|x|**2`` (``|x|``)
+    zero-padded to the next power of two and added (maxed) elementwise
+    ``_GROUP`` at a time before one reduction per group (zero padding changes
+    no sum or maximum of non-negative terms). Nothing is copied. (XLA:CPU
+    unrolls the copy of a tiny concatenated operand, which makes compiling
+    thousands of them slow, so tiny leaves take this path too.)
+
+  Large leaves, which hold the bytes, keep one reduction each and are never
+  copied. Leaves that carry a mesh (sharded arrays under ``jax.set_mesh``)
+  are never reshaped: those of one shape and sharding are added elementwise
+  ``_GROUP`` at a time, so grouping adds no collective.
   """
   term = abs_sq if ord == 2 else safe_abs
-  combine = jnp.maximum if ord == math.inf else jnp.add
-  parts, groups = [], {}
+  combine = jax.lax.max if ord == math.inf else jax.lax.add
+  parts, chunks, groups = [], {}, {}
   for x in leaves:
     x = jnp.asarray(x)
     if x.size == 0:
       continue
     if x.size > _SMALL_LEAF:
       parts.append(_leaf_part(x, ord))
-      continue
-    if _on_mesh(x):
-      key = (x.shape, x.dtype, jax.typeof(x).sharding)
+    elif _on_mesh(x):
+      groups.setdefault((x.shape, x.dtype, jax.typeof(x).sharding), []).append(x)
+    elif x.size <= _TINY_LEAF or x.size > _CONCAT_LEAF:
+      groups.setdefault((1 << (x.size - 1).bit_length(), accumulation_dtype(x.dtype)), []).append(x)
     else:
-      key = (1 << (x.size - 1).bit_length(), accumulation_dtype(x.dtype))
-    groups.setdefault(key, []).append(x)
+      chunk = chunks.setdefault(x.dtype, [[]])
+      if (len(chunk[-1]) == _CHUNK_LEAVES
+          or sum(y.size for y in chunk[-1]) + x.size > _CHUNK_ELEMENTS):
+        chunk.append([])
+      chunk[-1].append(x)
+  for dtype_chunks in chunks.values():
+    for chunk in dtype_chunks:
+      flat = [jax.lax.reshape(y, (y.size,)) for y in chunk]
+      parts.append(_leaf_part(flat[0] if len(flat) == 1 else jax.lax.concatenate(flat, 0), ord))
   for key, group in groups.items():
     for start in range(0, len(group), _GROUP):
       total = None
       for x in group[start:start + _GROUP]:
         t = term(x)
         if isinstance(key[0], int):  # flatten and pad to the group's width
-          t = t.ravel()
-          t = jnp.pad(t, (0, key[0] - t.size)) if t.size < key[0] else t
+          t = jax.lax.reshape(t, (t.size,))
+          if t.size < key[0]:
+            t = jax.lax.pad(t, jnp.zeros((), t.dtype), ((0, key[0] - t.size, 0),))
         total = t if total is None else combine(total, t)
-      parts.append(jnp.max(total) if ord == math.inf else jnp.sum(total))
+      of_float16 = any(x.dtype == jnp.float16 for x in group[start:start + _GROUP])
+      parts.append(_reduce(total, "max" if ord == math.inf else "sum", of_float16=of_float16))
   return [p.astype(acc) for p in parts]
 
 
@@ -316,10 +433,18 @@ def clip_scale(norm: jax.Array, max_norm: Any) -> jax.Array:
 
 
 def apply_scale(x: jax.Array, scale: jax.Array) -> jax.Array:
-  """``x * scale`` formed in :func:`compute_dtype`, returned in ``x.dtype``."""
-  x = jnp.asarray(x)
+  """``x * scale`` formed in :func:`compute_dtype`, returned in ``x.dtype``.
+
+  ``scale`` is a scalar or broadcasts against ``x`` with the same rank (a
+  norm taken with ``keepdims=True``).
+  """
+  x, scale = jnp.asarray(x), jnp.asarray(scale)
   dtype = compute_dtype(x.dtype)
-  return (x.astype(dtype) * jnp.asarray(scale).astype(dtype)).astype(x.dtype)
+  scale = _convert(scale, dtype)
+  if scale.shape != x.shape:
+    dims = tuple(range(x.ndim - scale.ndim, x.ndim))
+    scale = jax.lax.broadcast_in_dim(scale, x.shape, dims)
+  return _convert(jax.lax.mul(_convert(x, dtype), scale), x.dtype)
 
 
 _ORDS = {None: 2, 1: 1, 2: 2, math.inf: math.inf, "inf": math.inf}

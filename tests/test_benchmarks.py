@@ -13,9 +13,11 @@ import pytest
 import jaxclip
 from benchmarks import _cases, _main, _trees
 
-# Three gradient-sized leaves and a bias: a clipped copy of any weight would
-# need at least _SMALLEST_WEIGHT bytes of temporary memory.
-_SHAPES = {"w_in": (256, 256), "w_out": (512, 128), "w_emb": (1000, 64), "bias": (256,)}
+# Gradient-sized leaves (one above the kernel's small-leaf size, the others
+# grouped) and a bias: a clipped copy of any weight would need at least
+# _SMALLEST_WEIGHT bytes of temporary memory.
+_SHAPES = {"w_in": (256, 256), "w_out": (512, 128), "w_emb": (1000, 64), "w_big": (320, 256),
+           "bias": (256,)}
 _SMALLEST_WEIGHT = 1000 * 64 * 4
 
 
@@ -62,25 +64,77 @@ def test_standalone_donated_clip_is_in_place():
   assert compiled.memory_analysis().temp_size_in_bytes < _SMALLEST_WEIGHT // 8
 
 
-@pytest.mark.parametrize("clip", [
+_HALF = pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=["bf16", "f16"])
+_NORM_CLIPS = pytest.mark.parametrize("clip", [
     lambda: jaxclip.clip_by_global_norm(1.0),
     lambda: jaxclip.clip_by_norm(1.0),
-], ids=["clip_by_global_norm", "clip_by_norm"])
-def test_bfloat16_clip_holds_no_float32_copy(clip):
+    lambda: jaxclip.clip_by_global_norm(1.0, ord=1),
+    lambda: jaxclip.clip_by_global_norm(1.0, ord="inf"),
+], ids=["clip_by_global_norm", "clip_by_norm", "ord=1", "ord=inf"])
+
+
+@_HALF
+@_NORM_CLIPS
+def test_half_precision_clip_holds_no_float32_copy(clip, dtype):
   # The norm accumulates in float32, but no full-size float32 copy of a
-  # bfloat16 leaf may be materialised for it (XLA:CPU did so before the
-  # reduction got its own operand, see _numerics._reduction_input).
-  tree = jax.tree.map(lambda x: x.astype(jnp.bfloat16), _trees.make_tree(_SHAPES))
+  # half-precision leaf may be materialised for it. XLA:CPU did so for
+  # bfloat16 before the reduction got its own operand, and for float16 before
+  # the two-output reduction (see _numerics._reduction_input and _reduce).
+  tree = jax.tree.map(lambda x: x.astype(dtype), _trees.make_tree(_SHAPES))
   tx = clip()
   state = tx.init(tree)
   compiled = jax.jit(lambda t: tx.update(t, state)[0], donate_argnums=0).lower(tree).compile()
   assert compiled.memory_analysis().temp_size_in_bytes < _SMALLEST_WEIGHT // 8
 
 
-def test_many_leaves_compile_to_about_one_kernel_per_leaf():
+def _half_step_temp(tx, dtype):
+  params = jax.tree.map(lambda x: x.astype(dtype), _trees.make_tree(_SHAPES))
+  compiled, _ = _cases.compile_train_step(tx, params, params)
+  return compiled.memory_analysis().temp_size_in_bytes
+
+
+@_HALF
+@_NORM_CLIPS
+def test_half_precision_clip_adam_step_costs_no_more_than_any_elementwise_transform(
+    clip, dtype):
+  # XLA:CPU materialises the input of a bfloat16 adam update once whenever an
+  # elementwise transform precedes it (optax.scale(0.5) included). The clip
+  # must cost no more than that control: no float32 copy, no second buffer.
+  # For float16 the control holds nothing, and neither may the clip.
+  control = _half_step_temp(optax.chain(optax.scale(0.5), optax.adam(1e-3)), dtype)
+  temp = _half_step_temp(optax.chain(clip(), optax.adam(1e-3)), dtype)
+  assert temp <= control + 4096, (temp, control)
+  if dtype == jnp.float16:
+    assert temp < _SMALLEST_WEIGHT // 8
+
+
+@pytest.mark.parametrize("ord", [1, 2, math.inf])
+def test_float16_norm_value_and_gradient(ord):
+  # Large float16 leaves take the two-output reduction on CPU; its value and
+  # its derivative are those of the plain reduction.
+  rng = np.random.default_rng(1)
+  leaves = [rng.normal(size=(300, 257)).astype(np.float16),
+            np.full((70_000,), 300.0, np.float16), np.zeros((80_000,), np.float16)]
+  got = jax.jit(lambda t: jaxclip.ops.global_norm(t, ord=ord))(leaves)
+  np.testing.assert_allclose(float(got), _reference_norm(leaves, ord), rtol=2e-6)
+  per_leaf = jaxclip.ops.clip_by_norm(leaves[0], 1.0, axes=[1])
+  expected = np.asarray(leaves[0], np.float64)
+  expected = expected / np.maximum(np.linalg.norm(expected, axis=1, keepdims=True), 1.0)
+  np.testing.assert_allclose(np.asarray(per_leaf, np.float64), expected, rtol=2e-3, atol=1e-6)
+  grads = jax.grad(lambda t: jaxclip.ops.global_norm(t, ord=ord).astype(jnp.float32))(
+      [jnp.asarray(x, jnp.float32).astype(jnp.float16) for x in leaves[:1]] + [leaves[2]])
+  assert all(bool(jnp.all(jnp.isfinite(g))) for g in grads)
+  if ord == 2:
+    big = np.asarray(leaves[0], np.float64)
+    np.testing.assert_allclose(np.asarray(grads[0], np.float64), big / np.linalg.norm(big),
+                               rtol=1e-2, atol=1e-4)
+
+
+@pytest.mark.parametrize("mixed", [False, True], ids=["uniform", "mixed"])
+def test_many_leaves_compile_to_about_one_kernel_per_leaf(mixed):
   # Compile time follows the number of HLO fusions; one reduction per small
   # leaf plus a chain of thousands of scalar adds is what made it quadratic.
-  tree = _trees.make_tree(_trees.many_leaf_shapes(256))
+  tree = _trees.make_tree(_trees.many_leaf_shapes(256, mixed))
   scale_only = jax.jit(lambda t: jax.tree.map(lambda x: x * 0.5, t)).lower(tree).compile()
   tx = jaxclip.clip_by_global_norm(1.0)
   clip = jax.jit(lambda t: tx.update(t, tx.init(t))[0]).lower(tree).compile()
