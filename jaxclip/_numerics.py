@@ -281,15 +281,12 @@ def tree_norm(
 
 
 # Leaves of at most _SMALL_LEAF elements are reduced together (see
-# _grouped_parts): added elementwise _GROUP at a time, or, those of more than
-# _TINY_LEAF and at most _CONCAT_LEAF elements, concatenated _CHUNK_LEAVES at
-# a time into chunks of at most _CHUNK_ELEMENTS elements.
-_SMALL_LEAF = 1 << 16
-_GROUP = 32
+# _grouped_parts): those of at most _TINY_LEAF elements added elementwise
+# _GROUP at a time, the others concatenated _CHUNK_LEAVES at a time.
+_SMALL_LEAF = 1024
 _TINY_LEAF = 64
-_CONCAT_LEAF = 1024
+_GROUP = 32
 _CHUNK_LEAVES = 128
-_CHUNK_ELEMENTS = 1 << 16
 
 
 def _leaf_part(x: jax.Array, ord: float) -> jax.Array:
@@ -311,20 +308,20 @@ def _grouped_parts(leaves: list[Any], ord: float, acc: jnp.dtype) -> list[jax.Ar
   number of leaves (optax's clip takes minutes at 5,000 leaves). Instead
   small leaves are reduced together, a few kernels per thousand leaves:
 
-  * leaves of more than ``_TINY_LEAF`` and at most ``_CONCAT_LEAF`` elements
-    (biases, norm scales) are flattened and concatenated per dtype, up to
-    ``_CHUNK_LEAVES`` leaves and ``_CHUNK_ELEMENTS`` elements at a time, and
-    each chunk is reduced once. The copy is at most ``_CHUNK_ELEMENTS``
-    elements, and compiles fast whatever the mix of shapes;
-  * the other small leaves are flattened, their ``|x|**2`` (``|x|``)
-    zero-padded to the next power of two and added (maxed) elementwise
-    ``_GROUP`` at a time before one reduction per group (zero padding changes
-    no sum or maximum of non-negative terms). Nothing is copied. (XLA:CPU
+  * leaves of more than ``_TINY_LEAF`` and at most ``_SMALL_LEAF``
+    elements (biases, norm scales) are flattened and concatenated per dtype,
+    ``_CHUNK_LEAVES`` at a time, and each chunk is reduced once. The copy is
+    of small leaves only (at most ``_CHUNK_LEAVES * _SMALL_LEAF`` elements
+    at a time), and compiles fast whatever the mix of shapes;
+  * leaves of at most ``_TINY_LEAF`` elements are flattened, their
+    ``|x|**2`` (``|x|``) zero-padded to the next power of two and added
+    (maxed) elementwise ``_GROUP`` at a time before one reduction per group
+    (zero padding changes no sum or maximum of non-negative terms). XLA:CPU
     unrolls the copy of a tiny concatenated operand, which makes compiling
-    thousands of them slow, so tiny leaves take this path too.)
+    thousands of them slow; this path copies nothing.
 
-  Large leaves, which hold the bytes, keep one reduction each and are never
-  copied. Leaves that carry a mesh (sharded arrays under ``jax.set_mesh``)
+  Larger leaves, which hold the bytes, keep one reduction each and are never
+  copied (grouping them, padded or concatenated, measured slower). Leaves that carry a mesh (sharded arrays under ``jax.set_mesh``)
   are never reshaped: those of one shape and sharding are added elementwise
   ``_GROUP`` at a time, so grouping adds no collective.
   """
@@ -339,12 +336,11 @@ def _grouped_parts(leaves: list[Any], ord: float, acc: jnp.dtype) -> list[jax.Ar
       parts.append(_leaf_part(x, ord))
     elif _on_mesh(x):
       groups.setdefault((x.shape, x.dtype, jax.typeof(x).sharding), []).append(x)
-    elif x.size <= _TINY_LEAF or x.size > _CONCAT_LEAF:
+    elif x.size <= _TINY_LEAF:
       groups.setdefault((1 << (x.size - 1).bit_length(), accumulation_dtype(x.dtype)), []).append(x)
     else:
       chunk = chunks.setdefault(x.dtype, [[]])
-      if (len(chunk[-1]) == _CHUNK_LEAVES
-          or sum(y.size for y in chunk[-1]) + x.size > _CHUNK_ELEMENTS):
+      if len(chunk[-1]) == _CHUNK_LEAVES:
         chunk.append([])
       chunk[-1].append(x)
   for dtype_chunks in chunks.values():
