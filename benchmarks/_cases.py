@@ -65,16 +65,41 @@ def compile_train_step(tx: optax.GradientTransformation, params: Any, grads: Any
   return compiled, opt_state
 
 
-def run_train_steps(shapes: dict, reps: int, read_floor_s: float) -> list[dict]:
-  rows = []
+def run_train_steps(shapes: dict, reps: int) -> list[dict]:
+  """Median step time of every train case, the cases interleaved.
+
+  All cases are compiled first and then timed in turn, one step each, ``reps``
+  times over, so that every case samples the same stretch of time: on a
+  shared machine the speed drifts by tens of percent over seconds, and timing
+  the cases one after the other would put the drift into their ratios. The
+  floor's read pass over the gradients' bytes is timed in the same turns.
+  """
+  grads = _trees.make_tree(shapes, seed=2)
+  flat = jnp.full((_trees.num_params(shapes),), 1e-3, jnp.float32)
+  read = jax.jit(jnp.sum).lower(flat).compile()
+  read_times = []
+  cases = {}
   for name, make in TRAIN_CASES.items():
-    params, grads = _trees.make_tree(shapes, seed=1), _trees.make_tree(shapes, seed=2)
+    params = _trees.make_tree(shapes, seed=1)
     compiled, opt_state = compile_train_step(make(), params, grads)
-    seconds, _ = _timing.time_loop(lambda s, c=compiled, g=grads: c(*s, g),
-                                   (params, opt_state), reps)
-    rows.append({"case": name, "ms": 1e3 * seconds, "temp_mb": _temp_mb(compiled),
-                 "extra_reads": TRAIN_EXTRA_READS.get(name, 1)})
-    del params, grads, opt_state, compiled
+    cases[name] = {"compiled": compiled, "state": (params, opt_state), "times": []}
+  for _ in range(2):  # warm-up
+    jax.block_until_ready(read(flat))
+    for case in cases.values():
+      case["state"] = jax.block_until_ready(case["compiled"](*case["state"], grads))
+  for _ in range(reps):
+    t0 = time.perf_counter()
+    jax.block_until_ready(read(flat))
+    read_times.append(time.perf_counter() - t0)
+    for case in cases.values():
+      t0 = time.perf_counter()
+      case["state"] = jax.block_until_ready(case["compiled"](*case["state"], grads))
+      case["times"].append(time.perf_counter() - t0)
+  read_floor_s = statistics.median(read_times)
+  rows = [{"case": name, "ms": 1e3 * statistics.median(case["times"]),
+           "temp_mb": _temp_mb(case["compiled"]), "extra_reads": TRAIN_EXTRA_READS.get(name, 1)}
+          for name, case in cases.items()]
+  del cases, flat
   by_name = {r["case"]: r for r in rows}
   adam_ms = by_name["adam"]["ms"]
   for r in rows:

@@ -22,10 +22,13 @@ def markdown(meta: dict, train: list[dict], standalone: list[list[dict]], compil
              impls: tuple[str, ...], size_rows: list[dict], temp_rows: list[dict]) -> str:
   out = ["# jaxclip benchmark results", ""]
   out += [f"- {k}: {v}" for k, v in meta.items()]
-  out += ["", "Times are medians of the repetitions. `x floor` divides by the bandwidth "
-          "floor measured in the same run: for a train step, adam alone plus one read pass "
-          "over the gradients (none for value clipping); for a standalone clip, one read "
-          "pass plus one in-place scale pass over one flat buffer of the same bytes.", ""]
+  out += ["", "Times are medians of the repetitions. The train steps are timed interleaved "
+          "(one step of each case in turn, together with the floor's read pass), so that "
+          "all of them sample the same stretch of a machine whose speed drifts. `x floor` "
+          "divides by the bandwidth floor measured in the same run: for a train step, adam "
+          "alone plus one read pass over the gradients (none for value clipping); for a "
+          "standalone clip, one read pass plus one in-place scale pass over one flat buffer "
+          "of the same bytes.", ""]
   if train:
     out += [f"## Train step: clip + adam, {meta['train tree']}", ""]
     out.append(_table(
