@@ -7,6 +7,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -115,18 +116,8 @@ def run_train_steps(shapes: dict, reps: int) -> list[dict]:
 # ----------------------------------------------------------------------------
 
 
-def bandwidth_floor(num: int, dtype: Any, reps: int) -> tuple[float, float]:
-  """(read, scale) seconds: a sum over, and an in-place scale of, one flat buffer."""
-  flat = jnp.full((num,), 1e-3, dtype)
-  read = jax.jit(jnp.sum)
-  read_s = _timing.time_call(lambda: read(flat), reps)
-  scale = jax.jit(lambda x, s: x * s.astype(x.dtype), donate_argnums=0)
-  s = jnp.float32(0.999)
-  scale_s, _ = _timing.time_loop(lambda x: scale(x, s), flat, reps)
-  return read_s, scale_s
-
-
-def _torch_clip_seconds(shapes: dict, dtype_name: str, reps: int) -> float | None:
+def _torch_clip_step(shapes: dict, dtype_name: str) -> Callable[[Any], tuple[Any, Any]] | None:
+  """A step clipping a torch tree in place with ``clip_grad_norm_(foreach=True)``."""
   try:
     import torch
   except ImportError:
@@ -142,50 +133,66 @@ def _torch_clip_seconds(shapes: dict, dtype_name: str, reps: int) -> float | Non
     p.grad = torch.randn(shape, dtype=torch.float32, device=device).mul_(1e-2).to(dtype)
     params.append(p)
 
-  def fn():
+  def step(state):
     torch.nn.utils.clip_grad_norm_(params, MAX_NORM, foreach=True)
     if cuda:
       torch.cuda.synchronize()
+    return None, state
 
-  for _ in range(2):
-    fn()
-  times = []
-  for _ in range(reps):
-    t0 = time.perf_counter()
-    fn()
-    times.append(time.perf_counter() - t0)
-  return statistics.median(times)
+  return step
 
 
 def run_standalone(shapes: dict, dtype: Any, reps: int, peak_gbps: float | None,
                    with_torch: bool = True) -> list[dict]:
-  """The norm pass and the clip, for jaxclip and optax, against the floor."""
-  tree = _trees.make_tree(shapes, dtype)
-  nbytes, num = _nbytes(tree), _trees.num_params(shapes)
-  read_s, scale_s = bandwidth_floor(num, dtype, reps)
-  floor_s = read_s + scale_s
+  """The norm pass and the clip, for jaxclip, optax and torch, against the floor.
+
+  Every case, the floor's two passes included, is timed interleaved with the
+  others (see :func:`_timing.time_interleaved`).
+  """
+  nbytes, num = _nbytes(_trees.make_tree(shapes, dtype)), _trees.num_params(shapes)
   dname = jnp.dtype(dtype).name
-  rows = [{"case": f"floor: read pass ({dname})", "ms": 1e3 * read_s, "bytes": nbytes},
-          {"case": f"floor: in-place scale pass ({dname})", "ms": 1e3 * scale_s,
-           "bytes": 2 * nbytes}]
+  flat = jnp.full((num,), 1e-3, dtype)
+  read = jax.jit(jnp.sum).lower(flat).compile()
+  scale = jax.jit(lambda x, s: x * s.astype(x.dtype), donate_argnums=0).lower(
+      flat, jnp.float32(0.999)).compile()
+  steps = {"read": (lambda x: (read(x), x), flat),
+           "scale": (lambda x: (y := scale(x, jnp.float32(0.999)), y),
+                     jnp.full((num,), 1e-3, dtype))}
+  temps = {}
+  norm_tree = _trees.make_tree(shapes, dtype)
   for lib, norm_fn in (("jaxclip", jaxclip.ops.global_norm), ("optax", optax.tree.norm)):
-    compiled = jax.jit(norm_fn).lower(tree).compile()
-    seconds = _timing.time_call(lambda c=compiled: c(tree), reps)
-    rows.append({"case": f"{lib} global_norm ({dname})", "ms": 1e3 * seconds, "bytes": nbytes,
-                 "x_floor": seconds / read_s, "temp_mb": _temp_mb(compiled)})
-  clip_rows = {}
+    compiled = jax.jit(norm_fn).lower(norm_tree).compile()
+    steps[f"{lib} norm"] = (lambda t, c=compiled: (c(t), t), norm_tree)
+    temps[f"{lib} norm"] = _temp_mb(compiled)
   for lib, make in (("jaxclip", jaxclip.clip_by_global_norm), ("optax", optax.clip_by_global_norm)):
     tx = make(MAX_NORM)
+    tree = _trees.make_tree(shapes, dtype)
     state = tx.init(tree)
     compiled = jax.jit(lambda t, tx=tx, state=state: tx.update(t, state)[0],
                        donate_argnums=0).lower(tree).compile()
-    tree = _trees.make_tree(shapes, dtype)
-    seconds, tree = _timing.time_loop(compiled, tree, reps)
-    row = {"case": f"{lib}.clip_by_global_norm ({dname})", "ms": 1e3 * seconds,
-           "bytes": 3 * nbytes, "x_floor": seconds / floor_s, "temp_mb": _temp_mb(compiled)}
-    clip_rows[lib] = row
-    rows.append(row)
-  torch_s = _torch_clip_seconds(shapes, dname, reps) if with_torch else None
+    steps[f"{lib} clip"] = (lambda t, c=compiled: (y := c(t), y), tree)
+    temps[f"{lib} clip"] = _temp_mb(compiled)
+  torch_step = _torch_clip_step(shapes, dname) if with_torch else None
+  if torch_step is not None:
+    steps["torch clip"] = (torch_step, None)
+  seconds = _timing.time_interleaved(steps, reps)
+  del steps
+  read_s, scale_s = seconds["read"], seconds["scale"]
+  floor_s = read_s + scale_s
+  rows = [{"case": f"floor: read pass ({dname})", "ms": 1e3 * read_s, "bytes": nbytes},
+          {"case": f"floor: in-place scale pass ({dname})", "ms": 1e3 * scale_s,
+           "bytes": 2 * nbytes}]
+  for lib in ("jaxclip", "optax"):
+    s = seconds[f"{lib} norm"]
+    rows.append({"case": f"{lib} global_norm ({dname})", "ms": 1e3 * s, "bytes": nbytes,
+                 "x_floor": s / read_s, "temp_mb": temps[f"{lib} norm"]})
+  clip_rows = {}
+  for lib in ("jaxclip", "optax"):
+    s = seconds[f"{lib} clip"]
+    clip_rows[lib] = {"case": f"{lib}.clip_by_global_norm ({dname})", "ms": 1e3 * s,
+                      "bytes": 3 * nbytes, "x_floor": s / floor_s, "temp_mb": temps[f"{lib} clip"]}
+    rows.append(clip_rows[lib])
+  torch_s = seconds.get("torch clip")
   rows.append({"case": f"torch clip_grad_norm_(foreach=True) ({dname})",
                "ms": None if torch_s is None else 1e3 * torch_s, "bytes": 3 * nbytes,
                "x_floor": None if torch_s is None else torch_s / floor_s})

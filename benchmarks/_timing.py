@@ -40,3 +40,24 @@ def compile_seconds(fn: Callable, *args: Any) -> float:
   t0 = time.perf_counter()
   jax.jit(fn).lower(*args).compile()
   return time.perf_counter() - t0
+
+
+def time_interleaved(steps: dict[str, tuple[Callable[[Any], tuple[Any, Any]], Any]], reps: int,
+                     warmup: int = 2) -> dict[str, float]:
+  """Median seconds of each step, the steps timed in turn, one call each, ``reps`` times over.
+
+  ``steps`` maps a name to ``(step, state)``; ``step(state)`` returns
+  ``(result, new_state)`` and the clock stops once ``result`` is ready.
+  Interleaving makes every step sample the same stretch of time, so that a
+  machine whose speed drifts does not skew their ratios.
+  """
+  states = {name: state for name, (_, state) in steps.items()}
+  times: dict[str, list[float]] = {name: [] for name in steps}
+  for i in range(warmup + reps):
+    for name, (step, _) in steps.items():
+      t0 = time.perf_counter()
+      result, states[name] = step(states[name])
+      jax.block_until_ready(result)
+      if i >= warmup:
+        times[name].append(time.perf_counter() - t0)
+  return {name: statistics.median(ts) for name, ts in times.items()}

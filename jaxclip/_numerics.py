@@ -321,9 +321,10 @@ def _grouped_parts(leaves: list[Any], ord: float, acc: jnp.dtype) -> list[jax.Ar
     thousands of them slow; this path copies nothing.
 
   Larger leaves, which hold the bytes, keep one reduction each and are never
-  copied (grouping them, padded or concatenated, measured slower). Leaves that carry a mesh (sharded arrays under ``jax.set_mesh``)
-  are never reshaped: those of one shape and sharding are added elementwise
-  ``_GROUP`` at a time, so grouping adds no collective.
+  copied (grouping them, padded or concatenated, measured slower). Leaves
+  that carry a mesh (sharded arrays under ``jax.set_mesh``) are never
+  reshaped: those of one shape and sharding are added elementwise ``_GROUP``
+  at a time, so grouping adds no collective.
   """
   term = abs_sq if ord == 2 else safe_abs
   combine = jax.lax.max if ord == math.inf else jax.lax.add
