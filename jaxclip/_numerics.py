@@ -190,9 +190,9 @@ def _float16_reduce(terms: jax.Array, op: str, axes: tuple[int, ...],
 
   A reduction over at most ``_SEQUENTIAL_BLOCK`` terms is one two-output
   reduction. A whole large leaf is reduced in blocks of a divisor of its size
-  (or in whole blocks plus the remainder) and the block results, a
-  ``1/_SEQUENTIAL_BLOCK``-th of the leaf, are reduced plainly: as accurate
-  as the plain float32 reduction, and faster on CPU. A reduction over part of
+  (or, with no such divisor, zero-padded to whole blocks) and the block
+  results, one per up to ``_SEQUENTIAL_BLOCK`` terms, are reduced plainly: as
+  accurate as the plain float32 reduction, and faster on CPU. A reduction over part of
   the axes of a large leaf falls back to the plain reduction. Derivatives are
   taken through the plain reduction.
   """
