@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import os
-import statistics
 import subprocess
 import sys
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -78,29 +76,18 @@ def run_train_steps(shapes: dict, reps: int) -> list[dict]:
   grads = _trees.make_tree(shapes, seed=2)
   flat = jnp.full((_trees.num_params(shapes),), 1e-3, jnp.float32)
   read = jax.jit(jnp.sum).lower(flat).compile()
-  read_times = []
-  cases = {}
+  steps = {"floor: read pass": (lambda x: (read(x), x), flat)}
+  temps = {}
   for name, make in TRAIN_CASES.items():
     params = _trees.make_tree(shapes, seed=1)
     compiled, opt_state = compile_train_step(make(), params, grads)
-    cases[name] = {"compiled": compiled, "state": (params, opt_state), "times": []}
-  for _ in range(2):  # warm-up
-    jax.block_until_ready(read(flat))
-    for case in cases.values():
-      case["state"] = jax.block_until_ready(case["compiled"](*case["state"], grads))
-  for _ in range(reps):
-    t0 = time.perf_counter()
-    jax.block_until_ready(read(flat))
-    read_times.append(time.perf_counter() - t0)
-    for case in cases.values():
-      t0 = time.perf_counter()
-      case["state"] = jax.block_until_ready(case["compiled"](*case["state"], grads))
-      case["times"].append(time.perf_counter() - t0)
-  read_floor_s = statistics.median(read_times)
-  rows = [{"case": name, "ms": 1e3 * statistics.median(case["times"]),
-           "temp_mb": _temp_mb(case["compiled"]), "extra_reads": TRAIN_EXTRA_READS.get(name, 1)}
-          for name, case in cases.items()]
-  del cases, flat
+    steps[name] = (lambda s, c=compiled: (s := c(*s, grads), s), (params, opt_state))
+    temps[name] = _temp_mb(compiled)
+  seconds = _timing.time_interleaved(steps, reps)
+  del steps, flat
+  read_floor_s = seconds.pop("floor: read pass")
+  rows = [{"case": name, "ms": 1e3 * s, "temp_mb": temps[name],
+           "extra_reads": TRAIN_EXTRA_READS.get(name, 1)} for name, s in seconds.items()]
   by_name = {r["case"]: r for r in rows}
   adam_ms = by_name["adam"]["ms"]
   for r in rows:
