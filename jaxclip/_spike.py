@@ -64,6 +64,19 @@ def _check(history: _history.History, value: jax.Array, sigma: Any,
   return active & jnp.logical_not(within), threshold
 
 
+def _state(inner_state: Any, norms: _history.History, losses: _history.History,
+           **scalars: jax.Array) -> SkipOnSpikeState:
+  """A :class:`SkipOnSpikeState` from the two histories and the scalar fields."""
+  return SkipOnSpikeState(
+      inner_state=inner_state,
+      spike_norm_history=norms.values, spike_norm_count=norms.size,
+      spike_norm_index=norms.index,
+      spike_loss_history=losses.values, spike_loss_count=losses.size,
+      spike_loss_index=losses.index,
+      **scalars,
+  )
+
+
 def skip_on_spike(
     inner: optax.GradientTransformation,
     *,
@@ -150,21 +163,11 @@ def skip_on_spike(
 
   def init_fn(params):
     size = _validation.require_size(window, "window")
-    norms, losses = _history.empty(size), _history.empty(size)
-    return SkipOnSpikeState(
-        inner_state=inner.init(params),
-        spike_norm_history=norms.values,
-        spike_norm_count=norms.size,
-        spike_norm_index=norms.index,
-        spike_loss_history=losses.values,
-        spike_loss_count=losses.size,
-        spike_loss_index=losses.index,
-        spike_grad_norm=jnp.zeros((), jnp.float32),
-        spike_norm_threshold=jnp.array(jnp.inf, jnp.float32),
-        spike_loss_threshold=jnp.array(jnp.inf, jnp.float32),
-        spike_step_skipped=jnp.array(False),
-        num_spike_skipped=jnp.zeros((), jnp.int32),
-    )
+    inf = jnp.array(jnp.inf, jnp.float32)
+    return _state(inner.init(params), _history.empty(size), _history.empty(size),
+                  spike_grad_norm=jnp.zeros((), jnp.float32), spike_norm_threshold=inf,
+                  spike_loss_threshold=inf, spike_step_skipped=jnp.array(False),
+                  num_spike_skipped=jnp.zeros((), jnp.int32))
 
   def update_fn(updates, state, params=None, **extra_args):
     norm = _numerics.tree_norm(updates, ord, axis_name, replicated).astype(jnp.float32)
@@ -187,20 +190,11 @@ def skip_on_spike(
       losses = _history.push(losses, loss)
 
     new_updates, inner_state = inner.update(updates, state.inner_state, params, **extra_args)
-    return zero_updates_where(skip, new_updates), SkipOnSpikeState(
-        inner_state=select_tree(skip, state.inner_state, inner_state),
-        spike_norm_history=norms.values,
-        spike_norm_count=norms.size,
-        spike_norm_index=norms.index,
-        spike_loss_history=losses.values,
-        spike_loss_count=losses.size,
-        spike_loss_index=losses.index,
-        spike_grad_norm=norm,
-        spike_norm_threshold=norm_threshold,
-        spike_loss_threshold=loss_threshold,
-        spike_step_skipped=skip,
+    return zero_updates_where(skip, new_updates), _state(
+        select_tree(skip, state.inner_state, inner_state), norms, losses,
+        spike_grad_norm=norm, spike_norm_threshold=norm_threshold,
+        spike_loss_threshold=loss_threshold, spike_step_skipped=skip,
         num_spike_skipped=jnp.where(
-            skip, optax.safe_increment(state.num_spike_skipped), state.num_spike_skipped),
-    )
+            skip, optax.safe_increment(state.num_spike_skipped), state.num_spike_skipped))
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)

@@ -39,6 +39,16 @@ def feed(tx, norms, jit=True):
   return out
 
 
+def scanned(tx, norms):
+  """What feed gives (first update entries), from one lax.scan over the norms."""
+  def body(state, n):
+    u, state = tx.update(jnp.stack([n, jnp.zeros_like(n)]), state)
+    return state, u[0]
+
+  _, us = jax.lax.scan(body, tx.init(None), jnp.asarray(norms))
+  return np.asarray(us)
+
+
 def assert_same_avals(a, b):
   assert jax.tree.structure(a) == jax.tree.structure(b)
   for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
@@ -118,12 +128,7 @@ def test_autoclip_jit_eager_scan_inject_agree_and_dtypes():
   injected = optax.inject_hyperparams(jaxclip.autoclip)(percentile=25.0, history=6)
   np.testing.assert_allclose(eager, [u for u, _ in feed(injected, norms)], rtol=1e-6)
 
-  def body(state, n):
-    u, state = tx.update(jnp.stack([n, jnp.zeros_like(n)]), state)
-    return state, u[0]
-
-  _, us = jax.lax.scan(body, tx.init(None), jnp.asarray(norms))
-  np.testing.assert_allclose(np.asarray(us), eager, rtol=1e-6)
+  np.testing.assert_allclose(scanned(tx, norms), eager, rtol=1e-6)
 
   tree = {"a": jnp.full((3,), 100.0, jnp.bfloat16), "b": jnp.ones((2, 2), jnp.float16)}
   state = tx.init(tree)
@@ -229,12 +234,7 @@ def test_zclip_inject_hyperparams_scan_and_grad_at_zero():
   injected = optax.inject_hyperparams(jaxclip.zclip)(alpha=0.9, z_thresh=2.0, warmup_steps=4)
   np.testing.assert_allclose(eager, [u for u, _ in feed(injected, norms)], rtol=1e-6)
 
-  def body(state, n):
-    u, state = tx.update(jnp.stack([n, jnp.zeros_like(n)]), state)
-    return state, u[0]
-
-  _, us = jax.lax.scan(body, tx.init(None), jnp.asarray(norms))
-  np.testing.assert_allclose(np.asarray(us), eager, rtol=1e-6)
+  np.testing.assert_allclose(scanned(tx, norms), eager, rtol=1e-6)
 
   for t in (tx, jaxclip.autoclip(10.0, 4)):
     state = t.init(jnp.zeros(3))
