@@ -24,6 +24,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 Axes = int | Sequence[int] | None
 
@@ -287,6 +288,11 @@ _SMALL_LEAF = 1024
 _TINY_LEAF = 64
 _GROUP = 32
 _CHUNK_LEAVES = 128
+# map_leaf_norms stacks small leaves of one shape and dtype: _GROUP at a time
+# with rows taken at constant offsets when the shape has at least _STATIC_ROWS
+# leaves, else _INDEXED_GROUP at a time with rows taken at opaque indices.
+_STATIC_ROWS = 512
+_INDEXED_GROUP = 128
 
 
 def _leaf_part(x: jax.Array, ord: float) -> jax.Array:
@@ -371,11 +377,16 @@ def map_leaf_norms(
 
   ``fn`` maps a norm (with kept dimensions) and the leaf's size to a value
   broadcastable against the leaf, e.g. a clip factor. Small leaves of equal
-  shape and dtype are stacked ``_GROUP`` at a time so that one reduction and
-  one call of ``fn`` serve the whole stack, and XLA compiles a few kernels per
-  group instead of several per leaf (thousands of leaves compile in seconds).
-  Only small leaves are stacked (a copy of at most ``_SMALL_LEAF`` elements
-  each); large and mesh-sharded leaves are reduced one by one.
+  shape and dtype are stacked so that one reduction and one call of ``fn``
+  serve the whole stack, and XLA compiles a few kernels per group instead of
+  several per leaf. Each leaf then takes its row of the result: a shape with
+  at least ``_STATIC_ROWS`` leaves at constant offsets, ``_GROUP`` leaves a
+  stack (the kernels of one offset are shared by all the stacks); a rarer
+  shape at :func:`_opaque_indices`, ``_INDEXED_GROUP`` leaves a stack (one
+  kernel for all its leaves, where constant offsets would compile one kernel
+  per shape and offset). Only small leaves are stacked (a copy of at most
+  ``_SMALL_LEAF`` elements each); large and mesh-sharded leaves are reduced
+  one by one.
   """
   out: list[Any] = [None] * len(leaves)
   groups: dict[Any, list[int]] = {}
@@ -385,20 +396,57 @@ def map_leaf_norms(
       out[i] = fn(leaf_norm(x, ord, axis, keepdims=True), x.size)
     else:
       groups.setdefault((x.shape, x.dtype), []).append(i)
+  index = None
   for (shape, _), members in groups.items():
     axes = _canonical_axes(len(shape), axis)
     axes = tuple(range(1, len(shape) + 1)) if axes is None else tuple(a + 1 for a in axes)
     size = math.prod(shape)
-    for start in range(0, len(members), _GROUP):
-      chunk = members[start:start + _GROUP]
+    indexed = len(members) < _STATIC_ROWS
+    step = _INDEXED_GROUP if indexed else _GROUP
+    for start in range(0, len(members), step):
+      chunk = members[start:start + step]
       if len(chunk) == 1:
         out[chunk[0]] = fn(leaf_norm(leaves[chunk[0]], ord, axis, keepdims=True), size)
         continue
-      stacked = jnp.stack([jnp.asarray(leaves[i]) for i in chunk])
+      stacked = jax.lax.concatenate(
+          [jax.lax.reshape(jnp.asarray(leaves[i]), (1,) + shape) for i in chunk], 0)
       values = fn(leaf_norm(stacked, ord, axes, keepdims=True), size)
+      if not indexed:
+        for j, i in enumerate(chunk):
+          out[i] = values[j]
+        continue
+      if index is None:
+        index = _opaque_indices(_INDEXED_GROUP, jnp.asarray(leaves[chunk[0]]))
+      rest = (np.int32(0),) * (values.ndim - 1)
       for j, i in enumerate(chunk):
-        out[i] = values[j]
+        row = jax.lax.dynamic_slice(values, (index[j],) + rest, (1,) + values.shape[1:],
+                                    allow_negative_indices=False)
+        out[i] = jax.lax.reshape(row, values.shape[1:])
   return out
+
+
+def _opaque_indices(k: int, like: jax.Array) -> tuple[jax.Array, ...]:
+  """The int32 scalars ``0, 1, ..., k - 1``, computed so that XLA cannot fold them.
+
+  Why: a leaf that takes row ``j`` of a stacked result at a constant offset
+  gets its own kernel for every (shape, offset), and a tree of many shapes
+  then compiles thousands of distinct kernels. At an index XLA only knows at
+  run time, all the leaves of one shape share one kernel.
+
+  How: each index is one output of a single multi-output reduction (XLA fuses
+  no reduction into its consumers), and depends on ``like`` through a
+  comparison that is false for every value, NaN included. Were a compiler
+  ever to fold it, the offsets would be constants again: same results, only
+  the compile time changes.
+  """
+  first = jax.lax.reshape(like, (like.size,))[0]
+  false = jax.lax.bitwise_and(jax.lax.ne(first, first), jax.lax.eq(first, first))
+  zero = jax.lax.convert_element_type(false, jnp.int32)
+  operands = tuple(jax.lax.broadcast_in_dim(jax.lax.add(zero, np.int32(j)), (2,), ())
+                   for j in range(k))
+  lowest = tuple(np.int32(np.iinfo(np.int32).min) for _ in range(k))
+  return tuple(jax.lax.reduce(operands, lowest,
+                              lambda a, b: tuple(map(jax.lax.max, a, b)), (0,)))
 
 
 def _sum_scalars(parts: list[jax.Array]) -> jax.Array:

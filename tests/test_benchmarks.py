@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -172,3 +173,74 @@ def test_grouped_norm_gradient_is_finite_at_zero_and_right_elsewhere():
   norm = jaxclip.ops.global_norm(tree)
   for g, x in zip(grads, tree, strict=True):
     np.testing.assert_allclose(g, x / norm, rtol=1e-6)
+
+
+def _per_leaf_reference(leaves, clip_norm, axes=None):
+  out = []
+  for x in leaves:
+    x64 = np.asarray(x, np.float64)
+    norm = np.sqrt(np.sum(x64**2, axis=axes, keepdims=True))
+    out.append(x64 * np.where(norm > clip_norm, clip_norm / np.where(norm > 0, norm, 1), 1.0))
+  return out
+
+
+def _rare_and_common_shapes():
+  # 9 shapes with a few leaves each (rows at opaque indices, several stacks for
+  # the (5,) leaves) and one shape with enough leaves for constant offsets.
+  rng = np.random.default_rng(1)
+  shapes = [(5,)] * 140 + [(3, 4)] * 7 + [(2, 3, 2)] * 3 + [(70,)] * 6 + [(8, 9)] * 5 + [(4,)] * 520
+  shapes += [(n,) for n in range(90, 95)] * 2
+  return [rng.normal(size=s).astype(np.float32) * rng.choice([0.01, 1.0, 10.0])
+          for s in shapes]
+
+
+def test_per_leaf_clip_of_rare_and_common_shapes_matches_leaf_by_leaf():
+  from jaxclip import _numerics
+  leaves = _rare_and_common_shapes()
+  assert len([x for x in leaves if x.shape == (4,)]) >= _numerics._STATIC_ROWS
+  assert len([x for x in leaves if x.shape == (5,)]) > _numerics._INDEXED_GROUP
+  leaves[0][0] = np.nan  # the first leaf of a stack: only it turns NaN
+  leaves[1][:] = 0.0
+  got = jax.jit(lambda t: jaxclip.ops.clip_by_norm(t, 1.5))(leaves)
+  want = _per_leaf_reference(leaves, 1.5)
+  assert bool(jnp.all(jnp.isnan(got[0])))
+  for g, w in zip(got[1:], want[1:], strict=True):
+    np.testing.assert_allclose(np.asarray(g, np.float64), w, rtol=2e-6, atol=1e-7)
+  got = jax.jit(lambda t: jaxclip.ops.clip_by_norm(t, 1.5, axes=[0]))(leaves[1:])
+  for g, w in zip(got, _per_leaf_reference(leaves[1:], 1.5, axes=0), strict=True):
+    np.testing.assert_allclose(np.asarray(g, np.float64), w, rtol=2e-6, atol=1e-7)
+
+
+def test_per_leaf_clip_of_stacked_leaves_under_grad_and_vmap():
+  leaves = [x for x in _rare_and_common_shapes() if x.shape in {(5,), (3, 4), (4,)}][:200]
+  loss = lambda t: sum(jnp.sum(jnp.sin(y)) for y in jaxclip.ops.clip_by_norm(t, 1.0))  # noqa: E731
+  leaf_loss = lambda x: jnp.sum(jnp.sin(jaxclip.ops.clip_by_norm(x, 1.0)))  # noqa: E731
+  grads = jax.jit(jax.grad(loss))(leaves)
+  for g, x in zip(grads, leaves, strict=True):
+    np.testing.assert_allclose(g, jax.grad(leaf_loss)(x), rtol=1e-5, atol=1e-7)
+  batch = [np.stack([x, 3 * x]) for x in leaves]
+  got = jax.jit(jax.vmap(lambda t: jaxclip.ops.clip_by_norm(t, 1.0)))(batch)
+  for g, b in zip(got, batch, strict=True):
+    for row in range(2):
+      np.testing.assert_allclose(g[row], jaxclip.ops.clip_by_norm(b[row], 1.0), rtol=1e-6)
+
+
+def _distinct_fusions(compiled) -> int:
+  """Fusion kernels that differ in more than names (what XLA:CPU compiles once each)."""
+  text = compiled.as_text()
+  bodies = {}
+  for name, body in re.findall(r"^%?(\S+) \([^)]*\) -> [^{]*\{\n(.*?)\n\}", text, re.M | re.S):
+    body = re.sub(r", metadata=\{[^}]*\}", "", body)
+    bodies[name] = re.sub(r"%[\w.\-]+", "%", body)
+  called = re.findall(r" fusion\(.*?calls=%?([\w.\-]+)", text)
+  return len({bodies[c] for c in called if c in bodies})
+
+
+def test_per_leaf_clip_of_many_shapes_compiles_one_kernel_per_shape_not_per_row():
+  # 24 shapes of 20 leaves: rows at constant offsets would make about one
+  # kernel per (shape, offset), 480 in all; opaque indices one per shape.
+  tree = [np.full((4 + i % 24,), 0.1, np.float32) for i in range(480)]
+  scale_only = jax.jit(lambda t: jax.tree.map(lambda x: x * 0.5, t)).lower(tree).compile()
+  clip = jax.jit(lambda t: jaxclip.ops.clip_by_norm(t, 1.0)).lower(tree).compile()
+  assert _distinct_fusions(scale_only) <= 24 + 2
+  assert _distinct_fusions(clip) <= 4 * 24, _distinct_fusions(clip)
