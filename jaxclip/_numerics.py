@@ -401,7 +401,7 @@ def map_leaf_norms(
     axes = _canonical_axes(len(shape), axis)
     axes = tuple(range(1, len(shape) + 1)) if axes is None else tuple(a + 1 for a in axes)
     size = math.prod(shape)
-    indexed = len(members) < _STATIC_ROWS
+    indexed = len(members) < _STATIC_ROWS and size > 0  # (an index needs an element)
     step = _INDEXED_GROUP if indexed else _GROUP
     for start in range(0, len(members), step):
       chunk = members[start:start + step]

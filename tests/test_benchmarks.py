@@ -185,7 +185,7 @@ def _per_leaf_reference(leaves, clip_norm, axes=None):
 
 
 def _rare_and_common_shapes():
-  # 9 shapes with a few leaves each (rows at opaque indices, several stacks for
+  # 10 shapes with a few leaves each (rows at opaque indices, several stacks for
   # the (5,) leaves) and one shape with enough leaves for constant offsets.
   rng = np.random.default_rng(1)
   shapes = [(5,)] * 140 + [(3, 4)] * 7 + [(2, 3, 2)] * 3 + [(70,)] * 6 + [(8, 9)] * 5 + [(4,)] * 520
@@ -209,6 +209,9 @@ def test_per_leaf_clip_of_rare_and_common_shapes_matches_leaf_by_leaf():
   got = jax.jit(lambda t: jaxclip.ops.clip_by_norm(t, 1.5, axes=[0]))(leaves[1:])
   for g, w in zip(got, _per_leaf_reference(leaves[1:], 1.5, axes=0), strict=True):
     np.testing.assert_allclose(np.asarray(g, np.float64), w, rtol=2e-6, atol=1e-7)
+  empty = [np.zeros((0,), np.float32)] * 3 + [np.zeros((2, 0), np.float32)] * 2
+  got = jax.jit(lambda t: jaxclip.ops.clip_by_norm(t, 1.5, axes=[0]))(empty)
+  assert [g.shape for g in got] == [x.shape for x in empty]
 
 
 def test_per_leaf_clip_of_stacked_leaves_under_grad_and_vmap():
