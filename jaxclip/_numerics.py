@@ -388,10 +388,10 @@ def map_leaf_norms(
   ``_SMALL_LEAF`` elements each); large and mesh-sharded leaves are reduced
   one by one.
   """
+  leaves = [jnp.asarray(x) for x in leaves]
   out: list[Any] = [None] * len(leaves)
   groups: dict[Any, list[int]] = {}
   for i, x in enumerate(leaves):
-    x = jnp.asarray(x)
     if x.size > _SMALL_LEAF or _on_mesh(x):
       out[i] = fn(leaf_norm(x, ord, axis, keepdims=True), x.size)
     else:
@@ -408,15 +408,14 @@ def map_leaf_norms(
       if len(chunk) == 1:
         out[chunk[0]] = fn(leaf_norm(leaves[chunk[0]], ord, axis, keepdims=True), size)
         continue
-      stacked = jax.lax.concatenate(
-          [jax.lax.reshape(jnp.asarray(leaves[i]), (1,) + shape) for i in chunk], 0)
+      stacked = jax.lax.concatenate([jax.lax.reshape(leaves[i], (1,) + shape) for i in chunk], 0)
       values = fn(leaf_norm(stacked, ord, axes, keepdims=True), size)
       if not indexed:
         for j, i in enumerate(chunk):
           out[i] = values[j]
         continue
       if index is None:
-        index = _opaque_indices(_INDEXED_GROUP, jnp.asarray(leaves[chunk[0]]))
+        index = _opaque_indices(_INDEXED_GROUP, leaves[chunk[0]])
       rest = (np.int32(0),) * (values.ndim - 1)
       for j, i in enumerate(chunk):
         row = jax.lax.dynamic_slice(values, (index[j],) + rest, (1,) + values.shape[1:],

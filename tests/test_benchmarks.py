@@ -13,6 +13,7 @@ import pytest
 
 import jaxclip
 from benchmarks import _cases, _main, _trees
+from jaxclip import _numerics
 
 # Gradient-sized leaves (one above the kernel's small-leaf size, the others
 # grouped) and a bias: a clipped copy of any weight would need at least
@@ -195,7 +196,6 @@ def _rare_and_common_shapes():
 
 
 def test_per_leaf_clip_of_rare_and_common_shapes_matches_leaf_by_leaf():
-  from jaxclip import _numerics
   leaves = _rare_and_common_shapes()
   assert len([x for x in leaves if x.shape == (4,)]) >= _numerics._STATIC_ROWS
   assert len([x for x in leaves if x.shape == (5,)]) > _numerics._INDEXED_GROUP
