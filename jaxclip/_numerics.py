@@ -288,11 +288,18 @@ _SMALL_LEAF = 1024
 _TINY_LEAF = 64
 _GROUP = 32
 _CHUNK_LEAVES = 128
-# map_leaf_norms stacks small leaves of one shape and dtype: _GROUP at a time
-# with rows taken at constant offsets when the shape has at least _STATIC_ROWS
-# leaves, else _INDEXED_GROUP at a time with rows taken at opaque indices.
+# scale_by_leaf_norms stacks the small leaves of one shape and dtype: all in
+# one stack when there are at most _FLAT_STACK, else _STACK at a time; by one
+# concatenate where the shape fills fewer than _NESTED_STACKS stacks, else by
+# nested concatenates of at most _FAN_IN operands (the most XLA:CPU fuses; one
+# kernel then serves every stack of the shape). Rows are taken at constant
+# offsets when the shape has at least _STATIC_ROWS leaves, else at opaque
+# indices.
+_STACK = 64
+_FLAT_STACK = 128
+_NESTED_STACKS = 4
+_FAN_IN = 8
 _STATIC_ROWS = 512
-_INDEXED_GROUP = 128
 
 
 def _leaf_part(x: jax.Array, ord: float) -> jax.Array:
@@ -369,59 +376,108 @@ def _grouped_parts(leaves: list[Any], ord: float, acc: jnp.dtype) -> list[jax.Ar
   return [p.astype(acc) for p in parts]
 
 
-def map_leaf_norms(
+def scale_by_leaf_norms(
     fn: Callable[[jax.Array, int], jax.Array], leaves: Sequence[Any], ord: float = 2,
     axis: Axes = None,
 ) -> list[jax.Array]:
-  """``[fn(leaf_norm(x, ord, axis, keepdims=True), x.size) for x in leaves]``, batched.
+  """Each leaf times ``fn`` of its norm, batched over leaves of one shape.
 
-  ``fn`` maps a norm (with kept dimensions) and the leaf's size to a value
-  broadcastable against the leaf, e.g. a clip factor. Small leaves of equal
-  shape and dtype are stacked so that one reduction and one call of ``fn``
-  serve the whole stack, and XLA compiles a few kernels per group instead of
-  several per leaf. Each leaf then takes its row of the result: a shape with
-  at least ``_STATIC_ROWS`` leaves at constant offsets, ``_GROUP`` leaves a
-  stack (the kernels of one offset are shared by all the stacks); a rarer
-  shape at :func:`_opaque_indices`, ``_INDEXED_GROUP`` leaves a stack (one
-  kernel for all its leaves, where constant offsets would compile one kernel
-  per shape and offset). Only small leaves are stacked (a copy of at most
-  ``_SMALL_LEAF`` elements each); large and mesh-sharded leaves are reduced
-  one by one.
+  The result is ``[apply_scale(x, fn(leaf_norm(x, ord, axis, keepdims=True),
+  x.size)) for x in leaves]``: ``fn`` maps a norm (with kept dimensions) and
+  the leaf's size to a factor broadcastable against the leaf, e.g. a clip
+  factor.
+
+  Why: one reduction and one multiply per leaf is thousands of kernels for a
+  tree of thousands of small leaves, and XLA:CPU then compiles for minutes.
+  Here the small leaves of one shape and dtype are stacked: all at once up
+  to ``_FLAT_STACK`` of them, else ``_STACK`` at a time (the last stack of a
+  shape overlaps the one before, so that all its stacks are alike). One
+  reduction, one call of ``fn`` and one multiply serve a whole stack, and
+  each leaf is then one row of the scaled stack.
+
+  How the kernels stay few (XLA:CPU compiles one kernel per distinct fusion,
+  and emits every concatenate of more than eight operands as a kernel of its
+  own):
+
+  * a shape that fills at least ``_NESTED_STACKS`` stacks is stacked by
+    nested concatenates of at most ``_FAN_IN`` operands, which fuse: one
+    kernel for all the stacks of the shape. A rarer shape is stacked by one
+    concatenate, which compiles faster than a nested one used once or twice;
+  * a shape with at least ``_STATIC_ROWS`` leaves takes its rows at constant
+    offsets: one kernel per offset, shared by all its stacks. A rarer shape
+    takes them at :func:`_opaque_indices`: one kernel for all its rows.
+
+  Only small leaves are stacked (copies of at most ``_SMALL_LEAF`` elements
+  each); large and mesh-sharded leaves are scaled one by one, so that their
+  multiply fuses into whatever consumes them (an optimizer's update).
   """
   leaves = [jnp.asarray(x) for x in leaves]
+
+  def one(x):
+    return apply_scale(x, fn(leaf_norm(x, ord, axis, keepdims=True), x.size))
+
   out: list[Any] = [None] * len(leaves)
   groups: dict[Any, list[int]] = {}
   for i, x in enumerate(leaves):
     if x.size > _SMALL_LEAF or _on_mesh(x):
-      out[i] = fn(leaf_norm(x, ord, axis, keepdims=True), x.size)
+      out[i] = one(x)
     else:
       groups.setdefault((x.shape, x.dtype), []).append(i)
-  index = None
+  plans = []
   for (shape, _), members in groups.items():
+    if len(members) == 1:
+      out[members[0]] = one(leaves[members[0]])
+      continue
+    k = len(members) if len(members) <= _FLAT_STACK else _STACK
+    starts = list(range(0, len(members) - k + 1, k))
+    if starts[-1] + k < len(members):
+      starts.append(len(members) - k)
+    static = len(members) >= _STATIC_ROWS or math.prod(shape) == 0  # (an index needs an element)
+    plans.append((shape, members, k, starts, static))
+  dynamic = [(k, members[0]) for _, members, k, _, static in plans if not static]
+  if dynamic:
+    index = _opaque_indices(max(k for k, _ in dynamic), leaves[dynamic[0][1]])
+    # An array, not a Python 0: dynamic_slice then stages no conversion of it.
+    zero = jnp.zeros((), jnp.int32)
+  for shape, members, k, starts, static in plans:
     axes = _canonical_axes(len(shape), axis)
     axes = tuple(range(1, len(shape) + 1)) if axes is None else tuple(a + 1 for a in axes)
-    size = math.prod(shape)
-    indexed = len(members) < _STATIC_ROWS and size > 0  # (an index needs an element)
-    step = _INDEXED_GROUP if indexed else _GROUP
-    for start in range(0, len(members), step):
-      chunk = members[start:start + step]
-      if len(chunk) == 1:
-        out[chunk[0]] = fn(leaf_norm(leaves[chunk[0]], ord, axis, keepdims=True), size)
-        continue
-      stacked = jax.lax.concatenate([jax.lax.reshape(leaves[i], (1,) + shape) for i in chunk], 0)
-      values = fn(leaf_norm(stacked, ord, axes, keepdims=True), size)
-      if not indexed:
-        for j, i in enumerate(chunk):
-          out[i] = values[j]
-        continue
-      if index is None:
-        index = _opaque_indices(_INDEXED_GROUP, leaves[chunk[0]])
-      rest = (np.int32(0),) * (values.ndim - 1)
-      for j, i in enumerate(chunk):
-        row = jax.lax.dynamic_slice(values, (index[j],) + rest, (1,) + values.shape[1:],
-                                    allow_negative_indices=False)
-        out[i] = jax.lax.reshape(row, values.shape[1:])
+    nested = len(starts) >= _NESTED_STACKS
+    zeros = (0 if static else zero,) * len(shape)
+    done = 0
+    for start in starts:
+      stacked = _stack([leaves[i] for i in members[start:start + k]], shape, nested)
+      norms = leaf_norm(stacked, ord, axes, keepdims=True)
+      scaled = apply_scale(stacked, fn(norms, math.prod(shape)))
+      for j in range(done - start, k):  # rows an earlier stack gave are skipped
+        if static:
+          row = jax.lax.slice(scaled, (j,) + zeros, (j + 1,) + shape)
+        else:
+          row = jax.lax.dynamic_slice(scaled, (index[j],) + zeros, (1,) + shape,
+                                      allow_negative_indices=False)
+        out[members[start + j]] = jax.lax.reshape(row, shape)
+      done = start + k
   return out
+
+
+def _stack(leaves: list[jax.Array], shape: tuple[int, ...], nested: bool) -> jax.Array:
+  """``leaves`` (all of ``shape``) stacked on a new leading axis, by concatenates.
+
+  With ``nested``, no concatenate has more than ``_FAN_IN`` operands, so XLA:CPU
+  fuses them all into one kernel. Leaves are concatenated along their own
+  first axis, so no leaf (but a 0-d one) needs a reshape of its own.
+  """
+  if not shape:
+    stacked = _stack([jax.lax.reshape(x, (1,)) for x in leaves], (1,), nested)
+    return jax.lax.reshape(stacked, (len(leaves),))
+  if nested and len(leaves) > _FAN_IN:
+    width = _FAN_IN
+    while width * _FAN_IN < len(leaves):
+      width *= _FAN_IN
+    return jax.lax.concatenate([_stack(leaves[i:i + width], shape, True)
+                                for i in range(0, len(leaves), width)], 0)
+  joined = leaves[0] if len(leaves) == 1 else jax.lax.concatenate(leaves, 0)
+  return jax.lax.reshape(joined, (len(leaves),) + shape)
 
 
 def _opaque_indices(k: int, like: jax.Array) -> tuple[jax.Array, ...]:

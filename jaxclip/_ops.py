@@ -241,10 +241,8 @@ def clip_by_norm(tree: PyTree, clip_norm: ArrayLike, axes: Any = None) -> PyTree
   _validation.check_inexact_leaves(tree, "clip_by_norm")
 
   leaves, treedef = jax.tree.flatten(tree)
-  scales = _numerics.map_leaf_norms(
-      lambda norm, size: _numerics.clip_scale(norm, clip_norm), leaves, 2, axes)
-  return treedef.unflatten([_numerics.apply_scale(x, s) for x, s in zip(leaves, scales,
-                                                                        strict=True)])
+  return treedef.unflatten(_numerics.scale_by_leaf_norms(
+      lambda norm, size: _numerics.clip_scale(norm, clip_norm), leaves, 2, axes))
 
 
 def clip_by_average_norm(tree: PyTree, clip_norm: ArrayLike) -> PyTree:
@@ -284,9 +282,7 @@ def clip_by_average_norm(tree: PyTree, clip_norm: ArrayLike) -> PyTree:
     return _numerics.clip_scale(norm, jnp.asarray(clip_norm, norm.dtype) * size)
 
   leaves, treedef = jax.tree.flatten(tree)
-  scales = _numerics.map_leaf_norms(scale, leaves, 2)
-  return treedef.unflatten([_numerics.apply_scale(x, s) for x, s in zip(leaves, scales,
-                                                                        strict=True)])
+  return treedef.unflatten(_numerics.scale_by_leaf_norms(scale, leaves, 2))
 
 
 def clip_by_global_norm(

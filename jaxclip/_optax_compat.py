@@ -8,6 +8,7 @@ NaN, gradients at zero are finite, and integer leaves raise ``TypeError``.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import jax
@@ -48,14 +49,13 @@ def clip_by_block_rms(threshold: ArrayLike) -> optax.GradientTransformationExtra
   """
   _validation.check_threshold(threshold, "threshold")
 
-  def clip_leaf(u):
-    u = jnp.asarray(u)
-    rms = _numerics.safe_sqrt(_numerics.leaf_sumsq(u) / max(u.size, 1))
-    return _numerics.apply_scale(u, _numerics.clip_scale(rms, threshold))
+  def scale(norm, size):  # rms >= threshold  <=>  norm >= threshold * sqrt(size)
+    return _numerics.clip_scale(norm, jnp.asarray(threshold, norm.dtype) * math.sqrt(size))
 
   def update(updates):
     _validation.check_inexact_leaves(updates, "clip_by_block_rms")
-    return jax.tree.map(clip_leaf, updates)
+    leaves, treedef = jax.tree.flatten(updates)
+    return treedef.unflatten(_numerics.scale_by_leaf_norms(scale, leaves, 2))
 
   return _transforms.stateless(update)
 

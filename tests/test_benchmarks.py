@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import math
 import re
 
@@ -186,19 +187,23 @@ def _per_leaf_reference(leaves, clip_norm, axes=None):
 
 
 def _rare_and_common_shapes():
-  # 10 shapes with a few leaves each (rows at opaque indices, several stacks for
-  # the (5,) leaves) and one shape with enough leaves for constant offsets.
+  # Shapes with a few leaves each (one stack, rows at opaque indices); (5,)
+  # leaves fill three stacks, the last overlapping the one before; (3,) leaves
+  # fill five, stacked by nested concatenates; (4,) leaves are enough for rows
+  # at constant offsets; 0-d leaves.
   rng = np.random.default_rng(1)
   shapes = [(5,)] * 140 + [(3, 4)] * 7 + [(2, 3, 2)] * 3 + [(70,)] * 6 + [(8, 9)] * 5 + [(4,)] * 520
-  shapes += [(n,) for n in range(90, 95)] * 2
+  shapes += [(n,) for n in range(90, 95)] * 2 + [(3,)] * 300 + [()] * 9
   return [rng.normal(size=s).astype(np.float32) * rng.choice([0.01, 1.0, 10.0])
           for s in shapes]
 
 
 def test_per_leaf_clip_of_rare_and_common_shapes_matches_leaf_by_leaf():
   leaves = _rare_and_common_shapes()
-  assert len([x for x in leaves if x.shape == (4,)]) >= _numerics._STATIC_ROWS
-  assert len([x for x in leaves if x.shape == (5,)]) > _numerics._INDEXED_GROUP
+  counts = collections.Counter(x.shape for x in leaves)
+  assert counts[(4,)] >= _numerics._STATIC_ROWS
+  assert 2 * _numerics._STACK < counts[(5,)] < 3 * _numerics._STACK  # overlapping stacks
+  assert _numerics._NESTED_STACKS * _numerics._STACK <= counts[(3,)] < _numerics._STATIC_ROWS
   leaves[0][0] = np.nan  # the first leaf of a stack: only it turns NaN
   leaves[1][:] = 0.0
   got = jax.jit(lambda t: jaxclip.ops.clip_by_norm(t, 1.5))(leaves)
@@ -206,8 +211,9 @@ def test_per_leaf_clip_of_rare_and_common_shapes_matches_leaf_by_leaf():
   assert bool(jnp.all(jnp.isnan(got[0])))
   for g, w in zip(got[1:], want[1:], strict=True):
     np.testing.assert_allclose(np.asarray(g, np.float64), w, rtol=2e-6, atol=1e-7)
-  got = jax.jit(lambda t: jaxclip.ops.clip_by_norm(t, 1.5, axes=[0]))(leaves[1:])
-  for g, w in zip(got, _per_leaf_reference(leaves[1:], 1.5, axes=0), strict=True):
+  ranked = [x for x in leaves[1:] if x.ndim]
+  got = jax.jit(lambda t: jaxclip.ops.clip_by_norm(t, 1.5, axes=[0]))(ranked)
+  for g, w in zip(got, _per_leaf_reference(ranked, 1.5, axes=0), strict=True):
     np.testing.assert_allclose(np.asarray(g, np.float64), w, rtol=2e-6, atol=1e-7)
   empty = [np.zeros((0,), np.float32)] * 3 + [np.zeros((2, 0), np.float32)] * 2
   got = jax.jit(lambda t: jaxclip.ops.clip_by_norm(t, 1.5, axes=[0]))(empty)
@@ -247,3 +253,16 @@ def test_per_leaf_clip_of_many_shapes_compiles_one_kernel_per_shape_not_per_row(
   clip = jax.jit(lambda t: jaxclip.ops.clip_by_norm(t, 1.0)).lower(tree).compile()
   assert _distinct_fusions(scale_only) <= 24 + 2
   assert _distinct_fusions(clip) <= 4 * 24, _distinct_fusions(clip)
+
+
+def test_per_leaf_clip_stacks_a_common_shape_by_fused_concatenates():
+  # 300 leaves of one shape fill five stacks. XLA:CPU fuses no concatenate of
+  # more than 8 operands (each becomes a kernel of its own, compiled per stack);
+  # nested concatenates of at most 8 fuse into one kernel for all five.
+  tree = [np.full((6,), 0.2 * (i % 7), np.float32) for i in range(300)]
+  clip = jax.jit(lambda t: jaxclip.ops.clip_by_norm(t, 1.0)).lower(tree).compile()
+  text = clip.as_text()
+  assert not re.findall(r" concatenate\(", text[text.index("ENTRY"):])
+  assert _distinct_fusions(clip) <= 8, _distinct_fusions(clip)
+  for g, w in zip(clip(tree), _per_leaf_reference(tree, 1.0), strict=True):
+    np.testing.assert_allclose(np.asarray(g, np.float64), w, rtol=2e-6, atol=1e-7)
