@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import statistics
 import subprocess
 import sys
 from collections.abc import Callable
@@ -215,34 +216,44 @@ def compile_once(impl: str, leaves: int, mixed: bool) -> float:
   return _timing.compile_seconds(compile_fn(impl), tree, jnp.float32(0.5))
 
 
-def run_compile_sweep(leaf_counts: list[int], timeout_s: float | None, mixed_at: int | None
-                      ) -> list[dict]:
+def run_compile_sweep(leaf_counts: list[int], timeout_s: float | None, mixed_at: int | None,
+                      repeats: int = 1) -> list[dict]:
   """Seconds to compile each impl, each in a fresh process when ``timeout_s`` is set.
 
-  Once an impl runs past ``timeout_s`` it is not run at larger leaf counts
-  (reported as ``> timeout_s``).
+  Each impl is compiled ``repeats`` times, the impls in turn (so that they
+  sample the same stretch of the machine's drift), and the median is kept.
+  Once an impl runs past ``timeout_s`` it is not run again (reported as
+  ``> timeout_s``), nor at larger leaf counts.
   """
   rows, given_up = [], set()
   jobs = [(n, False) for n in leaf_counts] + ([(mixed_at, True)] if mixed_at else [])
   for n, mixed in jobs:
-    row = {"leaves": n, "mixed": mixed}
-    for impl in COMPILE_IMPLS:
-      if impl in given_up:
-        row[impl] = ("gave up", timeout_s)
-        continue
-      if timeout_s is None:
-        row[impl] = ("ok", compile_once(impl, n, mixed))
-        continue
-      cmd = [sys.executable, "-m", "benchmarks._compile_one", impl, str(n), str(int(mixed))]
-      try:
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, check=True)
-        row[impl] = ("ok", float(out.stdout.strip().splitlines()[-1]))
-      except subprocess.TimeoutExpired:
-        row[impl] = ("timeout", timeout_s)
-        if not mixed:
-          given_up.add(impl)
-      print(f"  compile {impl:30s} leaves={n:5d}{' mixed' if mixed else ''}: {row[impl]}",
-            flush=True)
+    row: dict[str, Any] = {"leaves": n, "mixed": mixed}
+    seconds: dict[str, list[float]] = {impl: [] for impl in COMPILE_IMPLS}
+    for _ in range(repeats):
+      for impl in COMPILE_IMPLS:
+        if impl in given_up:
+          row[impl] = ("gave up", timeout_s)
+          continue
+        if impl in row:  # timed out in an earlier repeat
+          continue
+        if timeout_s is None:
+          seconds[impl].append(compile_once(impl, n, mixed))
+          continue
+        cmd = [sys.executable, "-m", "benchmarks._compile_one", impl, str(n), str(int(mixed))]
+        try:
+          out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s,
+                               check=True)
+          seconds[impl].append(float(out.stdout.strip().splitlines()[-1]))
+        except subprocess.TimeoutExpired:
+          row[impl] = ("timeout", timeout_s)
+          if not mixed:
+            given_up.add(impl)
+        print(f"  compile {impl:30s} leaves={n:5d}{' mixed' if mixed else ''}: "
+              f"{row.get(impl, seconds[impl][-1] if seconds[impl] else None)}", flush=True)
+    for impl, runs in seconds.items():
+      if impl not in row:
+        row[impl] = ("ok", statistics.median(runs))
     rows.append(row)
   return rows
 

@@ -34,6 +34,8 @@ def _parser() -> argparse.ArgumentParser:
   p.add_argument("--compile-timeout", type=float, default=None,
                  help="seconds one compile may take, each run in a fresh process "
                       "(default 240; 0 runs them in this process with no limit)")
+  p.add_argument("--compile-repeats", type=int, default=None,
+                 help="compiles per impl and leaf count, the median reported (default 3)")
   p.add_argument("--peak-gbps", type=float, default=None,
                  help="the device's peak memory bandwidth, to report %% of peak "
                       "(e.g. 3350 for an H100 SXM)")
@@ -101,7 +103,9 @@ def main(argv: list[str] | None = None) -> str:
   if "compile" not in args.skip:
     print("compile sweep ...", flush=True)
     mixed_at = None if quick or not leaves else max(leaves)
-    compile_rows = _cases.run_compile_sweep(leaves, timeout, mixed_at)
+    repeats = args.compile_repeats or (1 if quick else 3)
+    compile_rows = _cases.run_compile_sweep(leaves, timeout, mixed_at, repeats)
+    meta["compiles per impl and leaf count (median kept)"] = str(repeats)
   if "sizes" not in args.skip:
     print("size sweep ...", flush=True)
     shrinks = [128] if quick else [16, 8, 4, 2, 1]

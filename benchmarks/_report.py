@@ -55,7 +55,9 @@ def markdown(meta: dict, train: list[dict], standalone: list[list[dict]], compil
   if compile_rows:
     out += ["## Compile time (s, trace + lower + compile) against the number of leaves", "",
             "Small float32 leaves: `(64,)` each, or mixed 1-D/2-D shapes of 64-100 elements. "
-            "`xN` is the ratio to the bare `jax.tree.map(lambda x: x * s, tree)`.", ""]
+            "`xN` is the ratio to the bare `jax.tree.map(lambda x: x * s, tree)`. Each figure is "
+            "the median of the compiles per impl listed above, each in a fresh process, the impls "
+            "compiled in turn.", ""]
     header = ["leaves"]
     for impl in impls:
       header += [impl] + ([] if impl == impls[0] else ["x"])
