@@ -232,10 +232,10 @@ def run_compile_sweep(leaf_counts: list[int], timeout_s: float | None, mixed_at:
     seconds: dict[str, list[float]] = {impl: [] for impl in COMPILE_IMPLS}
     for _ in range(repeats):
       for impl in COMPILE_IMPLS:
+        if impl in row:  # timed out in an earlier repeat, or at fewer leaves
+          continue
         if impl in given_up:
           row[impl] = ("gave up", timeout_s)
-          continue
-        if impl in row:  # timed out in an earlier repeat
           continue
         if timeout_s is None:
           seconds[impl].append(compile_once(impl, n, mixed))
