@@ -91,6 +91,7 @@ def main(argv: list[str] | None = None) -> str:
   t_start = time.perf_counter()
   _cases.check_numbers(_trees.gpt2_shapes(64))
   train, standalone, compile_rows, size_rows, temp_rows = [], [], [], [], []
+  transform_rows = []
   if "standalone" not in args.skip:
     print("standalone clip ...", flush=True)
     for dtype in (jnp.float32,) if quick else (jnp.float32, jnp.bfloat16):
@@ -105,6 +106,10 @@ def main(argv: list[str] | None = None) -> str:
     mixed_at = None if quick or not leaves else max(leaves)
     repeats = args.compile_repeats or (1 if quick else 3)
     compile_rows = _cases.run_compile_sweep(leaves, timeout, mixed_at, repeats)
+    if leaves:
+      print("transform compiles ...", flush=True)
+      transform_rows = _cases.run_transform_compiles(max(leaves), timeout, repeats,
+                                                     mixed=not quick)
     meta["compiles per impl and leaf count (median kept)"] = str(repeats)
   if "sizes" not in args.skip:
     print("size sweep ...", flush=True)
@@ -113,7 +118,7 @@ def main(argv: list[str] | None = None) -> str:
   meta["load average (1, 5, 15 min) at end"] = " ".join(f"{x:.2f}" for x in os.getloadavg())
   meta["total benchmark time"] = f"{time.perf_counter() - t_start:.0f} s"
   text = _report.markdown(meta, train, standalone, compile_rows, _cases.COMPILE_IMPLS,
-                          size_rows, temp_rows)
+                          size_rows, temp_rows, transform_rows)
   args.out.mkdir(parents=True, exist_ok=True)
   (args.out / "results.md").write_text(text + "\n")
   _report.plot(str(args.out / "results.png"), compile_rows, _cases.COMPILE_IMPLS, size_rows)

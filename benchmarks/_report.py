@@ -18,8 +18,21 @@ def _table(header: list[str], rows: list[list[str]]) -> str:
   return "\n".join(lines)
 
 
+def _seconds(entry: tuple[str, Any]) -> str:
+  status, sec = entry
+  if status == "ok":
+    return _f(sec)
+  return f"> {sec:.0f} (timed out)" if status == "timeout" else status
+
+
+def _ratio(entry: tuple[str, Any], base: tuple[str, Any]) -> str:
+  ok = entry[0] == "ok" and base[0] == "ok" and base[1]
+  return _f(entry[1] / base[1]) if ok else "n/a"
+
+
 def markdown(meta: dict, train: list[dict], standalone: list[list[dict]], compile_rows: list[dict],
-             impls: tuple[str, ...], size_rows: list[dict], temp_rows: list[dict]) -> str:
+             impls: tuple[str, ...], size_rows: list[dict], temp_rows: list[dict],
+             transform_rows: list[dict] = ()) -> str:
   out = ["# jaxclip benchmark results", ""]
   out += [f"- {k}: {v}" for k, v in meta.items()]
   out += ["", "Times are medians of the repetitions. The train steps are timed interleaved "
@@ -63,16 +76,25 @@ def markdown(meta: dict, train: list[dict], standalone: list[list[dict]], compil
       header += [impl] + ([] if impl == impls[0] else ["x"])
     body = []
     for r in compile_rows:
-      base = r[impls[0]][1] if r[impls[0]][0] == "ok" else None
       line = [f"{r['leaves']}{' (mixed)' if r['mixed'] else ''}"]
       for impl in impls:
-        status, sec = r[impl]
-        line.append(_f(sec) if status == "ok" else
-                    (f"> {sec:.0f} (timed out)" if status == "timeout" else "not run"))
+        line.append(_seconds(r[impl]))
         if impl != impls[0]:
-          line.append(_f(sec / base) if status == "ok" and base else "n/a")
+          line.append(_ratio(r[impl], r[impls[0]]))
       body.append(line)
     out.append(_table(header, body))
+    out.append("")
+  if transform_rows:
+    out += ["## Compile time (s) of the other transforms that touch every leaf", "",
+            "The same trees and method as the sweep above, at its largest leaf count; the "
+            "bare tree_map was compiled in the same turns. `adaptive_grad_clip` also reads "
+            "the params, a second tree of the same shapes passed as its own argument. "
+            "optax's counterparts were compiled on the uniform tree only.", ""]
+    out.append(_table(
+        ["transform", "leaves", "tree_map x*s", "jaxclip", "x", "optax", "x"],
+        [[r["transform"], f"{r['leaves']}{' (mixed)' if r['mixed'] else ''}",
+          _seconds(r["tree_map"]), _seconds(r["jaxclip"]), _ratio(r["jaxclip"], r["tree_map"]),
+          _seconds(r["optax"]), _ratio(r["optax"], r["tree_map"])] for r in transform_rows]))
     out.append("")
   if size_rows:
     out += ["## Standalone clip against the tree size (GPT-2 shapes, widths divided)", ""]

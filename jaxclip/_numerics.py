@@ -391,15 +391,19 @@ def _grouped_parts(leaves: list[Any], ord: float, acc: jnp.dtype) -> list[jax.Ar
 
 
 def scale_by_leaf_norms(
-    fn: Callable[[jax.Array, int], jax.Array], leaves: Sequence[Any], ord: float = 2,
-    axis: Axes = None,
+    fn: Callable[..., jax.Array], leaves: Sequence[Any], ord: float = 2,
+    axis: Axes | Callable[[tuple[int, ...]], Axes] = None,
+    companions: Sequence[Any] | None = None,
 ) -> list[jax.Array]:
   """Each leaf times ``fn`` of its norm, batched over leaves of one shape.
 
-  The result is ``[apply_scale(x, fn(leaf_norm(x, ord, axis, keepdims=True),
-  x.size)) for x in leaves]``: ``fn`` maps a norm (with kept dimensions) and
-  the leaf's size to a factor broadcastable against the leaf, e.g. a clip
-  factor.
+  The result is ``[apply_scale(x, fn(norm(x), x.size)) for x in leaves]``,
+  where ``norm(x)`` is ``leaf_norm(x, ord, axis, keepdims=True)``: ``fn`` maps
+  a norm (with kept dimensions) and the leaf's size to a factor broadcastable
+  against the leaf, e.g. a clip factor. ``axis`` may also be a function of
+  the leaf's shape. With ``companions``, one array of the leaf's shape per
+  leaf (a parameter for its gradient), the factor is ``fn(norm(x), x.size,
+  norm(c))``.
 
   Why: one reduction and one multiply per leaf is thousands of kernels for a
   tree of thousands of small leaves, and XLA:CPU then compiles for minutes.
@@ -426,21 +430,33 @@ def scale_by_leaf_norms(
   multiply fuses into whatever consumes them (an optimizer's update).
   """
   leaves = [jnp.asarray(x) for x in leaves]
+  others = None if companions is None else [jnp.asarray(c) for c in companions]
+  axes_of = axis if callable(axis) else lambda shape: axis
 
-  def one(x):
-    return apply_scale(x, fn(leaf_norm(x, ord, axis, keepdims=True), x.size))
+  def factor(norms, size, stacked_companion=None, axes=None):
+    if stacked_companion is None:
+      return fn(norms, size)
+    return fn(norms, size, leaf_norm(stacked_companion, ord, axes, keepdims=True))
+
+  def one(i):
+    x = leaves[i]
+    axes = axes_of(x.shape)
+    companion = None if others is None else others[i]
+    return apply_scale(x, factor(leaf_norm(x, ord, axes, keepdims=True), x.size, companion,
+                                 axes))
 
   out: list[Any] = [None] * len(leaves)
   groups: dict[Any, list[int]] = {}
   for i, x in enumerate(leaves):
-    if x.size > _SMALL_LEAF or _on_mesh(x):
-      out[i] = one(x)
+    if x.size > _SMALL_LEAF or _on_mesh(x) or (others is not None and _on_mesh(others[i])):
+      out[i] = one(i)
     else:
-      groups.setdefault((x.shape, x.dtype), []).append(i)
+      key = (x.shape, x.dtype, None if others is None else others[i].dtype)
+      groups.setdefault(key, []).append(i)
   plans = []
-  for (shape, _), members in groups.items():
+  for (shape, _, _), members in groups.items():
     if len(members) == 1:
-      out[members[0]] = one(leaves[members[0]])
+      out[members[0]] = one(members[0])
       continue
     k = len(members) if len(members) <= _FLAT_STACK else _STACK
     starts = list(range(0, len(members) - k + 1, k))
@@ -454,15 +470,17 @@ def scale_by_leaf_norms(
     # An array, not a Python 0: dynamic_slice then stages no conversion of it.
     zero = jnp.zeros((), jnp.int32)
   for shape, members, k, starts, static in plans:
-    axes = _canonical_axes(len(shape), axis)
+    axes = _canonical_axes(len(shape), axes_of(shape))
     axes = tuple(range(1, len(shape) + 1)) if axes is None else tuple(a + 1 for a in axes)
     nested = len(starts) >= _NESTED_STACKS
     zeros = (0 if static else zero,) * len(shape)
     done = 0
     for start in starts:
-      stacked = _stack([leaves[i] for i in members[start:start + k]], shape, nested)
+      batch = members[start:start + k]
+      stacked = _stack([leaves[i] for i in batch], shape, nested)
+      companion = None if others is None else _stack([others[i] for i in batch], shape, nested)
       norms = leaf_norm(stacked, ord, axes, keepdims=True)
-      scaled = apply_scale(stacked, fn(norms, math.prod(shape)))
+      scaled = apply_scale(stacked, factor(norms, math.prod(shape), companion, axes))
       for j in range(done - start, k):  # rows an earlier stack gave are skipped
         if static:
           row = jax.lax.slice(scaled, (j,) + zeros, (j + 1,) + shape)

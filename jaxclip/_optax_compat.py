@@ -60,20 +60,20 @@ def clip_by_block_rms(threshold: ArrayLike) -> optax.GradientTransformationExtra
   return _transforms.stateless(update)
 
 
-def _unitwise_axes(x: jax.Array, axis: Axis) -> Axis:
+def _unitwise_axes(shape: tuple[int, ...], axis: Axis) -> Axis:
   """optax's layer conventions for the axes a unit-wise norm reduces over."""
   if axis is not None:
     return axis
-  if jnp.squeeze(x).ndim <= 1:
+  if sum(d != 1 for d in shape) <= 1:  # a scalar or a vector, whatever its rank
     return None
-  if x.ndim in (2, 3):
+  if len(shape) in (2, 3):
     return 0
-  if x.ndim == 4:
+  if len(shape) == 4:
     return (0, 1, 2)
-  if x.ndim == 5:
+  if len(shape) == 5:
     return (0, 1, 2, 3)
   raise ValueError(
-      f"unitwise_norm: expected a leaf of rank 1 to 5, got shape {x.shape}; "
+      f"unitwise_norm: expected a leaf of rank 1 to 5, got shape {shape}; "
       "pass axis= to name the reduction axes for other shapes."
   )
 
@@ -104,7 +104,7 @@ def unitwise_norm(x: ArrayLike, axis: Axis = None) -> jax.Array:
   """
   x = jnp.asarray(x)
   _validation.check_inexact_leaves(x, "unitwise_norm")
-  norm = _numerics.leaf_norm(x, 2, _unitwise_axes(x, axis), keepdims=True)
+  norm = _numerics.leaf_norm(x, 2, _unitwise_axes(x.shape, axis), keepdims=True)
   return jnp.broadcast_to(norm.astype(jnp.finfo(x.dtype).dtype), x.shape)
 
 
@@ -167,7 +167,10 @@ def adaptive_grad_clip(
     \end{cases}
 
   for every unit ``u`` (see :func:`unitwise_norm`). A drop-in for
-  ``optax.adaptive_grad_clip``; needs ``params`` in ``update``.
+  ``optax.adaptive_grad_clip``; needs ``params`` in ``update``, of the
+  updates' shapes. Both norms accumulate in float32 for half-precision
+  leaves (optax rounds them to the leaf's dtype), and small leaves of one
+  shape are clipped together, so thousands of them compile in seconds.
 
   Args:
     clipping: The largest allowed ratio of update norm to parameter norm.
@@ -203,13 +206,27 @@ def adaptive_grad_clip(
           "adaptive_grad_clip needs the current parameters: call "
           "update(updates, state, params).")
 
-    def clip_leaf(g, p):
-      g_norm = unitwise_norm(g, axis)
-      p_norm = unitwise_norm(p, axis).astype(g_norm.dtype)
-      max_norm = clipping * jnp.maximum(p_norm, eps)
-      return unitwise_clip(g_norm, max_norm.astype(g_norm.dtype), g)
+    _validation.check_inexact_leaves(updates, "adaptive_grad_clip")
+    _validation.check_inexact_leaves(params, "adaptive_grad_clip")
+    leaves, treedef = jax.tree.flatten(updates)
+    param_leaves = treedef.flatten_up_to(params)
+    for g, p in zip(leaves, param_leaves, strict=True):
+      if jnp.shape(g) != jnp.shape(p):
+        raise ValueError(
+            "adaptive_grad_clip needs params of the updates' shapes, got "
+            f"{jnp.shape(p)} for updates of shape {jnp.shape(g)}.")
 
-    return jax.tree.map(clip_leaf, updates, params), state
+    def factor(g_norm, size, p_norm):
+      # unitwise_clip as a factor: 1 below the bound, bound / norm above it
+      # (g * 1 is g, bit for bit).
+      del size
+      max_norm = jnp.asarray(clipping, g_norm.dtype) * jnp.maximum(
+          p_norm.astype(g_norm.dtype), jnp.asarray(eps, g_norm.dtype))
+      ratio = max_norm / jnp.maximum(g_norm, jnp.asarray(1e-6, g_norm.dtype))
+      return jnp.where(g_norm < max_norm, jnp.ones_like(ratio), ratio)
+
+    return treedef.unflatten(_numerics.scale_by_leaf_norms(
+        factor, leaves, 2, lambda shape: _unitwise_axes(shape, axis), param_leaves)), state
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 

@@ -70,6 +70,47 @@ def test_adaptive_grad_clip_needs_params():
     tx.update({"w": jnp.ones(2)}, tx.init({"w": jnp.ones(2)}))
 
 
+def test_adaptive_grad_clip_needs_params_of_the_updates_shapes():
+  tx = jaxclip.adaptive_grad_clip(0.1)
+  with pytest.raises(ValueError, match=r"params of the updates' shapes.*\(3,\).*\(2,\)"):
+    tx.update({"w": jnp.ones(2)}, tx.init(None), {"w": jnp.ones(3)})
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_adaptive_grad_clip_over_many_stacked_leaves_matches_optax(jit):
+  # Leaves of one shape are clipped as stacks (one kernel for hundreds of
+  # leaves): 300 of (5,) fill several overlapping stacks, 140 of (4, 3) are
+  # clipped column by column, and the rare and large shapes one by one.
+  shapes = [(5,)] * 300 + [(4, 3)] * 140 + [(2, 3, 4)] * 3 + [(1, 6)] * 2 + [(40, 40)]
+  g = _tree(0, shapes, 2.0)
+  p = _tree(1, shapes)
+  # Some units far below their bound, some zero (g and p), so every branch is taken.
+  g["p1"], p["p2"], g["p301"] = 1e-4 * g["p1"], jnp.zeros(5), g["p301"].at[:, 1].set(0.0)
+  ours = jaxclip.adaptive_grad_clip(0.05)
+  update = jax.jit(ours.update) if jit else ours.update
+  a, _ = update(g, ours.init(p), p)
+  b, _ = optax.adaptive_grad_clip(0.05).update(g, optax.EmptyState(), p)
+  assert_tree_allclose(a, b, rtol=2e-6, atol=1e-7)
+  assert bool(jnp.all(a["p1"] == g["p1"]))  # below the bound: unchanged, bit for bit
+
+
+def test_adaptive_grad_clip_of_bfloat16_gradients_over_stacked_leaves():
+  # bfloat16 gradients with float32 parameters: norms accumulate in float32,
+  # and the product is rounded to bfloat16 once.
+  shapes = [(6,)] * 200 + [(3, 4)] * 70
+  g = jax.tree.map(lambda x: x.astype(jnp.bfloat16), _tree(2, shapes, 3.0))
+  p = _tree(3, shapes)
+  a, _ = jax.jit(jaxclip.adaptive_grad_clip(0.1).update)(g, optax.EmptyState(), p)
+  for name in g:
+    g64, p64 = np.asarray(g[name], np.float64), np.asarray(p[name], np.float64)
+    axis = None if g64.ndim == 1 else 0
+    g_norm = np.sqrt(np.sum(g64 ** 2, axis=axis, keepdims=True))
+    bound = 0.1 * np.maximum(np.sqrt(np.sum(p64 ** 2, axis=axis, keepdims=True)), 1e-3)
+    want = np.where(g_norm < bound, g64, g64 * bound / np.maximum(g_norm, 1e-6))
+    assert a[name].dtype == jnp.bfloat16
+    np.testing.assert_allclose(np.asarray(a[name], np.float64), want, rtol=2 ** -8)
+
+
 @pytest.mark.parametrize("shape", SHAPES + [()])
 @pytest.mark.parametrize("axis", [None, 0])
 def test_unitwise_norm(shape, axis):
