@@ -89,7 +89,8 @@ def markdown(meta: dict, train: list[dict], standalone: list[list[dict]], compil
             "The same trees and method as the sweep above, at its largest leaf count; the "
             "bare tree_map was compiled in the same turns. `adaptive_grad_clip` also reads "
             "the params, a second tree of the same shapes passed as its own argument. "
-            "optax's counterparts were compiled on the uniform tree only.", ""]
+            "optax's counterparts (`optax.clip` for clip_by_value, `optax.apply_if_finite` "
+            "for skip_nonfinite) were compiled on the uniform tree only.", ""]
     out.append(_table(
         ["transform", "leaves", "tree_map x*s", "jaxclip", "x", "optax", "x"],
         [[r["transform"], f"{r['leaves']}{' (mixed)' if r['mixed'] else ''}",
