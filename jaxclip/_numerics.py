@@ -433,10 +433,10 @@ def scale_by_leaf_norms(
   others = None if companions is None else [jnp.asarray(c) for c in companions]
   axes_of = axis if callable(axis) else lambda shape: axis
 
-  def factor(norms, size, stacked_companion=None, axes=None):
-    if stacked_companion is None:
+  def factor(norms, size, companion=None, axes=None):
+    if companion is None:
       return fn(norms, size)
-    return fn(norms, size, leaf_norm(stacked_companion, ord, axes, keepdims=True))
+    return fn(norms, size, leaf_norm(companion, ord, axes, keepdims=True))
 
   def one(i):
     x = leaves[i]
