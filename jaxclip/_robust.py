@@ -48,10 +48,9 @@ def all_finite(tree: Any, axis_name: Any = None) -> jax.Array:
   That is whether the largest ``|x|`` over the tree is finite: a NaN or an
   infinity carries through every maximum. The maxima are grouped over the
   leaves as for a norm (see :func:`jaxclip._numerics.tree_norm`), a few
-  kernels for thousands of small leaves; one ``isfinite`` and reduction per
-  leaf, as ``optax.apply_if_finite`` does, compiles in minutes at a thousand
-  leaves once each leaf's select depends on all of them. Integer and boolean
-  leaves are always finite.
+  kernels for thousands of small leaves, where one ``isfinite`` and
+  reduction per leaf (as ``optax.apply_if_finite`` does) makes thousands.
+  Integer and boolean leaves are always finite.
   """
   leaves = [x for x in jax.tree.leaves(tree)
             if jnp.issubdtype(jnp.result_type(x), jnp.inexact)]
