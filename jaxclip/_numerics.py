@@ -423,7 +423,11 @@ def scale_by_leaf_norms(
     concatenate, which compiles faster than a nested one used once or twice;
   * a shape with at least ``_STATIC_ROWS`` leaves takes its rows at constant
     offsets: one kernel per offset, shared by all its stacks. A rarer shape
-    takes them at :func:`_opaque_indices`: one kernel for all its rows.
+    takes them at :func:`_opaque_indices`: one kernel for all its rows;
+  * ``fn`` should end in a division (or another op that XLA deems expensive):
+    XLA copies cheap elementwise ops (selects, comparisons, maxima) into
+    each of their consumers, so a factor ending in one is recomputed in the
+    kernel of every row of its stack.
 
   Only small leaves are stacked (copies of at most ``_SMALL_LEAF`` elements
   each); large and mesh-sharded leaves are scaled one by one, so that their

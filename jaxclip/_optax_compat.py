@@ -217,13 +217,18 @@ def adaptive_grad_clip(
             f"{jnp.shape(p)} for updates of shape {jnp.shape(g)}.")
 
     def factor(g_norm, size, p_norm):
-      # unitwise_clip as a factor: 1 below the bound, bound / norm above it
-      # (g * 1 is g, bit for bit).
+      # unitwise_clip as a factor: 1 below the bound (g * 1 is g, bit for
+      # bit), bound / norm above it. Written as one division (1 / 1 below the
+      # bound) so that the factor ends in an op XLA does not copy into each
+      # of its consumers; a trailing select was recomputed in the kernel of
+      # every row of the stack (1.8x the instructions of this program).
       del size
       max_norm = jnp.asarray(clipping, g_norm.dtype) * jnp.maximum(
           p_norm.astype(g_norm.dtype), jnp.asarray(eps, g_norm.dtype))
-      ratio = max_norm / jnp.maximum(g_norm, jnp.asarray(1e-6, g_norm.dtype))
-      return jnp.where(g_norm < max_norm, jnp.ones_like(ratio), ratio)
+      below = g_norm < max_norm
+      one = jnp.ones_like(max_norm)
+      return (jnp.where(below, one, max_norm)
+              / jnp.where(below, one, jnp.maximum(g_norm, jnp.asarray(1e-6, g_norm.dtype))))
 
     return treedef.unflatten(_numerics.scale_by_leaf_norms(
         factor, leaves, 2, lambda shape: _unitwise_axes(shape, axis), param_leaves)), state
