@@ -85,10 +85,11 @@ def computed_once(flag: jax.Array) -> jax.Array:
   from every leaf, and that every leaf's select then reads, is recomputed in
   every leaf's kernel: compile time quadratic in the number of leaves (five
   minutes at a thousand leaves, measured). XLA does not copy a square root,
-  so the flag goes through one; ``sqrt`` of ``0`` or ``1`` is exact.
+  so the flag goes through one: ``sqrt`` of ``0`` or ``1`` is exact, and its
+  conversion back to a boolean (``!= 0``) is the one op each consumer copies.
   """
   flag = jnp.asarray(flag)
-  return jnp.sqrt(flag.astype(jnp.float32)) > 0.5
+  return jax.lax.convert_element_type(jnp.sqrt(flag.astype(jnp.float32)), jnp.bool_)
 
 
 def _canonical_axes(ndim: int, axis: Axes) -> tuple[int, ...] | None:

@@ -149,18 +149,38 @@ def clip_by_value(
                            "clip_value_max")
   _validation.check_real_leaves(tree, "clip_by_value")
 
+  # The bounds are cast once per dtype and broadcast once per shape: a leaf
+  # then traces two ops, which counts at thousands of leaves.
+  bounds: dict[Any, tuple[jax.Array, jax.Array]] = {}
+
+  def bounds_for(x):
+    key = (x.shape, x.dtype)
+    if key not in bounds:
+      if x.dtype not in bounds:
+        bounds[x.dtype] = (_bound_for(x.dtype, clip_value_min, up=True),
+                           _bound_for(x.dtype, clip_value_max, up=False))
+      pair = bounds[x.dtype]
+      for b in pair:
+        try:
+          fits = jnp.broadcast_shapes(x.shape, b.shape) == x.shape
+        except ValueError:
+          fits = False
+        if not fits:
+          return None, b.shape
+      bounds[key] = tuple(jnp.broadcast_to(b, x.shape) for b in pair)
+    return bounds[key], None
+
   def clip_leaf(path, x):
-    x = jnp.asarray(x)
-    lo = _bound_for(x.dtype, clip_value_min, up=True)
-    hi = _bound_for(x.dtype, clip_value_max, up=False)
-    for b in (lo, hi):
-      if jnp.broadcast_shapes(x.shape, b.shape) != x.shape:
-        raise ValueError(
-            f"clip_by_value: a bound of shape {b.shape} does not broadcast to "
-            f"the leaf at {jax.tree_util.keystr(path) or '<root>'} of shape "
-            f"{x.shape}."
-        )
-    return jnp.minimum(jnp.maximum(x, lo), hi)
+    x = x if isinstance(x, jax.Array) else jnp.asarray(x)
+    pair, bad_shape = bounds_for(x)
+    if pair is None:
+      raise ValueError(
+          f"clip_by_value: a bound of shape {bad_shape} does not broadcast to "
+          f"the leaf at {jax.tree_util.keystr(path) or '<root>'} of shape "
+          f"{x.shape}."
+      )
+    lo, hi = pair
+    return jax.lax.min(jax.lax.max(x, lo), hi)
 
   return jax.tree_util.tree_map_with_path(clip_leaf, tree)
 

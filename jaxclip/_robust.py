@@ -14,32 +14,55 @@ from jaxclip import _numerics, _validation
 ArrayLike = jax.typing.ArrayLike
 
 
-def _select(skip: jax.Array, old: Any, new: Any) -> jax.Array:
-  new = jnp.asarray(new)
-  old = jnp.asarray(old)
-  if (old.shape != new.shape or old.dtype != new.dtype
-      or jnp.issubdtype(new.dtype, jax.dtypes.extended)):
-    return jnp.where(skip, old, new).astype(jnp.result_type(new))
-  # lax ops, not jnp.where: a few traced ops per leaf, which counts at
-  # thousands of leaves.
-  return jax.lax.select(jax.lax.broadcast_in_dim(skip, new.shape, ()), old, new)
+def _as_array(x: Any) -> jax.Array:
+  return x if isinstance(x, jax.Array) else jnp.asarray(x)
+
+
+def _selector(skip: jax.Array):
+  """``select(old, new)``: ``old`` where ``skip`` else ``new``, keeping ``new``'s dtype.
+
+  ``skip`` is computed once for all the leaves (see
+  :func:`jaxclip._numerics.computed_once`) and broadcast once per shape, so
+  that a leaf costs one traced op, which counts at thousands of leaves.
+  """
+  skip = _numerics.computed_once(skip)
+  masks: dict[tuple[int, ...], jax.Array] = {}
+
+  def select(old: Any, new: Any) -> jax.Array:
+    old, new = _as_array(old), _as_array(new)
+    if (old.shape != new.shape or old.dtype != new.dtype
+        or jnp.issubdtype(new.dtype, jax.dtypes.extended)):
+      return jnp.where(skip, old, new).astype(jnp.result_type(new))
+    mask = masks.get(new.shape)
+    if mask is None:
+      mask = masks[new.shape] = jax.lax.broadcast_in_dim(skip, new.shape, ())
+    return jax.lax.select(mask, old, new)
+
+  return select
 
 
 def select_tree(skip: jax.Array, old: Any, new: Any) -> Any:
   """``old`` where ``skip`` else ``new``, leaf by leaf, keeping ``new``'s dtypes.
 
   A select copies the chosen operand's bits, so a skipped step leaves the
-  selected tree bit-identical. ``skip`` is computed once for all the leaves
-  (see :func:`jaxclip._numerics.computed_once`).
+  selected tree bit-identical.
   """
-  skip = _numerics.computed_once(skip)
-  return jax.tree.map(lambda o, n: _select(skip, o, n), old, new)
+  return jax.tree.map(_selector(skip), old, new)
 
 
 def zero_updates_where(skip: jax.Array, updates: Any) -> Any:
   """Zeros (of each leaf's dtype) where ``skip``, else ``updates``."""
-  skip = _numerics.computed_once(skip)
-  return jax.tree.map(lambda u: _select(skip, jax.lax.full_like(u, 0), u), updates)
+  select = _selector(skip)
+  zeros: dict[tuple[Any, ...], jax.Array] = {}
+
+  def zero_or_update(u: Any) -> jax.Array:
+    u = _as_array(u)
+    key = (u.shape, u.dtype)
+    if key not in zeros:
+      zeros[key] = jnp.zeros(u.shape, u.dtype)
+    return select(zeros[key], u)
+
+  return jax.tree.map(zero_or_update, updates)
 
 
 def all_finite(tree: Any, axis_name: Any = None) -> jax.Array:
@@ -202,13 +225,27 @@ def zero_nonfinite(*, axis_name: Any = None) -> optax.GradientTransformationExtr
 
   def update_fn(updates, state, params=None, **extra_args):
     del params, extra_args
-    leaves = jax.tree.leaves(updates)
-    count = sum((jnp.sum(~jnp.isfinite(x), dtype=jnp.int32) for x in leaves),
-                jnp.zeros((), jnp.int32))
+    # lax ops, a few per leaf: jnp's nested functions make tracing thousands
+    # of leaves slow.
+    counts, zeros = [], {}
+
+    def repair(x):
+      x = _as_array(x)
+      if not jnp.issubdtype(x.dtype, jnp.inexact):
+        return x
+      finite = (jax.lax.is_finite(x) if jnp.issubdtype(x.dtype, jnp.floating)
+                else jnp.isfinite(x))  # complex: both parts finite
+      bad = jax.lax.convert_element_type(jax.lax.bitwise_not(finite), jnp.int32)
+      counts.append(jax.lax.reduce_sum(bad, tuple(range(x.ndim))))
+      key = (x.shape, x.dtype)
+      if key not in zeros:
+        zeros[key] = jnp.zeros(x.shape, x.dtype)
+      return jax.lax.select(finite, x, zeros[key])
+
+    repaired = jax.tree.map(repair, updates)
+    count = sum(counts, jnp.zeros((), jnp.int32))
     if axis_name is not None:
       count = jax.lax.psum(count, axis_name)
-    repaired = jax.tree.map(
-        lambda x: jnp.where(jnp.isfinite(x), x, jnp.zeros_like(x)), updates)
     return repaired, ZeroNonfiniteState(
         num_nonfinite_zeroed=count,
         num_steps_with_nonfinite=jnp.where(

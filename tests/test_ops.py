@@ -230,6 +230,13 @@ def test_clip_by_value_array_bounds_broadcast():
       ops.clip_by_value(x, lo, hi), np.clip(np.asarray(x), np.asarray(lo), np.asarray(hi)))
   with pytest.raises(ValueError, match="broadcast"):
     ops.clip_by_value(jnp.ones(3), jnp.zeros((2, 3)), 1.0)
+  # Shapes that do not broadcast at all get the same error, naming the leaf.
+  with pytest.raises(ValueError, match=r"shape \(2,\) does not broadcast to the leaf at \['w'\]"):
+    ops.clip_by_value({"v": jnp.ones(2), "w": jnp.ones(3)}, 0.0, jnp.ones(2))
+  # Leaves of one shape share their broadcast bounds; each is clipped on its own.
+  rows = [jnp.array([-3.0, 0.5, 3.0]) * k for k in range(1, 5)]
+  for got, row in zip(ops.clip_by_value(rows, lo, 2.0), rows, strict=True):
+    np.testing.assert_array_equal(got, np.clip(np.asarray(row), np.asarray(lo), 2.0))
 
 
 def test_clip_by_value_integer_leaves_round_inwards_and_saturate():

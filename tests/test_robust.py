@@ -198,6 +198,20 @@ def test_zero_nonfinite_repairs_counts_and_keeps_dtypes():
   assert int(state.num_steps_with_nonfinite) == 1
 
 
+def test_zero_nonfinite_repairs_each_leaf_of_a_shared_shape_and_complex_leaves():
+  # Leaves of one shape and dtype share their zeros; each keeps its own values.
+  tx = jaxclip.zero_nonfinite()
+  rows = [jnp.array([float(i), NAN if i % 3 == 0 else 1.0, INF if i % 2 else -2.0])
+          for i in range(7)]
+  tree = {"rows": rows, "c": jnp.array([1 + 1j, NAN + 0j, complex(1, INF)], jnp.complex64),
+          "scalar": jnp.float32(-INF)}
+  out, state = jax.jit(tx.update)(tree, tx.init(None))
+  expected = {"rows": [jnp.where(jnp.isfinite(r), r, 0.0) for r in rows],
+              "c": jnp.array([1 + 1j, 0, 0], jnp.complex64), "scalar": jnp.float32(0.0)}
+  assert_tree_allclose(out, expected, rtol=0)
+  assert int(state.num_nonfinite_zeroed) == 3 + 3 + 2 + 1
+
+
 # ---------------------------------------------------------------- skip_on_spike
 
 
