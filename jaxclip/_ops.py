@@ -151,24 +151,24 @@ def clip_by_value(
 
   # The bounds are cast once per dtype and broadcast once per shape: a leaf
   # then traces two ops, which counts at thousands of leaves.
-  bounds: dict[Any, tuple[jax.Array, jax.Array]] = {}
+  cast: dict[Any, tuple[jax.Array, jax.Array]] = {}
+  broadcast: dict[tuple[Any, ...], tuple[jax.Array, jax.Array]] = {}
 
   def bounds_for(x):
     key = (x.shape, x.dtype)
-    if key not in bounds:
-      if x.dtype not in bounds:
-        bounds[x.dtype] = (_bound_for(x.dtype, clip_value_min, up=True),
-                           _bound_for(x.dtype, clip_value_max, up=False))
-      pair = bounds[x.dtype]
-      for b in pair:
+    if key not in broadcast:
+      if x.dtype not in cast:
+        cast[x.dtype] = (_bound_for(x.dtype, clip_value_min, up=True),
+                         _bound_for(x.dtype, clip_value_max, up=False))
+      for b in cast[x.dtype]:
         try:
           fits = jnp.broadcast_shapes(x.shape, b.shape) == x.shape
         except ValueError:
           fits = False
         if not fits:
           return None, b.shape
-      bounds[key] = tuple(jnp.broadcast_to(b, x.shape) for b in pair)
-    return bounds[key], None
+      broadcast[key] = tuple(jnp.broadcast_to(b, x.shape) for b in cast[x.dtype])
+    return broadcast[key], None
 
   def clip_leaf(path, x):
     x = x if isinstance(x, jax.Array) else jnp.asarray(x)

@@ -18,6 +18,19 @@ def _as_array(x: Any) -> jax.Array:
   return x if isinstance(x, jax.Array) else jnp.asarray(x)
 
 
+def _zeros_like_maker():
+  """``zeros_like(x)``, made once per shape and dtype: one traced op for many leaves."""
+  made: dict[tuple[Any, ...], jax.Array] = {}
+
+  def zeros_like(x: jax.Array) -> jax.Array:
+    key = (x.shape, x.dtype)
+    if key not in made:
+      made[key] = jnp.zeros(x.shape, x.dtype)
+    return made[key]
+
+  return zeros_like
+
+
 def _selector(skip: jax.Array):
   """``select(old, new)``: ``old`` where ``skip`` else ``new``, keeping ``new``'s dtype.
 
@@ -52,15 +65,11 @@ def select_tree(skip: jax.Array, old: Any, new: Any) -> Any:
 
 def zero_updates_where(skip: jax.Array, updates: Any) -> Any:
   """Zeros (of each leaf's dtype) where ``skip``, else ``updates``."""
-  select = _selector(skip)
-  zeros: dict[tuple[Any, ...], jax.Array] = {}
+  select, zeros_like = _selector(skip), _zeros_like_maker()
 
   def zero_or_update(u: Any) -> jax.Array:
     u = _as_array(u)
-    key = (u.shape, u.dtype)
-    if key not in zeros:
-      zeros[key] = jnp.zeros(u.shape, u.dtype)
-    return select(zeros[key], u)
+    return select(zeros_like(u), u)
 
   return jax.tree.map(zero_or_update, updates)
 
@@ -227,7 +236,7 @@ def zero_nonfinite(*, axis_name: Any = None) -> optax.GradientTransformationExtr
     del params, extra_args
     # lax ops, a few per leaf: jnp's nested functions make tracing thousands
     # of leaves slow.
-    counts, zeros = [], {}
+    counts, zeros_like = [], _zeros_like_maker()
 
     def repair(x):
       x = _as_array(x)
@@ -237,10 +246,7 @@ def zero_nonfinite(*, axis_name: Any = None) -> optax.GradientTransformationExtr
                 else jnp.isfinite(x))  # complex: both parts finite
       bad = jax.lax.convert_element_type(jax.lax.bitwise_not(finite), jnp.int32)
       counts.append(jax.lax.reduce_sum(bad, tuple(range(x.ndim))))
-      key = (x.shape, x.dtype)
-      if key not in zeros:
-        zeros[key] = jnp.zeros(x.shape, x.dtype)
-      return jax.lax.select(finite, x, zeros[key])
+      return jax.lax.select(finite, x, zeros_like(x))
 
     repaired = jax.tree.map(repair, updates)
     count = sum(counts, jnp.zeros((), jnp.int32))
