@@ -77,6 +77,11 @@ def _safe_sqrt_jvp(primals, tangents):
   return y, coef * dx
 
 
+def as_array(x: Any) -> jax.Array:
+  """``x`` as a jax array; an array (or tracer) is returned as is, with no traced op."""
+  return x if isinstance(x, jax.Array) else jnp.asarray(x)
+
+
 def computed_once(flag: jax.Array) -> jax.Array:
   """The boolean scalar ``flag``, computed in one kernel that its consumers read.
 
@@ -434,8 +439,8 @@ def scale_by_leaf_norms(
   each); large and mesh-sharded leaves are scaled one by one, so that their
   multiply fuses into whatever consumes them (an optimizer's update).
   """
-  leaves = [jnp.asarray(x) for x in leaves]
-  others = None if companions is None else [jnp.asarray(c) for c in companions]
+  leaves = [as_array(x) for x in leaves]
+  others = None if companions is None else [as_array(c) for c in companions]
   axes_of = axis if callable(axis) else lambda shape: axis
 
   def factor(norms, size, companion=None, axes=None):

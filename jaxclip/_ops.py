@@ -171,7 +171,7 @@ def clip_by_value(
     return broadcast[key], None
 
   def clip_leaf(path, x):
-    x = x if isinstance(x, jax.Array) else jnp.asarray(x)
+    x = _numerics.as_array(x)
     pair, bad_shape = bounds_for(x)
     if pair is None:
       raise ValueError(

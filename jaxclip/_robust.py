@@ -14,10 +14,6 @@ from jaxclip import _numerics, _validation
 ArrayLike = jax.typing.ArrayLike
 
 
-def _as_array(x: Any) -> jax.Array:
-  return x if isinstance(x, jax.Array) else jnp.asarray(x)
-
-
 def _zeros_like_maker():
   """``zeros_like(x)``, made once per shape and dtype: one traced op for many leaves."""
   made: dict[tuple[Any, ...], jax.Array] = {}
@@ -42,7 +38,7 @@ def _selector(skip: jax.Array):
   masks: dict[tuple[int, ...], jax.Array] = {}
 
   def select(old: Any, new: Any) -> jax.Array:
-    old, new = _as_array(old), _as_array(new)
+    old, new = _numerics.as_array(old), _numerics.as_array(new)
     if (old.shape != new.shape or old.dtype != new.dtype
         or jnp.issubdtype(new.dtype, jax.dtypes.extended)):
       return jnp.where(skip, old, new).astype(jnp.result_type(new))
@@ -68,7 +64,7 @@ def zero_updates_where(skip: jax.Array, updates: Any) -> Any:
   select, zeros_like = _selector(skip), _zeros_like_maker()
 
   def zero_or_update(u: Any) -> jax.Array:
-    u = _as_array(u)
+    u = _numerics.as_array(u)
     return select(zeros_like(u), u)
 
   return jax.tree.map(zero_or_update, updates)
@@ -239,7 +235,7 @@ def zero_nonfinite(*, axis_name: Any = None) -> optax.GradientTransformationExtr
     counts, zeros_like = [], _zeros_like_maker()
 
     def repair(x):
-      x = _as_array(x)
+      x = _numerics.as_array(x)
       if not jnp.issubdtype(x.dtype, jnp.inexact):
         return x
       finite = (jax.lax.is_finite(x) if jnp.issubdtype(x.dtype, jnp.floating)
