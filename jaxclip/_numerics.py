@@ -24,7 +24,8 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
+
+from jaxclip import _backends
 
 Axes = int | Sequence[int] | None
 
@@ -111,22 +112,6 @@ def _canonical_axes(ndim: int, axis: Axes) -> tuple[int, ...] | None:
   return tuple(out)
 
 
-def _reduction_input(x: jax.Array) -> jax.Array:
-  """``x`` as the input of a norm reduction.
-
-  On XLA:CPU a bfloat16 leaf that feeds both the norm reduction and the
-  scale pass gets its float32 conversion materialised as a full-size buffer
-  (the reduction kernel cannot absorb a convert whose operand has a second
-  user). An optimization barrier gives the reduction its own operand, so the
-  convert fuses into it: no float32 copy, and about 3x faster on a 4M-entry
-  leaf. The barrier is an identity for values and gradients; it is applied
-  only where it was measured to help.
-  """
-  if x.dtype == jnp.bfloat16 and jax.default_backend() == "cpu":
-    return jax.lax.optimization_barrier(x)
-  return x
-
-
 def _convert(x: jax.Array, dtype: Any) -> jax.Array:
   """``x.astype(dtype)`` as one primitive, nothing when the dtype matches.
 
@@ -138,7 +123,7 @@ def _convert(x: jax.Array, dtype: Any) -> jax.Array:
 
 def abs_sq(x: jax.Array) -> jax.Array:
   """``|x|**2`` elementwise, in ``x``'s accumulation dtype."""
-  x = _reduction_input(jnp.asarray(x))
+  x = _backends.reduction_input(jnp.asarray(x))
   acc = accumulation_dtype(x.dtype)
   if jnp.iscomplexobj(x):
     re, im = _convert(jax.lax.real(x), acc), _convert(jax.lax.imag(x), acc)
@@ -149,93 +134,22 @@ def abs_sq(x: jax.Array) -> jax.Array:
 
 def safe_abs(x: jax.Array) -> jax.Array:
   """``|x|`` elementwise in the accumulation dtype; finite gradient at 0."""
-  x = _reduction_input(jnp.asarray(x))
+  x = _backends.reduction_input(jnp.asarray(x))
   if jnp.iscomplexobj(x):
     return safe_sqrt(abs_sq(x))
   return jax.lax.abs(_convert(x, accumulation_dtype(x.dtype)))
-
-
-def _plain_reduce(terms: jax.Array, op: str, axes: tuple[int, ...] | None,
-                  keepdims: bool) -> jax.Array:
-  if op == "sum":
-    return jnp.sum(terms, axis=axes, keepdims=keepdims)
-  # ``initial`` makes the max of an empty leaf 0, as its norm.
-  return jnp.max(terms, axis=axes, keepdims=keepdims, initial=0.0)
 
 
 def _reduce(terms: jax.Array, op: str, axes: tuple[int, ...] | None = None,
             keepdims: bool = False, *, of_float16: bool = False) -> jax.Array:
   """``jnp.sum`` (``op="sum"``) or ``jnp.max`` of non-negative ``terms``.
 
-  ``of_float16`` says that the terms are computed from float16 values. On
-  XLA:CPU the float32 conversion of a float16 leaf is never fused into a
-  plain reduction: it is materialised as a full-size float32 copy (twice the
-  leaf's bytes). A two-output reduction keeps the conversion inside the
-  reduction kernel, so no copy is made (see :func:`_float16_reduce`).
+  ``of_float16`` says that the terms are computed from float16 values, which
+  XLA:CPU reduces faster another way (:func:`jaxclip._backends.float16_reduce`).
   """
-  if of_float16 and jax.default_backend() == "cpu" and terms.size:
-    return _float16_reduce(terms, op, tuple(range(terms.ndim)) if axes is None else axes,
-                           keepdims)
-  return _plain_reduce(terms, op, axes, keepdims)
-
-
-# The two-output reduction accumulates sequentially, so it runs over blocks of
-# at most this many terms; the block results are reduced by a plain reduction.
-_SEQUENTIAL_BLOCK = 1024
-
-
-def _two_output_reduce(terms: jax.Array, op: str, axes: tuple[int, ...]) -> jax.Array:
-  """``op`` over ``axes`` as a reduction with a second output XLA cannot drop.
-
-  The second output is the maximum, which is ``0`` only where every
-  (non-negative) term is, so selecting on it leaves the value unchanged.
-  """
-  zero = jnp.zeros((), terms.dtype)
-  first = jax.lax.add if op == "sum" else jax.lax.max
-
-  def combine(a, b):
-    return first(a[0], b[0]), jax.lax.max(a[1], b[1])
-
-  total, peak = jax.lax.reduce((terms, terms), (zero, zero), combine, axes)
-  return jnp.where(peak == 0, zero, total)
-
-
-def _largest_divisor(n: int, at_most: int, at_least: int) -> int | None:
-  return next((b for b in range(min(n, at_most), at_least - 1, -1) if n % b == 0), None)
-
-
-@functools.partial(jax.custom_jvp, nondiff_argnums=(1, 2, 3))
-def _float16_reduce(terms: jax.Array, op: str, axes: tuple[int, ...],
-                    keepdims: bool) -> jax.Array:
-  """:func:`_plain_reduce` of float16-derived terms without a float32 copy (XLA:CPU).
-
-  A reduction over at most ``_SEQUENTIAL_BLOCK`` terms is one two-output
-  reduction. A whole large leaf is reduced in blocks of a divisor of its size
-  (or, with no such divisor, zero-padded to whole blocks) and the block
-  results, one per up to ``_SEQUENTIAL_BLOCK`` terms, are reduced plainly: as
-  accurate as the plain float32 reduction, and faster on CPU. A reduction over part of
-  the axes of a large leaf falls back to the plain reduction. Derivatives are
-  taken through the plain reduction.
-  """
-  reduced = math.prod(terms.shape[a] for a in axes)
-  if reduced <= _SEQUENTIAL_BLOCK:
-    total = _two_output_reduce(terms, op, axes)
-  elif len(axes) < terms.ndim:
-    return _plain_reduce(terms, op, axes, keepdims)
-  else:
-    flat = jax.lax.reshape(terms, (terms.size,))
-    block = _largest_divisor(terms.size, _SEQUENTIAL_BLOCK, _SEQUENTIAL_BLOCK // 8)
-    if block is None:  # zero-pad to whole blocks: no sum or maximum changes
-      block = _SEQUENTIAL_BLOCK
-      flat = jax.lax.pad(flat, jnp.zeros((), flat.dtype), ((0, -terms.size % block, 0),))
-    blocks = jax.lax.reshape(flat, (flat.size // block, block))
-    total = _plain_reduce(_two_output_reduce(blocks, op, (1,)), op, None, False)
-  return jax.lax.expand_dims(total, axes) if keepdims else total
-
-
-@_float16_reduce.defjvp
-def _float16_reduce_jvp(op, axes, keepdims, primals, tangents):
-  return jax.jvp(lambda t: _plain_reduce(t, op, axes, keepdims), primals, tangents)
+  if of_float16:
+    return _backends.float16_reduce(terms, op, axes, keepdims)
+  return _backends.plain_reduce(terms, op, axes, keepdims)
 
 
 def leaf_sumsq(x: jax.Array, axis: Axes = None, keepdims: bool = False) -> jax.Array:
@@ -308,17 +222,15 @@ _SMALL_LEAF = 1024
 _TINY_LEAF = 64
 _GROUP = 32
 _CHUNK_LEAVES = 128
-# scale_by_leaf_norms stacks the small leaves of one shape and dtype: all in
-# one stack when there are at most _FLAT_STACK, else _STACK at a time; by one
-# concatenate where the shape fills fewer than _NESTED_STACKS stacks, else by
-# nested concatenates of at most _FAN_IN operands (the most XLA:CPU fuses; one
-# kernel then serves every stack of the shape). Rows are taken at constant
-# offsets when the shape has at least _STATIC_ROWS leaves, else at opaque
-# indices.
+# scale_by_leaf_norms stacks the small leaves of one shape and dtype (on
+# XLA:CPU): all in one stack when there are at most _FLAT_STACK, else _STACK
+# at a time; by one concatenate where the shape fills fewer than
+# _NESTED_STACKS stacks, else by nested concatenates (one kernel then serves
+# every stack of the shape). Rows are taken at constant offsets when the shape
+# has at least _STATIC_ROWS leaves, else at opaque indices.
 _STACK = 64
 _FLAT_STACK = 128
 _NESTED_STACKS = 4
-_FAN_IN = 8
 _STATIC_ROWS = 512
 
 
@@ -327,10 +239,40 @@ def _leaf_part(x: jax.Array, ord: float) -> jax.Array:
   return leaf_sumsq(x) if ord == 2 else leaf_norm(x, ord)
 
 
-def _on_mesh(x: jax.Array) -> bool:
-  """Whether ``x`` carries a mesh sharding (sharded arrays under ``jax.set_mesh``)."""
+# The layout key of a leaf whose values are all on the device that computes
+# with them: it may be reshaped and concatenated with any other such leaf.
+LOCAL = "local"
+
+
+def layout(x: jax.Array) -> Any:
+  """What JAX's type of ``x`` says about its layout across devices.
+
+  Returns :data:`LOCAL` where reshaping ``x`` or joining it with other local
+  leaves adds no communication: a program of one device, or values inside
+  ``shard_map`` whose mesh axes are all manual. Returns ``x``'s sharding
+  where it is known and laid out over several devices (an Explicit mesh under
+  ``jax.set_mesh``): only leaves of the identical sharding and shape may be
+  combined, elementwise. Returns ``None`` where the layout is chosen later by
+  XLA's partitioner (an Auto mesh, a legacy ``Mesh``, shardings given to
+  ``jit`` on a process with several devices): such a leaf is reduced on its
+  own, since combining it with a leaf of another layout would make XLA move
+  data between devices.
+  """
   sharding = getattr(jax.typeof(x), "sharding", None)
-  return sharding is not None and not sharding.mesh.empty
+  mesh = getattr(sharding, "mesh", None)
+  if mesh is None or mesh.empty:
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+      return LOCAL if jax.device_count() == 1 else None
+  manual = jax.sharding.AxisType.Manual
+  spread = [t for n, t in zip(mesh.axis_names, mesh.axis_types, strict=True)
+            if t != manual and mesh.shape[n] > 1]
+  if not spread:
+    return LOCAL
+  if sharding is not None and not sharding.mesh.empty and all(
+      t == jax.sharding.AxisType.Explicit for t in spread):
+    return sharding
+  return None
 
 
 def _grouped_parts(leaves: list[Any], ord: float, acc: jnp.dtype) -> list[jax.Array]:
@@ -341,209 +283,266 @@ def _grouped_parts(leaves: list[Any], ord: float, acc: jnp.dtype) -> list[jax.Ar
   number of leaves (optax's clip takes minutes at 5,000 leaves). Instead
   small leaves are reduced together, a few kernels per thousand leaves:
 
-  * leaves of more than ``_TINY_LEAF`` and at most ``_SMALL_LEAF``
-    elements (biases, norm scales) are flattened and concatenated per dtype,
-    ``_CHUNK_LEAVES`` at a time, and each chunk is reduced once. The copy is
-    of small leaves only (at most ``_CHUNK_LEAVES * _SMALL_LEAF`` elements
-    at a time), and compiles fast whatever the mix of shapes;
-  * leaves of at most ``_TINY_LEAF`` elements are flattened, their
+  * local leaves (see :func:`layout`) of more than ``_TINY_LEAF`` and at most
+    ``_SMALL_LEAF`` elements (biases, norm scales) are flattened and
+    concatenated per dtype, ``_CHUNK_LEAVES`` at a time, and each chunk is
+    reduced once. The copy is of small leaves only, and compiles fast
+    whatever the mix of shapes;
+  * local leaves of at most ``_TINY_LEAF`` elements are flattened, their
     ``|x|**2`` (``|x|``) zero-padded to the next power of two and added
     (maxed) elementwise ``_GROUP`` at a time before one reduction per group
     (zero padding changes no sum or maximum of non-negative terms). XLA:CPU
     unrolls the copy of a tiny concatenated operand, which makes compiling
-    thousands of them slow; this path copies nothing.
+    thousands of them slow; this path copies nothing;
+  * small leaves of one known multi-device sharding (an Explicit mesh) are
+    never reshaped: those of one shape, dtype and sharding are added
+    elementwise ``_GROUP`` at a time, so grouping adds no collective.
 
-  Larger leaves, which hold the bytes, keep one reduction each and are never
-  copied (grouping them, padded or concatenated, measured slower). Leaves
-  that carry a mesh (sharded arrays under ``jax.set_mesh``) are never
-  reshaped: those of one shape and sharding are added elementwise ``_GROUP``
-  at a time, so grouping adds no collective.
+  Larger leaves, which hold the bytes, and leaves whose layout is not known
+  when the program is traced, keep one reduction each and are never copied.
+  The partial sums of a sharded tree therefore need only scalar all-reduces.
+
+  The grouping is for speed only: ``jax.jvp`` and ``jax.grad`` differentiate
+  the plain per-leaf sums, so the tangent of each leaf is one fused
+  elementwise term, and no concatenate or pad is transposed into per-leaf
+  slices of a group.
   """
-  term = abs_sq if ord == 2 else safe_abs
-  combine = jax.lax.max if ord == math.inf else jax.lax.add
-  parts, chunks, groups = [], {}, {}
-  for x in leaves:
-    x = jnp.asarray(x)
+  leaves = [as_array(x) for x in leaves]
+  plan = _group_plan(leaves)
+  if all(len(members) == 1 for _, members in plan):
+    return [_leaf_part(leaves[m[0]], ord).astype(acc) for _, m in plan]
+  return list(_grouped_sums(plan, ord, acc, leaves))
+
+
+def _group_plan(leaves: list[jax.Array]) -> tuple[tuple[Any, tuple[int, ...]], ...]:
+  """Which leaves :func:`_grouped_parts` reduces together: ``(how, members)`` pairs.
+
+  ``how`` is ``None`` (one leaf alone), ``"concat"`` or the width an
+  elementwise group is padded to (``0``: no padding, a sharded group).
+  """
+  plan: list[Any] = []
+  chunks: dict[Any, list[list[int]]] = {}
+  groups: dict[Any, list[int]] = {}
+  for i, x in enumerate(leaves):
     if x.size == 0:
       continue
-    if x.size > _SMALL_LEAF:
-      parts.append(_leaf_part(x, ord))
-    elif _on_mesh(x):
-      groups.setdefault((x.shape, x.dtype, jax.typeof(x).sharding), []).append(x)
+    where = layout(x) if x.size <= _SMALL_LEAF else None
+    if where is None:
+      plan.append((None, (i,)))
+    elif where is not LOCAL:
+      groups.setdefault((0, x.shape, x.dtype, where), []).append(i)
     elif x.size <= _TINY_LEAF:
-      groups.setdefault((1 << (x.size - 1).bit_length(), accumulation_dtype(x.dtype)), []).append(x)
+      groups.setdefault((1 << (x.size - 1).bit_length(), accumulation_dtype(x.dtype)), []).append(i)
     else:
       chunk = chunks.setdefault(x.dtype, [[]])
       if len(chunk[-1]) == _CHUNK_LEAVES:
         chunk.append([])
-      chunk[-1].append(x)
+      chunk[-1].append(i)
   for dtype_chunks in chunks.values():
-    for chunk in dtype_chunks:
-      flat = [jax.lax.reshape(y, (y.size,)) for y in chunk]
-      parts.append(_leaf_part(flat[0] if len(flat) == 1 else jax.lax.concatenate(flat, 0), ord))
+    plan.extend(("concat", tuple(chunk)) for chunk in dtype_chunks)
   for key, group in groups.items():
-    for start in range(0, len(group), _GROUP):
+    plan.extend((key[0], tuple(group[s:s + _GROUP])) for s in range(0, len(group), _GROUP))
+  return tuple(plan)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1, 2))
+def _grouped_sums(plan, ord, acc, leaves):
+  term = abs_sq if ord == 2 else safe_abs
+  combine = jax.lax.max if ord == math.inf else jax.lax.add
+  parts = []
+  for how, members in plan:
+    if how is None:
+      parts.append(_leaf_part(leaves[members[0]], ord))
+    elif how == "concat":
+      flat = [jax.lax.reshape(leaves[i], (leaves[i].size,)) for i in members]
+      parts.append(_leaf_part(flat[0] if len(flat) == 1 else jax.lax.concatenate(flat, 0), ord))
+    else:
       total = None
-      for x in group[start:start + _GROUP]:
-        t = term(x)
-        if isinstance(key[0], int):  # flatten and pad to the group's width
+      for i in members:
+        t = term(leaves[i])
+        if how:  # flatten and pad to the group's width
           t = jax.lax.reshape(t, (t.size,))
-          if t.size < key[0]:
-            t = jax.lax.pad(t, jnp.zeros((), t.dtype), ((0, key[0] - t.size, 0),))
+          if t.size < how:
+            t = jax.lax.pad(t, jnp.zeros((), t.dtype), ((0, how - t.size, 0),))
         total = t if total is None else combine(total, t)
-      of_float16 = any(x.dtype == jnp.float16 for x in group[start:start + _GROUP])
+      of_float16 = any(leaves[i].dtype == jnp.float16 for i in members)
       parts.append(_reduce(total, "max" if ord == math.inf else "sum", of_float16=of_float16))
-  return [p.astype(acc) for p in parts]
+  return tuple(p.astype(acc) for p in parts)
+
+
+def _plain_sums(plan, ord, acc, leaves):
+  """:func:`_grouped_sums` as one reduction per leaf, combined as scalars."""
+  parts = []
+  for _, members in plan:
+    leaf_parts = [_leaf_part(leaves[i], ord).astype(acc) for i in members]
+    if len(leaf_parts) == 1:
+      parts.append(leaf_parts[0])
+    elif ord == math.inf:
+      parts.append(jnp.max(jnp.stack(leaf_parts)))
+    else:
+      parts.append(_sum_scalars(leaf_parts))
+  return tuple(parts)
+
+
+@_grouped_sums.defjvp
+def _grouped_sums_jvp(plan, ord, acc, primals, tangents):
+  _, tangent_out = jax.jvp(lambda xs: _plain_sums(plan, ord, acc, xs), primals, tangents)
+  return _grouped_sums(plan, ord, acc, *primals), tangent_out
 
 
 def scale_by_leaf_norms(
     fn: Callable[..., jax.Array], leaves: Sequence[Any], ord: float = 2,
     axis: Axes | Callable[[tuple[int, ...]], Axes] = None,
-    companions: Sequence[Any] | None = None,
+    companions: Sequence[Any] | None = None, operands: tuple[Any, ...] = (),
 ) -> list[jax.Array]:
-  """Each leaf times ``fn`` of its norm, batched over leaves of one shape.
+  """Each leaf times ``fn`` of its norm.
 
-  The result is ``[apply_scale(x, fn(norm(x), x.size)) for x in leaves]``,
-  where ``norm(x)`` is ``leaf_norm(x, ord, axis, keepdims=True)``: ``fn`` maps
-  a norm (with kept dimensions) and the leaf's size to a factor broadcastable
-  against the leaf, e.g. a clip factor. ``axis`` may also be a function of
-  the leaf's shape. With ``companions``, one array of the leaf's shape per
-  leaf (a parameter for its gradient), the factor is ``fn(norm(x), x.size,
-  norm(c))``.
+  The result is ``[apply_scale(x, fn(norm(x), x.size, *operands)) for x in
+  leaves]``, where ``norm(x)`` is ``leaf_norm(x, ord, axis, keepdims=True)``:
+  ``fn`` maps a norm (with kept dimensions), the leaf's size and the
+  ``operands`` to a factor broadcastable against the leaf, e.g. a clip
+  factor. ``axis`` may also be a function of the leaf's shape. With
+  ``companions``, one array of the leaf's shape per leaf (a parameter for its
+  gradient), the factor is ``fn(norm(x), x.size, norm(c), *operands)``.
 
-  Why: one reduction and one multiply per leaf is thousands of kernels for a
-  tree of thousands of small leaves, and XLA:CPU then compiles for minutes.
-  Here the small leaves of one shape and dtype are stacked: all at once up
-  to ``_FLAT_STACK`` of them, else ``_STACK`` at a time (the last stack of a
-  shape overlaps the one before, so that all its stacks are alike). One
-  reduction, one call of ``fn`` and one multiply serve a whole stack, and
-  each leaf is then one row of the scaled stack.
+  ``fn`` must get every array it depends on (a threshold) through
+  ``operands``, never by closing over it: the derivative with respect to the
+  operands is taken through them.
 
-  How the kernels stay few (XLA:CPU compiles one kernel per distinct fusion,
-  and emits every concatenate of more than eight operands as a kernel of its
-  own):
+  That plain per-leaf math is what runs on every platform but CPU, and what
+  ``jax.jvp`` and ``jax.grad`` differentiate on every platform (so their
+  cost is that of the naive math). In programs lowered for CPU, many small
+  local leaves of one shape and dtype are scaled as stacks instead
+  (:func:`_scale_stacks`): one reduction, one call of ``fn`` and one multiply
+  per stack, and each leaf one row of its scaled stack. One reduction and one
+  multiply per leaf is thousands of kernels for a tree of thousands of small
+  leaves, and XLA:CPU then compiles for minutes.
 
-  * a shape that fills at least ``_NESTED_STACKS`` stacks is stacked by
-    nested concatenates of at most ``_FAN_IN`` operands, which fuse: one
-    kernel for all the stacks of the shape. A rarer shape is stacked by one
-    concatenate, which compiles faster than a nested one used once or twice;
-  * a shape with at least ``_STATIC_ROWS`` leaves takes its rows at constant
-    offsets: one kernel per offset, shared by all its stacks. A rarer shape
-    takes them at :func:`_opaque_indices`: one kernel for all its rows;
-  * ``fn`` should end in a division (or another op that XLA deems expensive):
-    XLA copies cheap elementwise ops (selects, comparisons, maxima) into
-    each of their consumers, so a factor ending in one is recomputed in the
-    kernel of every row of its stack.
+  ``fn`` should end in a division (or another op that XLA deems expensive):
+  XLA copies cheap elementwise ops (selects, comparisons, maxima) into each
+  of their consumers, so a factor ending in one is recomputed in the kernel
+  of every row of its stack.
 
-  Only small leaves are stacked (copies of at most ``_SMALL_LEAF`` elements
-  each); large and mesh-sharded leaves are scaled one by one, so that their
-  multiply fuses into whatever consumes them (an optimizer's update).
+  Only small local leaves (:func:`layout`) are stacked; large and sharded
+  leaves are scaled one by one, so that their multiply fuses into whatever
+  consumes them (an optimizer's update) and keeps their sharding.
   """
   leaves = [as_array(x) for x in leaves]
   others = None if companions is None else [as_array(c) for c in companions]
+  operands = tuple(operands)
   axes_of = axis if callable(axis) else lambda shape: axis
-
-  def factor(norms, size, companion=None, axes=None):
-    if companion is None:
-      return fn(norms, size)
-    return fn(norms, size, leaf_norm(companion, ord, axes, keepdims=True))
-
-  def one(i):
-    x = leaves[i]
-    axes = axes_of(x.shape)
-    companion = None if others is None else others[i]
-    return apply_scale(x, factor(leaf_norm(x, ord, axes, keepdims=True), x.size, companion,
-                                 axes))
 
   out: list[Any] = [None] * len(leaves)
   groups: dict[Any, list[int]] = {}
   for i, x in enumerate(leaves):
-    if x.size > _SMALL_LEAF or _on_mesh(x) or (others is not None and _on_mesh(others[i])):
-      out[i] = one(i)
-    else:
+    if x.size <= _SMALL_LEAF and layout(x) is LOCAL and (
+        others is None or layout(others[i]) is LOCAL):
       key = (x.shape, x.dtype, None if others is None else others[i].dtype)
       groups.setdefault(key, []).append(i)
-  plans = []
-  for (shape, _, _), members in groups.items():
+    else:
+      out[i] = _scale_one(fn, ord, axes_of, x, None if others is None else others[i], operands)
+  for members in groups.values():
     if len(members) == 1:
-      out[members[0]] = one(members[0])
-      continue
-    k = len(members) if len(members) <= _FLAT_STACK else _STACK
-    starts = list(range(0, len(members) - k + 1, k))
-    if starts[-1] + k < len(members):
-      starts.append(len(members) - k)
-    static = len(members) >= _STATIC_ROWS or math.prod(shape) == 0  # (an index needs an element)
+      i = members[0]
+      out[i] = _scale_one(fn, ord, axes_of, leaves[i], None if others is None else others[i],
+                          operands)
+  stacked = tuple(members for members in groups.values() if len(members) > 1)
+  if stacked:
+    members = [i for group in stacked for i in group]
+    scaled = _scale_grouped(fn, ord, axes_of, tuple(len(g) for g in stacked),
+                            [leaves[i] for i in members],
+                            None if others is None else [others[i] for i in members], operands)
+    for i, y in zip(members, scaled, strict=True):
+      out[i] = y
+  return out
+
+
+def _scale_one(fn, ord, axes_of, x, companion, operands) -> jax.Array:
+  """One leaf of :func:`scale_by_leaf_norms`, by the plain math."""
+  axes = axes_of(x.shape)
+  norms = leaf_norm(x, ord, axes, keepdims=True)
+  if companion is None:
+    return apply_scale(x, fn(norms, x.size, *operands))
+  return apply_scale(x, fn(norms, x.size, leaf_norm(companion, ord, axes, keepdims=True),
+                           *operands))
+
+
+def _scale_plain(fn, ord, axes_of, leaves, companions, operands) -> list[jax.Array]:
+  return [_scale_one(fn, ord, axes_of, x, None if companions is None else companions[j], operands)
+          for j, x in enumerate(leaves)]
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1, 2, 3))
+def _scale_grouped(fn, ord, axes_of, sizes, leaves, companions, operands):
+  """:func:`_scale_stacks` on CPU, :func:`_scale_plain` elsewhere and under ``jax.jvp``."""
+  return _backends.on_cpu(
+      lambda xs, cs, ops: _scale_stacks(fn, xs, cs, sizes, ord, axes_of, ops),
+      lambda xs, cs, ops: _scale_plain(fn, ord, axes_of, xs, cs, ops),
+      leaves, companions, operands)
+
+
+@_scale_grouped.defjvp
+def _scale_grouped_jvp(fn, ord, axes_of, sizes, primals, tangents):
+  # The tangent of each leaf is that of its own plain math: transposed (for
+  # jax.grad), a stack's rows would each become a full-stack update.
+  _, tangent_out = jax.jvp(lambda *a: _scale_plain(fn, ord, axes_of, *a), primals, tangents)
+  return _scale_grouped(fn, ord, axes_of, sizes, *primals), tangent_out
+
+
+def _scale_stacks(fn, leaves, companions, sizes, ord, axes_of, operands) -> list[jax.Array]:
+  """:func:`scale_by_leaf_norms` of groups of leaves of one shape, by stacks (XLA:CPU).
+
+  ``leaves`` holds the groups one after the other, ``sizes`` their lengths.
+  A group of at most ``_FLAT_STACK`` leaves is one stack, a larger one is
+  stacked ``_STACK`` at a time (its last stack overlaps the one before, so
+  that all its stacks are alike). How the kernels stay few (XLA:CPU compiles
+  one kernel per distinct fusion, and emits every concatenate of more than
+  eight operands as a kernel of its own):
+
+  * a group that fills at least ``_NESTED_STACKS`` stacks is stacked by
+    nested concatenates (:func:`jaxclip._backends.stack`), which fuse: one
+    kernel for all its stacks. A smaller group is stacked by one concatenate,
+    which compiles faster than a nested one used once or twice;
+  * a group of at least ``_STATIC_ROWS`` leaves takes its rows at constant
+    offsets: one kernel per offset, shared by all its stacks. A smaller group
+    takes them at opaque indices (:func:`jaxclip._backends.opaque_indices`):
+    one kernel for all its rows.
+  """
+  out: list[Any] = []
+  plans, begin = [], 0
+  for size in sizes:
+    members = list(range(begin, begin + size))
+    begin += size
+    shape = leaves[members[0]].shape
+    k = size if size <= _FLAT_STACK else _STACK
+    starts = list(range(0, size - k + 1, k))
+    if starts[-1] + k < size:
+      starts.append(size - k)
+    static = size >= _STATIC_ROWS or math.prod(shape) == 0  # (an index needs an element)
     plans.append((shape, members, k, starts, static))
   dynamic = [(k, members[0]) for _, members, k, _, static in plans if not static]
   if dynamic:
-    index = _opaque_indices(max(k for k, _ in dynamic), leaves[dynamic[0][1]])
-    # An array, not a Python 0: dynamic_slice then stages no conversion of it.
-    zero = jnp.zeros((), jnp.int32)
+    index = _backends.opaque_indices(max(k for k, _ in dynamic), leaves[dynamic[0][1]])
   for shape, members, k, starts, static in plans:
     axes = _canonical_axes(len(shape), axes_of(shape))
     axes = tuple(range(1, len(shape) + 1)) if axes is None else tuple(a + 1 for a in axes)
     nested = len(starts) >= _NESTED_STACKS
-    zeros = (0 if static else zero,) * len(shape)
     done = 0
     for start in starts:
       batch = members[start:start + k]
-      stacked = _stack([leaves[i] for i in batch], shape, nested)
-      companion = None if others is None else _stack([others[i] for i in batch], shape, nested)
+      stacked = _backends.stack([leaves[i] for i in batch], shape, nested)
       norms = leaf_norm(stacked, ord, axes, keepdims=True)
-      scaled = apply_scale(stacked, factor(norms, math.prod(shape), companion, axes))
-      for j in range(done - start, k):  # rows an earlier stack gave are skipped
-        if static:
-          row = jax.lax.slice(scaled, (j,) + zeros, (j + 1,) + shape)
-        else:
-          row = jax.lax.dynamic_slice(scaled, (index[j],) + zeros, (1,) + shape,
-                                      allow_negative_indices=False)
-        out[members[start + j]] = jax.lax.reshape(row, shape)
+      if companions is None:
+        factor = fn(norms, math.prod(shape), *operands)
+      else:
+        companion = _backends.stack([companions[i] for i in batch], shape, nested)
+        factor = fn(norms, math.prod(shape), leaf_norm(companion, ord, axes, keepdims=True),
+                    *operands)
+      scaled = apply_scale(stacked, factor)
+      # Rows an earlier stack gave are skipped.
+      out.extend(_backends.rows(scaled, done - start, None if static else index[:k]))
       done = start + k
   return out
-
-
-def _stack(leaves: list[jax.Array], shape: tuple[int, ...], nested: bool) -> jax.Array:
-  """``leaves`` (all of ``shape``) stacked on a new leading axis, by concatenates.
-
-  With ``nested``, no concatenate has more than ``_FAN_IN`` operands, so XLA:CPU
-  fuses them all into one kernel. Leaves are concatenated along their own
-  first axis, so no leaf (but a 0-d one) needs a reshape of its own.
-  """
-  if not shape:
-    stacked = _stack([jax.lax.reshape(x, (1,)) for x in leaves], (1,), nested)
-    return jax.lax.reshape(stacked, (len(leaves),))
-  if nested and len(leaves) > _FAN_IN:
-    width = _FAN_IN
-    while width * _FAN_IN < len(leaves):
-      width *= _FAN_IN
-    return jax.lax.concatenate([_stack(leaves[i:i + width], shape, True)
-                                for i in range(0, len(leaves), width)], 0)
-  joined = leaves[0] if len(leaves) == 1 else jax.lax.concatenate(leaves, 0)
-  return jax.lax.reshape(joined, (len(leaves),) + shape)
-
-
-def _opaque_indices(k: int, like: jax.Array) -> tuple[jax.Array, ...]:
-  """The int32 scalars ``0, 1, ..., k - 1``, computed so that XLA cannot fold them.
-
-  Why: a leaf that takes row ``j`` of a stacked result at a constant offset
-  gets its own kernel for every (shape, offset), and a tree of many shapes
-  then compiles thousands of distinct kernels. At an index XLA only knows at
-  run time, all the leaves of one shape share one kernel.
-
-  How: each index is one output of a single multi-output reduction (XLA fuses
-  no reduction into its consumers), and depends on ``like`` through a
-  comparison that is false for every value, NaN included. Were a compiler
-  ever to fold it, the offsets would be constants again: same results, only
-  the compile time changes.
-  """
-  first = jax.lax.reshape(like, (like.size,))[0]
-  false = jax.lax.bitwise_and(jax.lax.ne(first, first), jax.lax.eq(first, first))
-  zero = jax.lax.convert_element_type(false, jnp.int32)
-  operands = tuple(jax.lax.broadcast_in_dim(jax.lax.add(zero, np.int32(j)), (2,), ())
-                   for j in range(k))
-  lowest = tuple(np.int32(np.iinfo(np.int32).min) for _ in range(k))
-  return tuple(jax.lax.reduce(operands, lowest,
-                              lambda a, b: tuple(map(jax.lax.max, a, b)), (0,)))
 
 
 def _sum_scalars(parts: list[jax.Array]) -> jax.Array:

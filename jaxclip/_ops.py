@@ -262,7 +262,7 @@ def clip_by_norm(tree: PyTree, clip_norm: ArrayLike, axes: Any = None) -> PyTree
 
   leaves, treedef = jax.tree.flatten(tree)
   return treedef.unflatten(_numerics.scale_by_leaf_norms(
-      lambda norm, size: _numerics.clip_scale(norm, clip_norm), leaves, 2, axes))
+      _norm_scale, leaves, 2, axes, operands=(clip_norm,)))
 
 
 def clip_by_average_norm(tree: PyTree, clip_norm: ArrayLike) -> PyTree:
@@ -298,11 +298,18 @@ def clip_by_average_norm(tree: PyTree, clip_norm: ArrayLike) -> PyTree:
   _validation.check_threshold(clip_norm, "clip_norm")
   _validation.check_inexact_leaves(tree, "clip_by_average_norm")
 
-  def scale(norm, size):
-    return _numerics.clip_scale(norm, jnp.asarray(clip_norm, norm.dtype) * size)
-
   leaves, treedef = jax.tree.flatten(tree)
-  return treedef.unflatten(_numerics.scale_by_leaf_norms(scale, leaves, 2))
+  return treedef.unflatten(_numerics.scale_by_leaf_norms(
+      _average_norm_scale, leaves, 2, operands=(clip_norm,)))
+
+
+def _norm_scale(norm, size, clip_norm):
+  del size
+  return _numerics.clip_scale(norm, clip_norm)
+
+
+def _average_norm_scale(norm, size, clip_norm):
+  return _numerics.clip_scale(norm, jnp.asarray(clip_norm, norm.dtype) * size)
 
 
 def clip_by_global_norm(

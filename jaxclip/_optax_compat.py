@@ -49,15 +49,18 @@ def clip_by_block_rms(threshold: ArrayLike) -> optax.GradientTransformationExtra
   """
   _validation.check_threshold(threshold, "threshold")
 
-  def scale(norm, size):  # rms >= threshold  <=>  norm >= threshold * sqrt(size)
-    return _numerics.clip_scale(norm, jnp.asarray(threshold, norm.dtype) * math.sqrt(size))
-
   def update(updates):
     _validation.check_inexact_leaves(updates, "clip_by_block_rms")
     leaves, treedef = jax.tree.flatten(updates)
-    return treedef.unflatten(_numerics.scale_by_leaf_norms(scale, leaves, 2))
+    return treedef.unflatten(_numerics.scale_by_leaf_norms(
+        _block_rms_scale, leaves, 2, operands=(threshold,)))
 
   return _transforms.stateless(update)
+
+
+def _block_rms_scale(norm, size, threshold):
+  # rms >= threshold  <=>  norm >= threshold * sqrt(size)
+  return _numerics.clip_scale(norm, jnp.asarray(threshold, norm.dtype) * math.sqrt(size))
 
 
 def _unitwise_axes(shape: tuple[int, ...], axis: Axis) -> Axis:
@@ -228,16 +231,18 @@ def adaptive_grad_clip(
             "adaptive_grad_clip needs params of the updates' shapes, got "
             f"{jnp.shape(p)} for updates of shape {jnp.shape(g)}.")
 
-    def factor(g_norm, size, p_norm):
-      del size
-      max_norm = jnp.asarray(clipping, g_norm.dtype) * jnp.maximum(
-          p_norm.astype(g_norm.dtype), jnp.asarray(eps, g_norm.dtype))
-      return _unitwise_factor(g_norm, max_norm, 1e-6)
-
     return treedef.unflatten(_numerics.scale_by_leaf_norms(
-        factor, leaves, 2, lambda shape: _unitwise_axes(shape, axis), param_leaves)), state
+        _agc_factor, leaves, 2, lambda shape: _unitwise_axes(shape, axis), param_leaves,
+        operands=(clipping, eps))), state
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _agc_factor(g_norm, size, p_norm, clipping, eps):
+  del size
+  max_norm = jnp.asarray(clipping, g_norm.dtype) * jnp.maximum(
+      p_norm.astype(g_norm.dtype), jnp.asarray(eps, g_norm.dtype))
+  return _unitwise_factor(g_norm, max_norm, 1e-6)
 
 
 def _check_batch_dim(grads: Any, fn_name: str) -> None:

@@ -15,13 +15,17 @@ ArrayLike = jax.typing.ArrayLike
 
 
 def _zeros_like_maker():
-  """``zeros_like(x)``, made once per shape and dtype: one traced op for many leaves."""
+  """``zeros_like(x)``, made once per shape, dtype and layout: one traced op for many leaves.
+
+  On an Explicit mesh the zeros take the leaf's sharding, so leaves of one
+  shape but different shardings get zeros of their own.
+  """
   made: dict[tuple[Any, ...], jax.Array] = {}
 
   def zeros_like(x: jax.Array) -> jax.Array:
-    key = (x.shape, x.dtype)
+    key = (x.shape, x.dtype, _numerics.layout(x))
     if key not in made:
-      made[key] = jnp.zeros(x.shape, x.dtype)
+      made[key] = jnp.zeros_like(x)
     return made[key]
 
   return zeros_like
@@ -31,20 +35,24 @@ def _selector(skip: jax.Array):
   """``select(old, new)``: ``old`` where ``skip`` else ``new``, keeping ``new``'s dtype.
 
   ``skip`` is computed once for all the leaves (see
-  :func:`jaxclip._numerics.computed_once`) and broadcast once per shape, so
-  that a leaf costs one traced op, which counts at thousands of leaves.
+  :func:`jaxclip._numerics.computed_once`) and broadcast once per shape (and
+  known sharding: see :func:`jaxclip._numerics.layout`), so that a leaf costs
+  one traced op, which counts at thousands of leaves.
   """
   skip = _numerics.computed_once(skip)
-  masks: dict[tuple[int, ...], jax.Array] = {}
+  masks: dict[tuple[Any, ...], jax.Array] = {}
 
   def select(old: Any, new: Any) -> jax.Array:
     old, new = _numerics.as_array(old), _numerics.as_array(new)
     if (old.shape != new.shape or old.dtype != new.dtype
         or jnp.issubdtype(new.dtype, jax.dtypes.extended)):
       return jnp.where(skip, old, new).astype(jnp.result_type(new))
-    mask = masks.get(new.shape)
+    where = _numerics.layout(new)
+    mask = masks.get((new.shape, where))
     if mask is None:
-      mask = masks[new.shape] = jax.lax.broadcast_in_dim(skip, new.shape, ())
+      sharding = None if where is None or where is _numerics.LOCAL else where
+      mask = masks[new.shape, where] = jax.lax.broadcast_in_dim(
+          skip, new.shape, (), out_sharding=sharding)
     return jax.lax.select(mask, old, new)
 
   return select
