@@ -177,10 +177,9 @@ def md_jit_sharded_transform_keeps_shardings():
       _assert_only_scalar_all_reduces(update_fn)
 
 
-def _local_norm_fn(mesh, ord, replicated, check_vma=True):
+def _local_norm_fn(mesh, ord, check_vma=True, **where):
   def local(t):
-    return jaxclip.ops.global_norm(t, ord=ord, axis_name=("data", "model"),
-                                   replicated=replicated)
+    return jaxclip.ops.global_norm(t, ord=ord, axis_name=("data", "model"), **where)
   return jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(FSDP_SPECS,), out_specs=P(),
                                check_vma=check_vma))
 
@@ -195,13 +194,17 @@ def md_shard_map_replicated_leaves_counted_once():
     by_path = lambda path, leaf: {
         "bias": "data", "norm_scale": True, "embed": ("model",)}.get(path[-1].key, False)
     for check_vma in (True, False):
-      for replicated in (FSDP_SPECS, by_path):
+      for where in ({"partition_specs": FSDP_SPECS}, {"replicated": by_path}):
         for ord in (2, 1, math.inf):
-          got = _local_norm_fn(mesh, ord, replicated, check_vma)(tree)
+          got = _local_norm_fn(mesh, ord, check_vma, **where)(tree)
           np.testing.assert_allclose(got, _jit_global_norm(single, ord=ord), rtol=2e-6)
-    # Without replicated=, every leaf counts as a shard: the replicated ones
-    # are counted once per device and the norm is too large.
-    naive = _local_norm_fn(mesh, 2, None, check_vma=False)(tree)
+    # Under check_vma=True the leaves' types say which are replicated.
+    for ord in (2, 1, math.inf):
+      got = _local_norm_fn(mesh, ord)(tree)
+      np.testing.assert_allclose(got, _jit_global_norm(single, ord=ord), rtol=2e-6)
+    # Under check_vma=False, without replicated=, every leaf counts as a
+    # shard: the replicated ones are counted once per device, too large.
+    naive = _local_norm_fn(mesh, 2, check_vma=False)(tree)
     assert float(naive) > 1.05 * float(_jit_global_norm(single))
 
 
@@ -209,13 +212,13 @@ def md_shard_map_transform_and_clip_op():
   host = _fsdp_host_tree(3)
   single = jax.tree.map(jnp.asarray, host)
   mesh = jax.make_mesh((4, 2), ("data", "model"))
-  tx = jaxclip.clip_by_global_norm(2.0, axis_name=("data", "model"), replicated=FSDP_SPECS)
+  tx = jaxclip.clip_by_global_norm(2.0, axis_name=("data", "model"), partition_specs=FSDP_SPECS)
   ref_out, ref_norm = _jit_clip_by_global_norm(single, 2.0)
 
   def local(t):
     updates, state = tx.update(t, tx.init(t))
     clipped, norm = jaxclip.ops.clip_by_global_norm(
-        t, 2.0, axis_name=("data", "model"), replicated=FSDP_SPECS)
+        t, 2.0, axis_name=("data", "model"), partition_specs=FSDP_SPECS)
     return updates, state.pre_clip_norm, clipped, norm
 
   with jax.set_mesh(mesh):
@@ -375,29 +378,42 @@ def test_leaf_reduction_axes_forms():
   axes = lambda r: _distributed.leaf_reduction_axes(tree, names, r)
   assert axes(None) == [names] * 3
   assert axes({"a": True, "b": False, "e": "model"}) == [(), names, ("data",)]
-  assert axes({"a": ("data", "model"), "b": P(None, "model"), "e": P(("data", "model"))}) == [
-      (), ("model",), names]
+  assert axes({"a": ("data", "model"), "b": "data", "e": ("model",)}) == [
+      (), ("model",), ("data",)]
   assert axes(lambda path, leaf: leaf.size == 3) == [names, (), names]
-  assert _distributed.leaf_reduction_axes(tree, "data", {"a": P("model"), "b": True,
-                                                         "e": False}) == [(), (), ("data",)]
+  specs = lambda s, axis_name=names: _distributed.leaf_reduction_axes(
+      tree, axis_name, partition_specs=s)
+  assert specs({"a": P(), "b": P(None, "model"), "e": P(("data", "model"))}) == [
+      (), ("model",), names]
+  assert specs(P("data")) == [("data",)] * 3
+  assert specs({"a": P("model"), "b": P(), "e": P("data", "model")}, "data") == [
+      (), (), ("data",)]
 
 
 @pytest.mark.parametrize(
-    "replicated, error, match",
-    [({"a": "expert"}, ValueError, "not among axis_name"),
-     ({"a": 3}, TypeError, "PartitionSpec"),
-     ({"a": True, "zzz": False}, ValueError, "pytree prefix"),
-     (lambda path, leaf: None, TypeError, "leaf at \\['a'\\]")])
-def test_replicated_errors(replicated, error, match):
+    "where, error, match",
+    [({"replicated": {"a": "expert"}}, ValueError, "not among axis_name"),
+     ({"replicated": {"a": 3}}, TypeError, "axis name"),
+     ({"replicated": {"a": True, "zzz": False}}, ValueError, "pytree prefix"),
+     ({"replicated": lambda path, leaf: None}, TypeError, "leaf at \\['a'\\]"),
+     # PartitionSpecs say where a leaf is sharded: they have their own argument.
+     ({"replicated": {"a": P("i")}}, TypeError, "partition_specs="),
+     ({"replicated": P()}, TypeError, "partition_specs="),
+     ({"replicated": lambda path, leaf: P()}, TypeError, "partition_specs="),
+     ({"partition_specs": {"a": True}}, TypeError, "PartitionSpecs only"),
+     ({"partition_specs": {"zzz": P()}}, ValueError, "pytree prefix"),
+     ({"replicated": True, "partition_specs": P()}, ValueError, "not both")])
+def test_replicated_errors(where, error, match):
   with pytest.raises(error, match=match):
-    jax.vmap(lambda a: jaxclip.ops.global_norm({"a": a}, axis_name="i",
-                                               replicated=replicated),
+    jax.vmap(lambda a: jaxclip.ops.global_norm({"a": a}, axis_name="i", **where),
              axis_name="i")(jnp.ones((2, 3)))
 
 
 def test_replicated_needs_axis_name_and_axis_names_distinct():
   with pytest.raises(ValueError, match="axis_name"):
     jaxclip.ops.global_norm({"a": jnp.ones(2)}, replicated=True)
+  with pytest.raises(ValueError, match="axis_name"):
+    jaxclip.ops.global_norm({"a": jnp.ones(2)}, partition_specs=P())
   with pytest.raises(ValueError, match="distinct"):
     jax.vmap(lambda a: jaxclip.ops.global_norm(a, axis_name=("i", "i")),
              axis_name="i")(jnp.ones((2, 3)))
