@@ -114,6 +114,16 @@ def global_norm(
     >>> jax.vmap(norm, in_axes=(0, None), axis_name='i')(w_shards, b)  # sqrt(9+16+144)
     Array([13., 13.], dtype=float32)
 
+    The same with the ``PartitionSpec`` of each leaf (as ``shard_map``'s
+    ``in_specs``) instead:
+
+    >>> from jax.sharding import PartitionSpec as P
+    >>> def norm_from_specs(w_shard, b):
+    ...   return jaxclip.ops.global_norm({'w': w_shard, 'b': b}, axis_name='i',
+    ...                                  partition_specs={'w': P('i'), 'b': P()})
+    >>> jax.vmap(norm_from_specs, in_axes=(0, None), axis_name='i')(w_shards, b)
+    Array([13., 13.], dtype=float32)
+
   References:
     Pascanu et al., `On the difficulty of training Recurrent Neural Networks
     <https://arxiv.org/abs/1211.5063>`_, 2012

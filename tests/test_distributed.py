@@ -304,6 +304,170 @@ def md_per_example_helper_under_jit_with_spmd_axis_name():
       jax.jit(bad)(ps, xs, ys)
 
 
+def _per_device(tree):
+  """Each leaf with a new leading axis, to come out of shard_map once per device."""
+  return jax.tree.map(lambda x: x[None], _distributed.as_varying(tree, "data"))
+
+
+def _assert_same_on_every_device(tree, skip=lambda path: False):
+  """Every leaf's rows (one per device) are bit-identical, but those ``skip`` names."""
+  for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
+    if not skip(jax.tree_util.keystr(path)):
+      x = np.asarray(x)
+      assert x.shape[0] == N_DEVICES, (path, x.shape)
+      for row in x[1:]:
+        np.testing.assert_array_equal(row, x[0], err_msg=jax.tree_util.keystr(path))
+
+
+def md_vma_inference_counts_replicated_gradients_once():
+  params, x, y = _mlp_problem(batch=8 * 4, seed=6)
+  full_grad = jax.jit(jax.grad(_loss))(params, x, y)
+  expected = _jit_global_norm({"g": full_grad, "x": x})
+  mesh = jax.make_mesh((N_DEVICES,), ("data",))
+
+  def local(p, xb, yb, check_vma, **where):
+    g = jax.grad(_loss)(p, xb, yb)
+    if not check_vma:
+      # No types to read: the gradient is local, and its sum is replicated.
+      g = jax.lax.psum(g, "data")
+    tree = {"g": g, "x": xb}  # a replicated leaf and a shard
+    clipped, norm = jaxclip.ops.clip_by_global_norm(tree, 1.0, axis_name="data", **where)
+    return jaxclip.ops.global_norm(tree, axis_name="data", **where), norm, clipped["g"]
+
+  routes = [(True, {}),  # inferred from jax.typeof(leaf)'s varying axes
+            (True, {"replicated": {"g": True, "x": False}}),
+            (False, {"replicated": {"g": True, "x": False}}),
+            (False, {"partition_specs": {"g": P(), "x": P("data")}})]
+  with jax.set_mesh(mesh):
+    xs, ys = (jax.device_put(a, NamedSharding(mesh, P("data"))) for a in (x, y))
+    for check_vma, where in routes:
+      fn = jax.shard_map(lambda p, xb, yb, c=check_vma, w=where: local(p, xb, yb, c, **w),
+                         mesh=mesh, in_specs=(P(), P("data"), P("data")),
+                         out_specs=(P(), P(), P()), check_vma=check_vma)
+      norm, clip_norm, clipped = jax.jit(fn)(params, xs, ys)
+      np.testing.assert_allclose(norm, expected, rtol=1e-5, err_msg=str((check_vma, where)))
+      np.testing.assert_allclose(clip_norm, expected, rtol=1e-5)
+      _assert_trees_close(clipped, jax.tree.map(lambda t: t / expected, full_grad),
+                          rtol=1e-4, atol=1e-6)
+    # Under check_vma=False, replicated=None takes every leaf for a shard: the
+    # summed gradient counts once per device (why the docs ask for replicated=).
+    naive = jax.jit(jax.shard_map(
+        lambda p, xb, yb: local(p, xb, yb, False)[0], mesh=mesh,
+        in_specs=(P(), P("data"), P("data")), out_specs=P(), check_vma=False))(params, xs, ys)
+    assert float(naive) > 2 * float(expected)
+
+
+def md_loss_spike_on_one_device_skipped_on_all():
+  params, x, y = _mlp_problem(batch=8 * 4, seed=5)
+  mesh = jax.make_mesh((N_DEVICES,), ("data",))
+  spike_step, num_steps = 6, 8
+
+  def train(p, xb, yb, check_vma):
+    where = {} if check_vma else {"replicated": True}
+    tx = jaxclip.skip_on_spike(optax.sgd(1e-2, momentum=0.9), window=4, sigma=3.0, axis_name="data",
+                               **where)
+    state, skipped = tx.init(p), []
+    for step in range(num_steps):
+      loss, g = jax.value_and_grad(_loss)(p, xb, yb)  # loss: this device's
+      if not check_vma:  # check_vma=True sums the gradient of a P() input already
+        g = jax.lax.psum(g, "data")
+      if step == spike_step:  # device 3 alone sees a spike
+        loss = jnp.where(jax.lax.axis_index("data") == 3, 1e4, 1.0) * loss
+      updates, state = tx.update(g, state, p, loss=loss)
+      p = optax.apply_updates(p, updates)
+      skipped.append(state.spike_step_skipped)
+    return _per_device((p, state, jnp.stack(skipped)))
+
+  with jax.set_mesh(mesh):
+    xs, ys = (jax.device_put(a, NamedSharding(mesh, P("data"))) for a in (x, y))
+    for check_vma in (True, False):
+      out = jax.jit(jax.shard_map(
+          lambda p, xb, yb, c=check_vma: train(p, xb, yb, c), mesh=mesh,
+          in_specs=(P(), P("data"), P("data")), out_specs=P("data"),
+          check_vma=check_vma))(params, xs, ys)
+      _assert_same_on_every_device(out)
+      final_params, state, skipped = out
+      assert np.all(np.asarray(skipped)[:, spike_step]), np.asarray(skipped)
+      assert np.all(np.asarray(state.num_spike_skipped) >= 1)
+      assert all(np.all(np.isfinite(np.asarray(v))) for v in jax.tree.leaves(final_params))
+
+
+def md_nonfinite_gradient_on_one_device_skipped_on_all():
+  num_steps, nan_step, bias_nan_step = 6, 3, 4
+  rng = np.random.default_rng(7)
+  w = rng.normal(size=(num_steps, 2 * N_DEVICES, 3)).astype(np.float32)
+  w[nan_step, 2 * 5 + 1, 2] = np.nan  # in device 5's shard only
+  b = rng.normal(size=(num_steps, 5)).astype(np.float32) * 3
+  b[bias_nan_step, 0] = np.inf  # in the replicated leaf (every device sees it)
+  grads = {"w": w, "b": b}
+  specs = {"w": P("data"), "b": P()}
+  params = {"w": np.zeros((2 * N_DEVICES, 3), np.float32), "b": np.zeros(5, np.float32)}
+
+  def transforms(**kw):
+    return {
+        "skip": jaxclip.skip_nonfinite(optax.chain(
+            jaxclip.autoclip(50.0, 8, **kw), jaxclip.zclip(warmup_steps=2, **kw),
+            optax.sgd(0.1, momentum=0.9)), axis_name=kw.get("axis_name")),
+        "spike": jaxclip.skip_on_spike(optax.sgd(0.1), window=4, **kw),
+        "zero": optax.chain(jaxclip.zero_nonfinite(**kw),
+                            jaxclip.clip_by_global_norm(1.0, **kw), optax.sgd(0.1)),
+    }
+
+  def run(txs, p, gs):
+    out = {}
+    for name, tx in txs.items():
+      q, state, trace = p, tx.init(p), []
+      for step in range(num_steps):
+        g = jax.tree.map(lambda a, step=step: a[step], gs)
+        updates, state = tx.update(g, state, q)
+        q = optax.apply_updates(q, updates)
+        trace.append(jnp.stack([
+            optax.tree.get(state, "nonfinite_step_skipped", False),
+            optax.tree.get(state, "spike_step_skipped", False)]).astype(jnp.int32)
+            if name != "zero" else optax.tree.get(state, "num_nonfinite_zeroed"))
+      out[name] = (q, state, jnp.stack(trace))
+    return out
+
+  expected = jax.jit(lambda p, gs: run(transforms(), p, gs))(params, grads)
+  assert int(expected["zero"][2][bias_nan_step]) == 1  # one entry, counted once
+  mesh = jax.make_mesh((N_DEVICES,), ("data",))
+  grad_specs = {"w": P(None, "data"), "b": P()}
+  with jax.set_mesh(mesh):
+    put = lambda tree, specs: jax.tree.map(
+        lambda a, s: jax.device_put(a, NamedSharding(mesh, s)), tree, specs)
+    ps, gs = put(params, specs), put(grads, grad_specs)
+    for check_vma in (True, False):
+      kw = {"axis_name": "data"} if check_vma else {"axis_name": "data",
+                                                     "partition_specs": specs}
+      fn = jax.shard_map(lambda p, g, kw=kw: _per_device(run(transforms(**kw), p, g)),
+                         mesh=mesh, in_specs=(specs, grad_specs), out_specs=P("data"),
+                         check_vma=check_vma)
+      got = jax.tree.map(np.asarray, jax.jit(fn)(ps, gs))
+      # Everything but w's shards (and their moments) is the same everywhere,
+      _assert_same_on_every_device(got, skip=lambda path: "['w']" in path)
+      for name, (q, state, trace) in got.items():
+        ref_q, ref_state, ref_trace = expected[name]
+        # and it is what one device computes on the whole tree.
+        np.testing.assert_array_equal(np.asarray(trace[0]), np.asarray(ref_trace), err_msg=name)
+        np.testing.assert_allclose(np.asarray(q["w"]).reshape(-1, 3), ref_q["w"], rtol=1e-5,
+                                   atol=1e-6, err_msg=name)
+        np.testing.assert_allclose(q["b"][0], ref_q["b"], rtol=1e-5, atol=1e-6, err_msg=name)
+        for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
+          if "['w']" not in jax.tree_util.keystr(path):
+            np.testing.assert_allclose(
+                np.asarray(leaf[0], np.float64),
+                np.asarray(_get_path(ref_state, path), np.float64), rtol=1e-5, atol=1e-6,
+                err_msg=f"{name} {jax.tree_util.keystr(path)}")
+      skipped = np.asarray(got["skip"][2])
+      assert np.all(skipped[:, nan_step, 0] == 1) and np.all(skipped[:, bias_nan_step, 0] == 1)
+
+
+def _get_path(tree, path):
+  leaves = dict((jax.tree_util.keystr(p), v)
+                for p, v in jax.tree_util.tree_flatten_with_path(tree)[0])
+  return leaves[jax.tree_util.keystr(path)]
+
+
 MD_CHECKS = sorted(name for name in dict(globals()) if name.startswith("md_"))
 
 
