@@ -8,7 +8,7 @@ module) that chains with any optax optimizer.
 from jaxclip import ops as ops
 from jaxclip._autoclip import AutoClipState as AutoClipState
 from jaxclip._autoclip import autoclip as autoclip
-from jaxclip._distributed import per_example_clipped_grad as per_example_clipped_grad
+from jaxclip._per_example import per_example_clipped_grad as per_example_clipped_grad
 from jaxclip._keras import clipped as clipped
 from jaxclip._optax_compat import adaptive_grad_clip as adaptive_grad_clip
 from jaxclip._optax_compat import clip_by_block_rms as clip_by_block_rms

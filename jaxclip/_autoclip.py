@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxclip import _history, _numerics, _ops, _validation
+from jaxclip import _distributed, _history, _numerics, _ops, _validation
 
 ArrayLike = jax.typing.ArrayLike
 
@@ -40,6 +40,7 @@ def autoclip(
     ord: int | float | str | None = None,
     axis_name: Any = None,
     replicated: Any = None,
+    partition_specs: Any = None,
 ) -> optax.GradientTransformationExtraArgs:
   r"""AutoClip: clips to the ``percentile``-th percentile of the norms seen so far.
 
@@ -72,9 +73,13 @@ def autoclip(
     ord: The norm: ``None`` (L2, default), ``2``, ``1`` or ``inf``; a static
       choice (list it in ``static_args`` under ``optax.inject_hyperparams``).
     axis_name: Inside ``shard_map``/``pmap``, the axis over which the updates
-      are sharded (the norm is reduced across it).
-    replicated: Which leaves are the same on every device of ``axis_name``,
-      as for :func:`jaxclip.clip_by_global_norm`.
+      are sharded (the norm is reduced across it, so every device clips by
+      the same threshold and keeps the same state).
+    replicated: Which leaves are the same on every device of ``axis_name``
+      (inferred inside ``shard_map`` with ``check_vma=True``), as for
+      :func:`jaxclip.ops.global_norm`.
+    partition_specs: Where the leaves are sharded (``PartitionSpec``
+      leaves, e.g. ``shard_map``'s ``in_specs``), instead of ``replicated``.
 
   Returns:
     An :class:`optax.GradientTransformationExtraArgs` whose state is an
@@ -117,7 +122,7 @@ def autoclip(
 
   def update_fn(updates, state, params=None, **extra_args):
     del params, extra_args
-    norm = _numerics.tree_norm(updates, ord, axis_name, replicated)
+    norm = _distributed.tree_norm(updates, ord, axis_name, replicated, partition_specs)
     buf = _history.push(
         _history.History(state.autoclip_norm_history, state.autoclip_norm_count,
                          state.autoclip_norm_index), norm)

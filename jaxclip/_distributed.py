@@ -1,4 +1,4 @@
-"""Clipping when gradients live on many devices.
+"""Norms of pytrees whose leaves are spread over devices.
 
 Two ways of running on many devices need two different things from jaxclip:
 
@@ -6,15 +6,17 @@ Two ways of running on many devices need two different things from jaxclip:
   parallelism), nothing: every op sees the global array, and XLA's SPMD
   partitioner turns each reduction into local partial sums followed by one
   all-reduce of a scalar. Leaves keep their shardings.
-* Inside ``jax.shard_map`` or ``jax.pmap`` every device sees only its local
-  shard, so the norm needs ``axis_name=`` to combine partial sums across the
-  named mesh axes, and ``replicated=`` to say which leaves are *not* shards
-  (a bias that every device holds in full must be counted once, not once per
-  device).
+* Inside ``jax.shard_map``, ``jax.pmap`` or ``jax.vmap(axis_name=)`` every
+  device sees only its local values, so a norm needs ``axis_name=`` to combine
+  partial sums across the named axes, and to know which leaves are *not*
+  shards (a bias that every device holds in full counts once, not once per
+  device). Under ``shard_map``'s default ``check_vma=True`` JAX's type of each
+  leaf says which manual axes it varies over, and that is read; elsewhere the
+  caller says it with ``replicated=`` or ``partition_specs=``.
 
-This module resolves ``replicated=`` for the norm kernel, and holds
-:func:`per_example_clipped_grad`, the memory-bounded per-example clipping of
-data-parallel DP-SGD.
+This module holds :func:`tree_norm` (the norm kernel of :mod:`jaxclip._numerics`
+plus that combination across devices) and the small collectives the
+transforms use to take one decision on every device.
 """
 
 from __future__ import annotations
@@ -28,8 +30,6 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from jaxclip import _numerics
-from jaxclip import _optax_compat
-from jaxclip import _validation
 
 PyTree = Any
 AxisName = Hashable | Sequence[Hashable]
@@ -43,114 +43,44 @@ def axis_names(axis_name: AxisName) -> tuple[Hashable, ...]:
   return names
 
 
-def _is_spec_leaf(x: Any) -> bool:
-  if isinstance(x, (bool, str, PartitionSpec)):
-    return True
-  return isinstance(x, tuple) and bool(x) and all(isinstance(a, str) for a in x)
+# ----------------------------------------------------------------------------
+# What JAX knows about how a value varies across devices
+# ----------------------------------------------------------------------------
 
 
-def _spec_axes(spec: PartitionSpec) -> set[Hashable]:
-  """The mesh axes a ``PartitionSpec`` shards over."""
-  out = set()
-  for entry in spec:
-    if entry is None or entry is PartitionSpec.UNCONSTRAINED:
-      continue
-    out.update(entry if isinstance(entry, tuple) else (entry,))
-  return out
+def vma_checked() -> bool:
+  """Whether the trace being built tracks varying manual axes (``check_vma=True``).
 
+  ``jax.shard_map(..., check_vma=True)`` (the default) types every value with
+  the manual axes it varies over; with ``check_vma=False``, and under
+  ``jax.pmap`` (which runs on ``shard_map`` with checking off), every type says
+  "invariant", which then means nothing.
 
-def _reduce_axes(value: Any, names: tuple[Hashable, ...], where: str) -> tuple[Hashable, ...]:
-  """The axes of ``names`` over which a leaf described by ``value`` is a shard."""
-  if isinstance(value, bool):
-    return () if value else names
-  if isinstance(value, PartitionSpec):
-    sharded = _spec_axes(value)
-    return tuple(n for n in names if n in sharded)
-  if isinstance(value, str) or _is_spec_leaf(value):
-    same = (value,) if isinstance(value, str) else value
-    unknown = [a for a in same if a not in names]
-    if unknown:
-      raise ValueError(
-          f"replicated: the leaf at {where} is marked replicated over {unknown}, "
-          f"which is not among axis_name={names}."
-      )
-    return tuple(n for n in names if n not in same)
-  raise TypeError(
-      f"replicated: the leaf at {where} is described by {value!r}; use True "
-      "(replicated over every axis of axis_name), False (a shard), an axis "
-      "name or tuple of names it is replicated over, or its PartitionSpec."
-  )
-
-
-def leaf_reduction_axes(
-    tree: PyTree, axis_name: AxisName, replicated: Any = None
-) -> list[tuple[Hashable, ...]]:
-  """For each leaf of ``tree`` (``jax.tree.leaves`` order), the axes to sum it over.
-
-  ``replicated`` is ``None`` (every leaf is a shard over every axis), a
-  callable ``(path, leaf) -> description``, or a pytree prefix of ``tree``
-  whose leaves are descriptions: ``True`` / ``False``, an axis name or a tuple
-  of axis names the leaf is replicated over, or the leaf's ``PartitionSpec``
-  (it is a shard over the axes the spec names).
+  JAX has no public query for this. ``shard_map`` sets JAX's internal
+  ``check_vma`` config state while it traces its body (``jax/_src/shard_map.py``
+  enters ``config._check_vma(check_vma)``; JAX's own ``pvary`` and vma rules
+  read the same state), and the public ``jax.config`` object reads that state
+  by name. This is the one place jaxclip reads it; should a JAX release drop
+  the name, the answer is ``False``: every leaf is taken for a shard, as under
+  ``check_vma=False``.
   """
-  names = axis_names(axis_name)
-  paths_leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
-  if replicated is None:
-    return [names] * len(paths_leaves)
-  if callable(replicated) and not isinstance(replicated, PartitionSpec):
-    values = [replicated(path, leaf) for path, leaf in paths_leaves]
-  else:
-    descriptions, prefix = jax.tree.flatten(replicated, is_leaf=_is_spec_leaf)
-    try:
-      subtrees = prefix.flatten_up_to(tree)
-    except ValueError as e:
-      raise ValueError(
-          "replicated must be a pytree prefix of the tree (with True/False, "
-          "axis names or PartitionSpecs as leaves) or a callable "
-          f"(path, leaf) -> bool; it does not match the tree: {e}"
-      ) from None
-    values = [v for v, sub in zip(descriptions, subtrees, strict=True)
-              for _ in jax.tree.leaves(sub)]
-  return [_reduce_axes(v, names, jax.tree_util.keystr(p) or "<root>")
-          for v, (p, _) in zip(values, paths_leaves, strict=True)]
+  return bool(getattr(jax.config, "check_vma", False))
 
 
-def combine_across_devices(
-    tree: PyTree,
-    partials: list[jax.Array],
-    ord: float,
-    axis_name: AxisName,
-    replicated: Any = None,
-) -> jax.Array:
-  """Combines per-leaf partial norms of local shards into the global total.
-
-  ``partials[i]`` is leaf ``i``'s sum of squares (``ord=2``), sum of absolute
-  values (``ord=1``) or max (``ord=inf``). Sums are ``psum``-ed over the axes
-  each leaf is a shard of, grouped so that leaves with the same axes share one
-  scalar all-reduce; replicated leaves are added locally, once. Maxima take one
-  ``pmax`` over every axis (a max is unchanged by repeats).
-  """
-  groups: dict[tuple[Hashable, ...], list[jax.Array]] = {}
-  for axes, part in zip(leaf_reduction_axes(tree, axis_name, replicated), partials, strict=True):
-    groups.setdefault(axes, []).append(part)
-  if not partials:
-    return jnp.zeros((), _numerics.tree_accumulation_dtype(tree))
-  if ord == math.inf:
-    return jax.lax.pmax(jnp.max(jnp.stack(partials)), axis_names(axis_name))
-  totals = []
-  for axes, parts in groups.items():
-    local = _numerics._sum_scalars(parts)
-    totals.append(jax.lax.psum(local, axes) if axes else local)
-  return _numerics._sum_scalars(totals)
-
-
-def _varying_axes(x: Any) -> frozenset:
-  """The manual mesh axes JAX's type of ``x`` says it varies over (if tracked)."""
-  typeof = getattr(jax, "typeof", None)
-  if typeof is None:
+def manual_axes() -> frozenset[Hashable]:
+  """The mesh axes of the current abstract mesh that are manual (inside ``shard_map``)."""
+  mesh = jax.sharding.get_abstract_mesh()
+  manual = jax.sharding.AxisType.Manual
+  if mesh.empty:
     return frozenset()
-  aval = typeof(x)
-  vma = getattr(aval, "vma", None)
+  return frozenset(n for n, t in zip(mesh.axis_names, mesh.axis_types, strict=True)
+                   if t == manual)
+
+
+def varying_axes(x: Any) -> frozenset[Hashable]:
+  """The manual mesh axes JAX's type of ``x`` says it varies over (its vma)."""
+  aval = jax.typeof(x)
+  vma = getattr(aval, "vma", None)  # JAX < 0.9 names it vma
   if vma is None:
     vma = getattr(getattr(aval, "manual_axis_type", None), "varying", None)
   return frozenset(vma or ())
@@ -168,21 +98,17 @@ def as_varying(tree: PyTree, axis_name: AxisName) -> PyTree:
   tree is returned unchanged.
   """
   names = axis_names(axis_name)
-  get_mesh = getattr(jax.sharding, "get_abstract_mesh", None)
-  mesh = get_mesh() if get_mesh is not None else None
-  manual = getattr(getattr(jax.sharding, "AxisType", None), "Manual", None)
-  if mesh is None or manual is None or mesh.empty or any(
-      n not in mesh.axis_names or mesh.axis_types[mesh.axis_names.index(n)] != manual
-      for n in names):
+  if not set(names) <= manual_axes():
     return tree
-  return _cast_varying(tree, names)
+  return cast_varying(tree, names)
 
 
-def _cast_varying(tree: PyTree, names: tuple[Hashable, ...]) -> PyTree:
+def cast_varying(tree: PyTree, names: tuple[Hashable, ...]) -> PyTree:
+  """Each leaf of ``tree`` cast (a no-op on values) to vary over ``names`` too."""
   cast = getattr(jax.lax, "pcast", None)
 
   def one(x):
-    missing = tuple(n for n in names if n not in _varying_axes(x))
+    missing = tuple(n for n in names if n not in varying_axes(x))
     if not missing:
       return x
     if cast is not None:
@@ -192,202 +118,241 @@ def _cast_varying(tree: PyTree, names: tuple[Hashable, ...]) -> PyTree:
   return jax.tree.map(one, tree)
 
 
-def _mesh_axis_size(axis_name: AxisName | None) -> int | None:
-  """The number of devices along ``axis_name`` of the current mesh, if known."""
-  get_mesh = getattr(jax.sharding, "get_abstract_mesh", None)
-  if axis_name is None or get_mesh is None:
-    return None
-  mesh = get_mesh()
-  names = axis_names(axis_name)
-  if mesh.empty or any(n not in mesh.axis_names for n in names):
-    return None
-  return math.prod(mesh.shape[n] for n in names)
+
+# ----------------------------------------------------------------------------
+# Which leaves are shards over which axes
+# ----------------------------------------------------------------------------
 
 
-def _batch_size(args: Sequence[Any], batch_argnums: tuple[int, ...]) -> int:
-  sizes = {jnp.shape(x)[0] if jnp.ndim(x) else None
-           for i in batch_argnums for x in jax.tree.leaves(args[i])}
-  if len(sizes) != 1 or None in sizes:
-    shapes = [jax.tree.map(jnp.shape, args[i]) for i in batch_argnums]
-    raise ValueError(
-        "per_example_clipped_grad needs every array of the batch arguments to "
-        f"share one batch dimension on axis 0; got shapes {shapes}."
+def _is_description(x: Any) -> bool:
+  if isinstance(x, (bool, str, PartitionSpec)):
+    return True
+  return isinstance(x, tuple) and bool(x) and all(isinstance(a, str) for a in x)
+
+
+def _spec_axes(spec: PartitionSpec) -> set[Hashable]:
+  """The mesh axes a ``PartitionSpec`` shards over."""
+  out = set()
+  for entry in spec:
+    if entry is None or entry is PartitionSpec.UNCONSTRAINED:
+      continue
+    out.update(entry if isinstance(entry, tuple) else (entry,))
+  return out
+
+
+def _shard_axes(value: Any, names: tuple[Hashable, ...], where: str) -> tuple[Hashable, ...]:
+  """The axes of ``names`` a leaf is a shard over, from its ``replicated=`` ``value``."""
+  if isinstance(value, PartitionSpec):
+    raise TypeError(
+        f"replicated: the leaf at {where} is described by {value!r}, a PartitionSpec "
+        "(where a leaf is sharded); pass PartitionSpecs as partition_specs=, and "
+        "keep replicated= for True/False or the axis names a leaf is replicated over."
     )
-  return sizes.pop()
+  if isinstance(value, bool):
+    return () if value else names
+  if _is_description(value):
+    same = (value,) if isinstance(value, str) else value
+    unknown = [a for a in same if a not in names]
+    if unknown:
+      raise ValueError(
+          f"replicated: the leaf at {where} is marked replicated over {unknown}, "
+          f"which is not among axis_name={names}."
+      )
+    return tuple(n for n in names if n not in same)
+  raise TypeError(
+      f"replicated: the leaf at {where} is described by {value!r}; use True "
+      "(replicated over every axis of axis_name), False (a shard), or an axis "
+      "name or tuple of names it is replicated over."
+  )
 
 
-def per_example_clipped_grad(
-    loss_fn: Callable[..., jax.Array],
-    l2_norm_clip: jax.typing.ArrayLike,
-    *,
-    microbatch_size: int | None = None,
-    batch_argnums: int | Sequence[int] = 1,
-    keep_batch_dim: bool = False,
-    spmd_axis_name: AxisName | None = None,
-    axis_name: AxisName | None = None,
-) -> Callable[..., tuple[PyTree, jax.Array]]:
-  r"""Makes a function returning the sum of per-example gradients, each clipped.
+def _per_leaf(prefix: Any, tree: PyTree, is_leaf: Callable[[Any], bool], arg: str,
+              expected: str) -> list[Any]:
+  """The leaf of the pytree prefix ``prefix`` that covers each leaf of ``tree``."""
+  values, treedef = jax.tree.flatten(prefix, is_leaf=is_leaf)
+  try:
+    subtrees = treedef.flatten_up_to(tree)
+  except ValueError as e:
+    raise ValueError(
+        f"{arg} must be a pytree prefix of the tree (with {expected} as leaves); "
+        f"it does not match the tree: {e}"
+    ) from None
+  return [v for v, sub in zip(values, subtrees, strict=True) for _ in jax.tree.leaves(sub)]
 
-  .. math::
 
-    \sum_{b=1}^{B} \nabla_\theta \ell(\theta, x_b) \cdot
-    \min\!\Big(1, \frac{C}{\|\nabla_\theta \ell(\theta, x_b)\|_2}\Big)
-
-  the clipping step of DP-SGD, computed in chunks of ``microbatch_size``
-  examples under ``jax.lax.scan``: only ``microbatch_size`` per-example
-  gradients exist at once, so memory stays bounded whatever the batch size.
-  Each chunk is :func:`jaxclip.per_example_global_norm_clip` of a ``vmap``-ed
-  gradient; the running sum is kept in float32 for half-precision parameters.
-  A batch that is not a multiple of ``microbatch_size`` is padded with
-  all-zero examples whose gradients are dropped (even non-finite ones).
-
-  On many devices:
-
-  * under ``jax.jit`` with the batch sharded over a mesh axis (data
-    parallelism), pass that axis as ``spmd_axis_name`` and a
-    ``microbatch_size`` that is a multiple of its number of devices: the
-    examples of each chunk stay on the device that holds them (chunk ``j``
-    takes examples ``j, j + n, j + 2n, ...`` of the ``n`` chunks, so every
-    device works on its own rows), and per-example gradients are never
-    gathered;
-  * inside ``jax.shard_map`` over the batch axis, pass it as ``axis_name``:
-    each device clips its local examples and the sums (and counts) are
-    ``psum``-ed, so every device returns the global sum. The parameters are
-    first marked varying over the axis (``jax.lax.pcast(..., to='varying')``),
-    so that JAX does not sum gradients across devices before they are
-    clipped.
-
-  ==========================  ===============================================
-  case                        result
-  ==========================  ===============================================
-  ``l2_norm_clip == 0``       zeros; every example counts as clipped
-  a non-finite gradient       ``nan`` in the sum (the failure is visible)
-  ==========================  ===============================================
+def leaf_reduction_axes(
+    tree: PyTree, axis_name: AxisName, replicated: Any = None, partition_specs: Any = None
+) -> list[tuple[Hashable, ...]]:
+  """For each leaf of ``tree`` (``jax.tree.leaves`` order), the axes to sum it over.
 
   Args:
-    loss_fn: ``loss_fn(params, *args) -> scalar`` for one example (or, with
-      ``keep_batch_dim=True``, for a batch of one).
-    l2_norm_clip: The largest L2 norm of one example's gradient, ``>= 0``.
-    microbatch_size: How many examples' gradients to hold at once; ``None``
-      for the whole batch in one ``vmap``.
-    batch_argnums: Which positional arguments of ``loss_fn`` after ``params``
-      carry the batch on axis 0 of every leaf (counted as in ``loss_fn``, so
-      ``1`` is the first argument after ``params``); the others are shared.
-    keep_batch_dim: Pass each example to ``loss_fn`` with a leading axis of
-      size one.
-    spmd_axis_name: The mesh axis (or axes) the batch is sharded over under
-      ``jit``, passed to ``jax.vmap``.
-    axis_name: Inside ``shard_map``/``pmap``, the axis (or axes) to sum the
-      clipped gradients and counts over.
+    tree: The local values on this device.
+    axis_name: The axis name (or tuple of names) the sums are combined over.
+    replicated: ``None``, a callable ``(path, leaf) -> description``, or a
+      pytree prefix of ``tree`` whose leaves are descriptions: ``True``
+      (replicated over every axis of ``axis_name``: summed over none),
+      ``False`` (a shard: summed over all), or an axis name or tuple of names
+      the leaf is replicated over (summed over the others).
+    partition_specs: ``None`` or a pytree prefix of ``tree`` of
+      ``PartitionSpec`` leaves, as ``shard_map``'s ``in_specs``: a leaf is
+      summed over the axes of ``axis_name`` its spec names.
+
+  With neither, a leaf is summed over each axis of ``axis_name`` that is a
+  manual axis its type varies over, when the trace checks types
+  (``shard_map``'s ``check_vma=True``; see :func:`vma_checked`), and over
+  every other axis (``check_vma=False``, ``pmap``, ``vmap``): then every
+  leaf is taken for a shard.
 
   Returns:
-    A function ``(params, *args) -> (clipped_grad_sum, num_clipped)``: the sum
-    over the batch of the clipped per-example gradients (a pytree like
-    ``params``, in its dtypes) and how many examples were scaled down. Divide
-    by the batch size (after adding noise, for DP-SGD) to get a mean.
+    One tuple of axis names (in ``axis_name``'s order) per leaf.
 
   Raises:
-    ValueError: for a concrete negative or NaN ``l2_norm_clip``, a
-      ``microbatch_size`` below 1 or (under a mesh set with ``jax.set_mesh``)
-      not a multiple of the devices of ``spmd_axis_name``, ``batch_argnums``
-      naming ``params``, or batch arguments without a common leading
-      dimension.
-
-  Examples:
-    >>> import jax.numpy as jnp
-    >>> import jaxclip
-    >>> loss = lambda w, x: jnp.dot(w, x)  # gradient: the example itself
-    >>> xs = jnp.array([[3., 4.], [0., 1.], [6., 8.]])  # norms 5, 1, 10
-    >>> grad_fn = jaxclip.per_example_clipped_grad(loss, 2.0, microbatch_size=2)
-    >>> total, num_clipped = grad_fn(jnp.zeros(2), xs)
-    >>> total, num_clipped  # [1.2, 1.6] + [0, 1] + [1.2, 1.6]
-    (Array([2.4, 4.2], dtype=float32), Array(2, dtype=int32))
-
-  References:
-    Abadi et al., `Deep Learning with Differential Privacy
-    <https://arxiv.org/abs/1607.00133>`_, 2016
+    ValueError: if both ``replicated`` and ``partition_specs`` are given, if
+      either does not match ``tree``, or a description names an axis outside
+      ``axis_name``.
+    TypeError: if ``replicated`` holds a ``PartitionSpec`` or another value
+      that is no description, or ``partition_specs`` holds a non-spec leaf.
   """
-  _validation.check_threshold(l2_norm_clip, "l2_norm_clip")
-  if microbatch_size is not None and (
-      isinstance(microbatch_size, bool) or int(microbatch_size) != microbatch_size
-      or microbatch_size < 1):
-    raise ValueError(f"microbatch_size must be a positive integer, got {microbatch_size!r}.")
-  batch_argnums = (batch_argnums,) if isinstance(batch_argnums, int) else tuple(batch_argnums)
-  if not batch_argnums or any(i < 1 for i in batch_argnums):
+  names = axis_names(axis_name)
+  paths_leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+  if replicated is not None and partition_specs is not None:
     raise ValueError(
-        "batch_argnums must name arguments after params (1, 2, ...), got "
-        f"{batch_argnums!r}."
+        "Pass either replicated= (where leaves are replicated) or partition_specs= "
+        "(where they are sharded), not both."
     )
-  grad_fn = jax.grad(loss_fn)
-
-  def example_grad(params, *args):
-    if keep_batch_dim:
-      args = [jax.tree.map(lambda x: jnp.expand_dims(x, 0), a) if i + 1 in batch_argnums
-              else a for i, a in enumerate(args)]
-    return grad_fn(params, *args)
-
-  def clipped_grad(params, *args):
-    if max(batch_argnums) > len(args):
-      raise ValueError(
-          f"batch_argnums={batch_argnums} but only {len(args)} arguments follow params.")
-    _validation.check_inexact_leaves(params, "per_example_clipped_grad")
-    idx = [i - 1 for i in batch_argnums]
-    size = _batch_size(args, idx)
-    if axis_name is not None:
-      params = as_varying(params, axis_name)
-    in_axes = (None,) + tuple(0 if i in idx else None for i in range(len(args)))
-    vgrad = jax.vmap(example_grad, in_axes=in_axes, spmd_axis_name=spmd_axis_name)
-    chunk = size if microbatch_size is None else min(int(microbatch_size), size)
-    num_chunks = -(-size // chunk) if chunk else 1
-    devices = _mesh_axis_size(spmd_axis_name)
-    if num_chunks > 1 and devices and chunk % devices:
-      raise ValueError(
-          f"microbatch_size={microbatch_size} must be a multiple of the {devices} "
-          f"devices of spmd_axis_name={spmd_axis_name!r}, so that every device "
-          "takes the same number of examples of each chunk."
-      )
-
-    def clip_chunk(batch_args, mask):
-      full = list(args)
-      for i, a in zip(idx, batch_args, strict=True):
-        full[i] = a
-      grads = vgrad(params, *full)
-      return _optax_compat._per_example_clip(grads, l2_norm_clip, mask=mask, accumulate=True)
-
-    if num_chunks == 1:
-      total, num_clipped = clip_chunk([args[i] for i in idx], None)
+  if partition_specs is not None:
+    if isinstance(partition_specs, PartitionSpec):
+      specs = [partition_specs] * len(paths_leaves)
     else:
-      padded = chunk * num_chunks
+      specs = _per_leaf(partition_specs, tree, lambda x: isinstance(x, PartitionSpec),
+                        "partition_specs", "PartitionSpecs")
+    out = []
+    for spec, (path, _) in zip(specs, paths_leaves, strict=True):
+      if not isinstance(spec, PartitionSpec):
+        raise TypeError(
+            f"partition_specs: the leaf at {jax.tree_util.keystr(path) or '<root>'} is "
+            f"described by {spec!r}; partition_specs= takes PartitionSpecs only."
+        )
+      sharded = _spec_axes(spec)
+      out.append(tuple(n for n in names if n in sharded))
+    return out
+  if replicated is None:
+    if not vma_checked():
+      return [names] * len(paths_leaves)
+    manual = manual_axes()
+    out = []
+    for _, leaf in paths_leaves:
+      vma = varying_axes(leaf)
+      out.append(tuple(n for n in names if n in vma or n not in manual))
+    return out
+  if callable(replicated) and not isinstance(replicated, PartitionSpec):
+    values = [replicated(path, leaf) for path, leaf in paths_leaves]
+  else:
+    values = _per_leaf(replicated, tree, _is_description, "replicated",
+                       "True/False or axis names")
+  return [_shard_axes(v, names, jax.tree_util.keystr(p) or "<root>")
+          for v, (p, _) in zip(values, paths_leaves, strict=True)]
 
-      def to_chunks(x):
-        x = jnp.asarray(x)
-        if x.shape[0] < padded:
-          x = jnp.pad(x, [(0, padded - x.shape[0])] + [(0, 0)] * (x.ndim - 1))
-        # Example i * num_chunks + j goes to chunk j, row i: a device holding a
-        # contiguous block of the batch holds whole rows of every chunk.
-        return jnp.swapaxes(x.reshape((chunk, num_chunks) + x.shape[1:]), 0, 1)
 
-      xs = [jax.tree.map(to_chunks, args[i]) for i in idx]
-      masks = to_chunks(jnp.arange(padded) < size) if padded > size else None
-      # zeros_like keeps each parameter's sharding for the running sum.
-      init = (jax.tree.map(
-          lambda p: jnp.zeros_like(p, jnp.promote_types(jnp.result_type(p), jnp.float32)),
-          params), jnp.zeros((), jax.dtypes.canonicalize_dtype(jnp.int_)))
+def _leaf_groups(
+    tree: PyTree, axis_name: AxisName, replicated: Any, partition_specs: Any
+) -> dict[tuple[Any, ...], list[int]]:
+  """Leaf indices grouped by the axes they are summed over (and, typed, their vma).
 
-      def body(carry, chunk_in):
-        batch_args, mask = chunk_in
-        part, count = clip_chunk(batch_args, mask)
-        return (jax.tree.map(jnp.add, carry[0], part), carry[1] + count), None
+  Leaves of one group can be reduced together: under ``check_vma=True`` they
+  also share their type's varying axes, so no cast is needed to add them.
+  """
+  axes = leaf_reduction_axes(tree, axis_name, replicated, partition_specs)
+  leaves = jax.tree.leaves(tree)
+  typed = vma_checked()
+  groups: dict[tuple[Any, ...], list[int]] = {}
+  for i, (a, x) in enumerate(zip(axes, leaves, strict=True)):
+    groups.setdefault((a, varying_axes(x) if typed else frozenset()), []).append(i)
+  return groups
 
-      # Inside shard_map the sums vary over the axes the inputs vary over; the
-      # scan carry must have that type from the start.
-      vary = frozenset().union(*map(_varying_axes, jax.tree.leaves((params, args))))
-      if vary:
-        init = _cast_varying(init, tuple(sorted(vary, key=str)))
-      (total, num_clipped), _ = jax.lax.scan(body, init, (xs, masks))
-    total = jax.tree.map(lambda t, p: t.astype(jnp.result_type(p)), total, params)
-    if axis_name is not None:
-      total, num_clipped = jax.lax.psum((total, num_clipped), axis_names(axis_name))
-    return total, num_clipped
 
-  return clipped_grad
+def _combine(parts: list[jax.Array], op: str) -> jax.Array:
+  if len(parts) == 1:
+    return parts[0]
+  stacked = jnp.stack(parts)
+  return jnp.max(stacked) if op == "max" else jnp.sum(stacked)
+
+
+def sum_across_devices(
+    tree: PyTree,
+    partials: Callable[[list[Any]], list[jax.Array]],
+    axis_name: AxisName,
+    replicated: Any = None,
+    partition_specs: Any = None,
+    *,
+    op: str = "sum",
+    dtype: Any = jnp.float32,
+) -> jax.Array:
+  """The total over every device of scalars computed from the leaves of ``tree``.
+
+  ``partials(leaves)`` maps a list of leaves to a list of scalars whose sum
+  (``op="max"``: maximum) is theirs. Leaves are grouped by the axes they are
+  shards over (see :func:`leaf_reduction_axes`); each group's local sum is
+  ``psum``-ed over its axes, one scalar all-reduce per group, and a
+  replicated leaf is added once. A maximum takes one ``pmax`` over every
+  axis, since a maximum is unchanged by repeats. ``dtype`` is the dtype of an
+  empty tree's zero.
+  """
+  leaves = jax.tree.leaves(tree)
+  totals = []
+  for (axes, _), members in _leaf_groups(tree, axis_name, replicated, partition_specs).items():
+    parts = partials([leaves[i] for i in members])
+    if not parts:
+      continue
+    local = _combine(parts, op)
+    totals.append(jax.lax.psum(local, axes) if axes and op == "sum" else local)
+  if not totals:
+    return jnp.zeros((), dtype)
+  total = _combine(totals, op)
+  return jax.lax.pmax(total, axis_names(axis_name)) if op == "max" else total
+
+
+def tree_norm(
+    tree: Any, ord: float = 2, axis_name: AxisName | None = None, replicated: Any = None,
+    partition_specs: Any = None,
+) -> jax.Array:
+  """The global ``ord``-norm of every leaf of ``tree`` together.
+
+  For ``ord=2`` this is ``sqrt(sum_leaves(sum(|x|**2)))`` with one square root
+  at the end (never a norm per leaf squared back). Empty trees give ``0``.
+  The partial sums are :func:`jaxclip._numerics._grouped_parts`.
+
+  With ``axis_name`` (inside ``shard_map``/``pmap``/``vmap`` over a named
+  axis, or a tuple of axes) the leaves are local values: the partial sums
+  (max for ``ord=inf``) are combined across the axes with scalar ``psum``
+  (``pmax``) before the root, so every device gets the same global norm.
+  ``replicated`` or ``partition_specs`` say which leaves are the same on
+  every device of an axis, so their sums are added once rather than once per
+  device; with neither, JAX's types say it under ``check_vma=True``. See
+  :func:`leaf_reduction_axes`.
+  """
+  acc = _numerics.tree_accumulation_dtype(tree)
+  op = "max" if ord == math.inf else "sum"
+  if axis_name is None:
+    if replicated is not None or partition_specs is not None:
+      raise ValueError(
+          "replicated= and partition_specs= only have a meaning together with axis_name=.")
+    parts = _numerics._grouped_parts(jax.tree.leaves(tree), ord, acc)
+    total = _combine(parts, op) if parts else jnp.zeros((), acc)
+  else:
+    total = sum_across_devices(
+        tree, lambda leaves: _numerics._grouped_parts(leaves, ord, acc), axis_name,
+        replicated, partition_specs, op=op, dtype=acc)
+  return _numerics.safe_sqrt(total) if ord == 2 else total
+
+
+def mean_across_devices(x: jax.Array, axis_name: AxisName | None) -> jax.Array:
+  """``x`` averaged over the devices of ``axis_name`` (``x`` itself without one)."""
+  return x if axis_name is None else jax.lax.pmean(x, axis_names(axis_name))
+
+
+def any_across_devices(flag: jax.Array, axis_name: AxisName | None) -> jax.Array:
+  """Whether the boolean ``flag`` is true on any device of ``axis_name``."""
+  if axis_name is None:
+    return flag
+  return jax.lax.pmax(jnp.asarray(flag).astype(jnp.int32), axis_names(axis_name)) > 0

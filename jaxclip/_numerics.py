@@ -175,46 +175,6 @@ def leaf_norm(
                  of_float16=x.dtype == jnp.float16)
 
 
-def tree_norm(
-    tree: Any, ord: float = 2, axis_name: Any = None, replicated: Any = None
-) -> jax.Array:
-  """The global ``ord``-norm of every leaf of ``tree`` together.
-
-  For ``ord=2`` this is ``sqrt(sum_leaves(sum(|x|**2)))`` with one square root
-  at the end (never a norm per leaf squared back). Empty trees give ``0``.
-
-  With ``axis_name`` (inside ``shard_map``/``pmap``/``vmap`` over a named
-  axis, or a tuple of axes) the leaves are local shards: the partial sums
-  (max for ``ord=inf``) are combined across the axes with a scalar ``psum``
-  (``pmax``) before the root, so every device gets the same global norm.
-  ``replicated`` says which leaves are the same on every device of an axis,
-  so their sums are added once rather than once per device: ``None`` (every
-  leaf is a shard), a pytree prefix of ``tree`` with ``True``/``False``, axis
-  names or ``PartitionSpec`` leaves, or a callable ``(path, leaf) -> ...``;
-  see :func:`jaxclip._distributed.leaf_reduction_axes`.
-  """
-  leaves = jax.tree.leaves(tree)
-  acc = tree_accumulation_dtype(tree)
-  if axis_name is None:
-    parts = _grouped_parts(leaves, ord, acc)
-  else:
-    parts = [_leaf_part(x, ord).astype(acc) for x in leaves]
-  if axis_name is not None:
-    # Imported here: _distributed builds on this module.
-    from jaxclip import _distributed
-
-    total = _distributed.combine_across_devices(tree, parts, ord, axis_name, replicated)
-  elif replicated is not None:
-    raise ValueError("replicated= only has a meaning together with axis_name=.")
-  elif not parts:
-    total = jnp.zeros((), acc)
-  elif ord == math.inf:
-    total = jnp.max(jnp.stack(parts))
-  else:
-    total = _sum_scalars(parts)
-  return safe_sqrt(total) if ord == 2 else total
-
-
 # Leaves of at most _SMALL_LEAF elements are reduced together (see
 # _grouped_parts): those of at most _TINY_LEAF elements added elementwise
 # _GROUP at a time, the others concatenated _CHUNK_LEAVES at a time.

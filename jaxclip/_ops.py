@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxclip import _distributed
 from jaxclip import _numerics
 from jaxclip import _validation
 
@@ -28,6 +29,7 @@ def global_norm(
     ord: int | float | str = 2,
     axis_name: Any = None,
     replicated: Any = None,
+    partition_specs: Any = None,
 ) -> jax.Array:
   r"""Computes the global norm of every leaf of a pytree taken together.
 
@@ -44,12 +46,23 @@ def global_norm(
   ``|z|``. The gradient at an all-zero tree is zero, not NaN.
 
   On many devices: under ``jax.jit`` with sharded arrays nothing is needed
-  (XLA all-reduces one scalar). Inside ``jax.shard_map`` or ``jax.pmap``,
-  where each device holds local shards, pass ``axis_name``: the partial sums
-  are ``psum``-ed (``pmax``-ed for ``ord=inf``) across those axes, so every
-  device gets the norm of the whole tree. Leaves that every device holds in
-  full (replicated, as FSDP's unsharded parameters) must be named in
-  ``replicated`` so they are counted once, not once per device.
+  (XLA all-reduces one scalar). Inside ``jax.shard_map``, ``jax.pmap`` or
+  ``jax.vmap(axis_name=)``, where each device holds local values, pass
+  ``axis_name``: the partial sums are ``psum``-ed (``pmax``-ed for
+  ``ord=inf``) across those axes, so every device gets the norm of the whole
+  tree. A leaf that every device holds in full (a replicated parameter, or
+  the gradient of one passed with ``P()``) must count once, not once per
+  device:
+
+  * inside ``shard_map`` with its default ``check_vma=True`` this is
+    inferred: a leaf is summed over the axes of ``axis_name`` its type varies
+    over (``jax.typeof(x)``'s varying manual axes), and counted once over
+    the others;
+  * under ``check_vma=False``, ``pmap`` and ``vmap`` types carry no such
+    information and every leaf is taken for a shard: say which leaves are
+    replicated with ``replicated=``, or pass their ``partition_specs=``.
+
+  Either argument, when given, overrides the inference.
 
   Args:
     tree: A pytree of floating-point or complex arrays; ``None`` leaves are
@@ -60,22 +73,28 @@ def global_norm(
       (or tuple of names) the leaves are sharded over; ``None`` (default)
       for a tree that is whole on this device or sharded under ``jit``.
     replicated: Which leaves are replicated over which of those axes:
-      ``None`` (default: every leaf is a shard over every axis), a pytree
-      prefix of ``tree`` whose leaves are ``True`` (replicated over all of
-      ``axis_name``), ``False`` (a shard), an axis name or tuple of names it
-      is replicated over, or its ``PartitionSpec`` (e.g. the ``in_specs`` of
-      the parameters: a shard over the axes the spec names, replicated over
-      the rest); or a callable ``(path, leaf)`` returning one of these.
-      Needs ``axis_name``.
+      ``None`` (default: inferred under ``check_vma=True``, else every leaf
+      is a shard over every axis), a pytree prefix of ``tree`` whose leaves
+      are ``True`` (replicated over all of ``axis_name``), ``False`` (a
+      shard) or an axis name or tuple of names it is replicated over; or a
+      callable ``(path, leaf)`` returning one of these. Needs ``axis_name``.
+    partition_specs: Where the leaves are sharded, instead of
+      ``replicated``: a pytree prefix of ``tree`` of ``PartitionSpec``
+      leaves (e.g. the ``in_specs`` given to ``shard_map``); a leaf is a
+      shard over the axes its spec names and replicated over the rest of
+      ``axis_name``. Needs ``axis_name``.
 
   Returns:
     A scalar in float32 (float64 if any leaf is float64). ``0`` for an empty
     tree; ``inf``/``nan`` if a leaf holds one.
 
   Raises:
-    TypeError: if a leaf is an integer or boolean array (its path is named).
-    ValueError: if ``ord`` is not 1, 2 or inf, or ``replicated`` does not
-      match the tree or names an axis outside ``axis_name``.
+    TypeError: if a leaf is an integer or boolean array (its path is named),
+      if ``replicated`` holds a ``PartitionSpec`` (pass it as
+      ``partition_specs``) or ``partition_specs`` holds anything else.
+    ValueError: if ``ord`` is not 1, 2 or inf, if ``replicated`` or
+      ``partition_specs`` is given without ``axis_name``, with the other, or
+      does not match the tree, or names an axis outside ``axis_name``.
 
   Examples:
     >>> import jax, jax.numpy as jnp
@@ -95,13 +114,23 @@ def global_norm(
     >>> jax.vmap(norm, in_axes=(0, None), axis_name='i')(w_shards, b)  # sqrt(9+16+144)
     Array([13., 13.], dtype=float32)
 
+    The same with the ``PartitionSpec`` of each leaf (as ``shard_map``'s
+    ``in_specs``) instead:
+
+    >>> from jax.sharding import PartitionSpec as P
+    >>> def norm_from_specs(w_shard, b):
+    ...   return jaxclip.ops.global_norm({'w': w_shard, 'b': b}, axis_name='i',
+    ...                                  partition_specs={'w': P('i'), 'b': P()})
+    >>> jax.vmap(norm_from_specs, in_axes=(0, None), axis_name='i')(w_shards, b)
+    Array([13., 13.], dtype=float32)
+
   References:
     Pascanu et al., `On the difficulty of training Recurrent Neural Networks
     <https://arxiv.org/abs/1211.5063>`_, 2012
   """
   ord = _numerics.check_ord(ord)
   _validation.check_inexact_leaves(tree, "global_norm")
-  return _numerics.tree_norm(tree, ord, axis_name, replicated)
+  return _distributed.tree_norm(tree, ord, axis_name, replicated, partition_specs)
 
 
 def clip_by_value(
@@ -320,6 +349,7 @@ def clip_by_global_norm(
     ord: int | float | str = 2,
     axis_name: Any = None,
     replicated: Any = None,
+    partition_specs: Any = None,
 ) -> tuple[PyTree, jax.Array]:
   r"""Scales every leaf by one common factor so the global norm is at most ``clip_norm``.
 
@@ -358,6 +388,8 @@ def clip_by_global_norm(
       ``jax.jit`` with sharded arrays, which keeps each leaf's sharding.
     replicated: Which leaves are replicated across ``axis_name`` and counted
       once; see :func:`global_norm`.
+    partition_specs: Where the leaves are sharded (``PartitionSpec``
+      leaves), instead of ``replicated``; see :func:`global_norm`.
 
   Returns:
     ``(clipped_tree, norm)``: the clipped pytree with the input's structure
@@ -386,7 +418,7 @@ def clip_by_global_norm(
   _validation.check_threshold(clip_norm, "clip_norm")
   _validation.check_inexact_leaves(tree, "clip_by_global_norm")
   if use_norm is None:
-    norm = _numerics.tree_norm(tree, ord, axis_name, replicated)
+    norm = _distributed.tree_norm(tree, ord, axis_name, replicated, partition_specs)
   else:
     norm = jnp.asarray(use_norm)
     if not jnp.issubdtype(norm.dtype, jnp.floating):

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxclip import _numerics, _validation
+from jaxclip import _distributed, _numerics, _validation
 
 ArrayLike = jax.typing.ArrayLike
 
@@ -83,17 +83,16 @@ def all_finite(tree: Any, axis_name: Any = None) -> jax.Array:
 
   That is whether the largest ``|x|`` over the tree is finite: a NaN or an
   infinity carries through every maximum. The maxima are grouped over the
-  leaves as for a norm (see :func:`jaxclip._numerics.tree_norm`), a few
+  leaves as for a norm (see :func:`jaxclip._distributed.tree_norm`), a few
   kernels for thousands of small leaves, where one ``isfinite`` and
   reduction per leaf (as ``optax.apply_if_finite`` does) makes thousands.
   Integer and boolean leaves are always finite.
   """
   leaves = [x for x in jax.tree.leaves(tree)
             if jnp.issubdtype(jnp.result_type(x), jnp.inexact)]
-  ok = jnp.isfinite(_numerics.tree_norm(leaves, math.inf)) if leaves else jnp.array(True)
-  if axis_name is not None:
-    ok = jax.lax.pmin(ok.astype(jnp.int32), axis_name) > 0
-  return ok
+  ok = jnp.isfinite(_distributed.tree_norm(leaves, math.inf)) if leaves else jnp.array(True)
+  # Finite everywhere: not non-finite on any device.
+  return jnp.logical_not(_distributed.any_across_devices(jnp.logical_not(ok), axis_name))
 
 
 class SkipNonfiniteState(NamedTuple):
@@ -139,7 +138,9 @@ def skip_nonfinite(
     max_consecutive: ``None`` or the number of non-finite steps in a row to
       skip before letting them through (``>= 0``; may be traced).
     axis_name: Inside ``shard_map``/``pmap``, the axis over which the updates
-      are sharded, so every device makes the same decision.
+      are sharded: a step that is non-finite on any device is skipped on
+      all, so every device makes the same decision and keeps the same state.
+      (Which leaves are replicated does not matter here.)
 
   Returns:
     An :class:`optax.GradientTransformationExtraArgs` whose state is a
@@ -193,7 +194,7 @@ class ZeroNonfiniteState(NamedTuple):
 
   Attributes:
     num_nonfinite_zeroed: int32, how many entries were replaced by zero at the
-      last step (summed over devices with ``axis_name``).
+      last step (in the whole tree across devices with ``axis_name``).
     num_steps_with_nonfinite: int32, how many steps so far had at least one.
   """
 
@@ -201,7 +202,9 @@ class ZeroNonfiniteState(NamedTuple):
   num_steps_with_nonfinite: jax.Array
 
 
-def zero_nonfinite(*, axis_name: Any = None) -> optax.GradientTransformationExtraArgs:
+def zero_nonfinite(
+    *, axis_name: Any = None, replicated: Any = None, partition_specs: Any = None
+) -> optax.GradientTransformationExtraArgs:
   r"""Replaces every NaN, ``inf`` and ``-inf`` entry of the updates by ``0``.
 
   Unlike :func:`skip_nonfinite`, the finite entries of the step are kept.
@@ -212,7 +215,13 @@ def zero_nonfinite(*, axis_name: Any = None) -> optax.GradientTransformationExtr
 
   Args:
     axis_name: Inside ``shard_map``/``pmap``, the axis over which the updates
-      are sharded, so the counts in the state are global.
+      are sharded, so the counts in the state are those of the whole tree,
+      the same on every device.
+    replicated: Which leaves are the same on every device of ``axis_name``,
+      so their entries are counted once (inferred inside ``shard_map`` with
+      ``check_vma=True``); see :func:`jaxclip.ops.global_norm`.
+    partition_specs: Where the leaves are sharded (``PartitionSpec``
+      leaves), instead of ``replicated``.
 
   Returns:
     An :class:`optax.GradientTransformationExtraArgs` whose state is a
@@ -240,22 +249,25 @@ def zero_nonfinite(*, axis_name: Any = None) -> optax.GradientTransformationExtr
     del params, extra_args
     # lax ops, a few per leaf: jnp's nested functions make tracing thousands
     # of leaves slow.
-    counts, zeros_like = [], _zeros_like_maker()
+    counts, zeros_like = {}, _zeros_like_maker()
 
-    def repair(x):
-      x = _numerics.as_array(x)
+    def repair(leaf):
+      x = _numerics.as_array(leaf)
       if not jnp.issubdtype(x.dtype, jnp.inexact):
         return x
       finite = (jax.lax.is_finite(x) if jnp.issubdtype(x.dtype, jnp.floating)
                 else jnp.isfinite(x))  # complex: both parts finite
       bad = jax.lax.convert_element_type(jax.lax.bitwise_not(finite), jnp.int32)
-      counts.append(jax.lax.reduce_sum(bad, tuple(range(x.ndim))))
+      counts[id(leaf)] = jax.lax.reduce_sum(bad, tuple(range(x.ndim)))
       return jax.lax.select(finite, x, zeros_like(x))
 
     repaired = jax.tree.map(repair, updates)
-    count = sum(counts, jnp.zeros((), jnp.int32))
-    if axis_name is not None:
-      count = jax.lax.psum(count, axis_name)
+    if axis_name is None:
+      count = sum(counts.values(), jnp.zeros((), jnp.int32))
+    else:  # a replicated leaf's entries count once
+      count = _distributed.sum_across_devices(
+          updates, lambda leaves: [counts[id(x)] for x in leaves if id(x) in counts],
+          axis_name, replicated, partition_specs, dtype=jnp.int32)
     return repaired, ZeroNonfiniteState(
         num_nonfinite_zeroed=count,
         num_steps_with_nonfinite=jnp.where(

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxclip import _history, _numerics, _validation
+from jaxclip import _distributed, _history, _numerics, _validation
 from jaxclip._robust import select_tree, zero_updates_where
 
 ArrayLike = jax.typing.ArrayLike
@@ -85,6 +85,7 @@ def skip_on_spike(
     ord: int | float | str | None = None,
     axis_name: Any = None,
     replicated: Any = None,
+    partition_specs: Any = None,
 ) -> optax.GradientTransformationExtraArgs:
   r"""Skips a step whose gradient norm (or loss) spikes above its recent history.
 
@@ -124,9 +125,15 @@ def skip_on_spike(
     ord: The norm: ``None`` (L2, default), ``2``, ``1`` or ``inf``; a static
       choice (list it in ``static_args`` under ``optax.inject_hyperparams``).
     axis_name: Inside ``shard_map``/``pmap``, the axis over which the updates
-      are sharded (the norm is reduced across it).
-    replicated: Which leaves are the same on every device of ``axis_name``,
-      as for :func:`jaxclip.clip_by_global_norm`.
+      are sharded. The norm is reduced across it, ``loss`` is averaged over
+      it (``pmean``: pass each device's local loss), and a step skipped on
+      any device is skipped on all, so every device takes the same decision
+      and keeps the same state.
+    replicated: Which leaves are the same on every device of ``axis_name``
+      (inferred inside ``shard_map`` with ``check_vma=True``), as for
+      :func:`jaxclip.ops.global_norm`.
+    partition_specs: Where the leaves are sharded (``PartitionSpec``
+      leaves, e.g. ``shard_map``'s ``in_specs``), instead of ``replicated``.
 
   Returns:
     An :class:`optax.GradientTransformationExtraArgs` whose state is a
@@ -170,7 +177,8 @@ def skip_on_spike(
                   num_spike_skipped=jnp.zeros((), jnp.int32))
 
   def update_fn(updates, state, params=None, **extra_args):
-    norm = _numerics.tree_norm(updates, ord, axis_name, replicated).astype(jnp.float32)
+    norm = _distributed.tree_norm(
+        updates, ord, axis_name, replicated, partition_specs).astype(jnp.float32)
     min_count = max(2, state.spike_norm_history.shape[0] // 2)
     norms = _history.History(
         state.spike_norm_history, state.spike_norm_count, state.spike_norm_index)
@@ -184,11 +192,12 @@ def skip_on_spike(
       if loss.shape != ():
         raise ValueError(
             f"skip_on_spike needs a scalar loss=, got shape {loss.shape}.")
-      loss = loss.astype(jnp.float32)
+      loss = _distributed.mean_across_devices(loss.astype(jnp.float32), axis_name)
       loss_spike, loss_threshold = _check(losses, loss, sigma, min_count)
       skip = skip | loss_spike
       losses = _history.push(losses, loss)
 
+    skip = _distributed.any_across_devices(skip, axis_name)
     new_updates, inner_state = inner.update(updates, state.inner_state, params, **extra_args)
     return zero_updates_where(skip, new_updates), _state(
         select_tree(skip, state.inner_state, inner_state), norms, losses,

@@ -160,6 +160,7 @@ def clip_by_global_norm(
     ord: int | float | str | None = None,
     axis_name: Any = None,
     replicated: Any = None,
+    partition_specs: Any = None,
 ) -> optax.GradientTransformationExtraArgs:
   r"""Scales all updates by one factor so their global norm is at most ``max_norm``.
 
@@ -178,9 +179,10 @@ def clip_by_global_norm(
   Under ``jax.jit`` with sharded parameters (FSDP, tensor parallelism) it
   works as is: XLA all-reduces one scalar and every leaf keeps its sharding.
   Inside ``jax.shard_map``/``jax.pmap``, where the updates are local shards,
-  pass ``axis_name`` (and ``replicated`` for leaves every device holds in
-  full) so all devices share the global norm, as in
-  :func:`jaxclip.ops.global_norm`.
+  pass ``axis_name`` so all devices share the global norm, as in
+  :func:`jaxclip.ops.global_norm`: leaves every device holds in full count
+  once, inferred under ``shard_map``'s ``check_vma=True`` and otherwise told
+  by ``replicated`` or ``partition_specs``.
 
   Args:
     max_norm: The maximum global norm, ``>= 0``; a number, an array or a
@@ -193,9 +195,13 @@ def clip_by_global_norm(
     axis_name: Inside ``shard_map``/``pmap``, the mesh axis (or tuple of
       axes) the updates are sharded over; ``None`` (default) otherwise.
     replicated: Which leaves are replicated across ``axis_name`` (counted
-      once): a pytree prefix of the updates with ``True``/``False``, axis
-      names or ``PartitionSpec`` leaves, or a callable ``(path, leaf)``; see
+      once): ``None`` (inferred under ``check_vma=True``, else none), a
+      pytree prefix of the updates with ``True``/``False`` or axis-name
+      leaves, or a callable ``(path, leaf)``; see
       :func:`jaxclip.ops.global_norm`.
+    partition_specs: Where the updates are sharded, instead of
+      ``replicated``: a pytree prefix of ``PartitionSpec`` leaves (e.g.
+      ``shard_map``'s ``in_specs`` of the parameters).
 
   Returns:
     An :class:`optax.GradientTransformationExtraArgs` whose state is a
@@ -227,7 +233,8 @@ def clip_by_global_norm(
   def update_fn(updates, state, params=None, **extra_args):
     del params, extra_args
     clipped, norm = _ops.clip_by_global_norm(
-        updates, max_norm, ord=ord, axis_name=axis_name, replicated=replicated)
+        updates, max_norm, ord=ord, axis_name=axis_name, replicated=replicated,
+        partition_specs=partition_specs)
     if state is not None:
       norm = norm.astype(state.pre_clip_norm.dtype)
     return clipped, ClipByGlobalNormState(pre_clip_norm=norm)

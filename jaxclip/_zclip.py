@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxclip import _numerics, _ops, _validation
+from jaxclip import _distributed, _numerics, _ops, _validation
 
 ArrayLike = jax.typing.ArrayLike
 
@@ -62,6 +62,7 @@ def zclip(
     ord: int | float | str | None = None,
     axis_name: Any = None,
     replicated: Any = None,
+    partition_specs: Any = None,
 ) -> optax.GradientTransformationExtraArgs:
   r"""ZClip: clips global-norm spikes detected by a z-score on EMA statistics.
 
@@ -114,9 +115,13 @@ def zclip(
     ord: The norm: ``None`` (L2, default), ``2``, ``1`` or ``inf``; a static
       choice (list it in ``static_args`` under ``optax.inject_hyperparams``).
     axis_name: Inside ``shard_map``/``pmap``, the axis over which the updates
-      are sharded (the norm is reduced across it).
-    replicated: Which leaves are the same on every device of ``axis_name``,
-      as for :func:`jaxclip.clip_by_global_norm`.
+      are sharded (the norm is reduced across it, so every device clips by
+      the same threshold and keeps the same state).
+    replicated: Which leaves are the same on every device of ``axis_name``
+      (inferred inside ``shard_map`` with ``check_vma=True``), as for
+      :func:`jaxclip.ops.global_norm`.
+    partition_specs: Where the leaves are sharded (``PartitionSpec``
+      leaves, e.g. ``shard_map``'s ``in_specs``), instead of ``replicated``.
 
   Returns:
     An :class:`optax.GradientTransformationExtraArgs` whose state is a
@@ -172,7 +177,7 @@ def zclip(
 
   def update_fn(updates, state, params=None, **extra_args):
     del params, extra_args
-    norm = _numerics.tree_norm(updates, ord, axis_name, replicated)
+    norm = _distributed.tree_norm(updates, ord, axis_name, replicated, partition_specs)
     x = norm.astype(jnp.float32)
     finite = jnp.isfinite(x)
     count = state.zclip_warmup_count

@@ -177,10 +177,9 @@ def md_jit_sharded_transform_keeps_shardings():
       _assert_only_scalar_all_reduces(update_fn)
 
 
-def _local_norm_fn(mesh, ord, replicated, check_vma=True):
+def _local_norm_fn(mesh, ord, check_vma=True, **where):
   def local(t):
-    return jaxclip.ops.global_norm(t, ord=ord, axis_name=("data", "model"),
-                                   replicated=replicated)
+    return jaxclip.ops.global_norm(t, ord=ord, axis_name=("data", "model"), **where)
   return jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(FSDP_SPECS,), out_specs=P(),
                                check_vma=check_vma))
 
@@ -195,13 +194,17 @@ def md_shard_map_replicated_leaves_counted_once():
     by_path = lambda path, leaf: {
         "bias": "data", "norm_scale": True, "embed": ("model",)}.get(path[-1].key, False)
     for check_vma in (True, False):
-      for replicated in (FSDP_SPECS, by_path):
+      for where in ({"partition_specs": FSDP_SPECS}, {"replicated": by_path}):
         for ord in (2, 1, math.inf):
-          got = _local_norm_fn(mesh, ord, replicated, check_vma)(tree)
+          got = _local_norm_fn(mesh, ord, check_vma, **where)(tree)
           np.testing.assert_allclose(got, _jit_global_norm(single, ord=ord), rtol=2e-6)
-    # Without replicated=, every leaf counts as a shard: the replicated ones
-    # are counted once per device and the norm is too large.
-    naive = _local_norm_fn(mesh, 2, None, check_vma=False)(tree)
+    # Under check_vma=True the leaves' types say which are replicated.
+    for ord in (2, 1, math.inf):
+      got = _local_norm_fn(mesh, ord)(tree)
+      np.testing.assert_allclose(got, _jit_global_norm(single, ord=ord), rtol=2e-6)
+    # Under check_vma=False, without replicated=, every leaf counts as a
+    # shard: the replicated ones are counted once per device, too large.
+    naive = _local_norm_fn(mesh, 2, check_vma=False)(tree)
     assert float(naive) > 1.05 * float(_jit_global_norm(single))
 
 
@@ -209,13 +212,13 @@ def md_shard_map_transform_and_clip_op():
   host = _fsdp_host_tree(3)
   single = jax.tree.map(jnp.asarray, host)
   mesh = jax.make_mesh((4, 2), ("data", "model"))
-  tx = jaxclip.clip_by_global_norm(2.0, axis_name=("data", "model"), replicated=FSDP_SPECS)
+  tx = jaxclip.clip_by_global_norm(2.0, axis_name=("data", "model"), partition_specs=FSDP_SPECS)
   ref_out, ref_norm = _jit_clip_by_global_norm(single, 2.0)
 
   def local(t):
     updates, state = tx.update(t, tx.init(t))
     clipped, norm = jaxclip.ops.clip_by_global_norm(
-        t, 2.0, axis_name=("data", "model"), replicated=FSDP_SPECS)
+        t, 2.0, axis_name=("data", "model"), partition_specs=FSDP_SPECS)
     return updates, state.pre_clip_norm, clipped, norm
 
   with jax.set_mesh(mesh):
@@ -301,6 +304,170 @@ def md_per_example_helper_under_jit_with_spmd_axis_name():
       jax.jit(bad)(ps, xs, ys)
 
 
+def _per_device(tree):
+  """Each leaf with a new leading axis, to come out of shard_map once per device."""
+  return jax.tree.map(lambda x: x[None], _distributed.as_varying(tree, "data"))
+
+
+def _assert_same_on_every_device(tree, skip=lambda path: False):
+  """Every leaf's rows (one per device) are bit-identical, but those ``skip`` names."""
+  for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
+    if not skip(jax.tree_util.keystr(path)):
+      x = np.asarray(x)
+      assert x.shape[0] == N_DEVICES, (path, x.shape)
+      for row in x[1:]:
+        np.testing.assert_array_equal(row, x[0], err_msg=jax.tree_util.keystr(path))
+
+
+def md_vma_inference_counts_replicated_gradients_once():
+  params, x, y = _mlp_problem(batch=8 * 4, seed=6)
+  full_grad = jax.jit(jax.grad(_loss))(params, x, y)
+  expected = _jit_global_norm({"g": full_grad, "x": x})
+  mesh = jax.make_mesh((N_DEVICES,), ("data",))
+
+  def local(p, xb, yb, check_vma, **where):
+    g = jax.grad(_loss)(p, xb, yb)
+    if not check_vma:
+      # No types to read: the gradient is local, and its sum is replicated.
+      g = jax.lax.psum(g, "data")
+    tree = {"g": g, "x": xb}  # a replicated leaf and a shard
+    clipped, norm = jaxclip.ops.clip_by_global_norm(tree, 1.0, axis_name="data", **where)
+    return jaxclip.ops.global_norm(tree, axis_name="data", **where), norm, clipped["g"]
+
+  routes = [(True, {}),  # inferred from jax.typeof(leaf)'s varying axes
+            (True, {"replicated": {"g": True, "x": False}}),
+            (False, {"replicated": {"g": True, "x": False}}),
+            (False, {"partition_specs": {"g": P(), "x": P("data")}})]
+  with jax.set_mesh(mesh):
+    xs, ys = (jax.device_put(a, NamedSharding(mesh, P("data"))) for a in (x, y))
+    for check_vma, where in routes:
+      fn = jax.shard_map(lambda p, xb, yb, c=check_vma, w=where: local(p, xb, yb, c, **w),
+                         mesh=mesh, in_specs=(P(), P("data"), P("data")),
+                         out_specs=(P(), P(), P()), check_vma=check_vma)
+      norm, clip_norm, clipped = jax.jit(fn)(params, xs, ys)
+      np.testing.assert_allclose(norm, expected, rtol=1e-5, err_msg=str((check_vma, where)))
+      np.testing.assert_allclose(clip_norm, expected, rtol=1e-5)
+      _assert_trees_close(clipped, jax.tree.map(lambda t: t / expected, full_grad),
+                          rtol=1e-4, atol=1e-6)
+    # Under check_vma=False, replicated=None takes every leaf for a shard: the
+    # summed gradient counts once per device (why the docs ask for replicated=).
+    naive = jax.jit(jax.shard_map(
+        lambda p, xb, yb: local(p, xb, yb, False)[0], mesh=mesh,
+        in_specs=(P(), P("data"), P("data")), out_specs=P(), check_vma=False))(params, xs, ys)
+    assert float(naive) > 2 * float(expected)
+
+
+def md_loss_spike_on_one_device_skipped_on_all():
+  params, x, y = _mlp_problem(batch=8 * 4, seed=5)
+  mesh = jax.make_mesh((N_DEVICES,), ("data",))
+  spike_step, num_steps = 6, 8
+
+  def train(p, xb, yb, check_vma):
+    where = {} if check_vma else {"replicated": True}
+    tx = jaxclip.skip_on_spike(optax.sgd(1e-2, momentum=0.9), window=4, sigma=3.0, axis_name="data",
+                               **where)
+    state, skipped = tx.init(p), []
+    for step in range(num_steps):
+      loss, g = jax.value_and_grad(_loss)(p, xb, yb)  # loss: this device's
+      if not check_vma:  # check_vma=True sums the gradient of a P() input already
+        g = jax.lax.psum(g, "data")
+      if step == spike_step:  # device 3 alone sees a spike
+        loss = jnp.where(jax.lax.axis_index("data") == 3, 1e4, 1.0) * loss
+      updates, state = tx.update(g, state, p, loss=loss)
+      p = optax.apply_updates(p, updates)
+      skipped.append(state.spike_step_skipped)
+    return _per_device((p, state, jnp.stack(skipped)))
+
+  with jax.set_mesh(mesh):
+    xs, ys = (jax.device_put(a, NamedSharding(mesh, P("data"))) for a in (x, y))
+    for check_vma in (True, False):
+      out = jax.jit(jax.shard_map(
+          lambda p, xb, yb, c=check_vma: train(p, xb, yb, c), mesh=mesh,
+          in_specs=(P(), P("data"), P("data")), out_specs=P("data"),
+          check_vma=check_vma))(params, xs, ys)
+      _assert_same_on_every_device(out)
+      final_params, state, skipped = out
+      assert np.all(np.asarray(skipped)[:, spike_step]), np.asarray(skipped)
+      assert np.all(np.asarray(state.num_spike_skipped) >= 1)
+      assert all(np.all(np.isfinite(np.asarray(v))) for v in jax.tree.leaves(final_params))
+
+
+def md_nonfinite_gradient_on_one_device_skipped_on_all():
+  num_steps, nan_step, bias_nan_step = 6, 3, 4
+  rng = np.random.default_rng(7)
+  w = rng.normal(size=(num_steps, 2 * N_DEVICES, 3)).astype(np.float32)
+  w[nan_step, 2 * 5 + 1, 2] = np.nan  # in device 5's shard only
+  b = rng.normal(size=(num_steps, 5)).astype(np.float32) * 3
+  b[bias_nan_step, 0] = np.inf  # in the replicated leaf (every device sees it)
+  grads = {"w": w, "b": b}
+  specs = {"w": P("data"), "b": P()}
+  params = {"w": np.zeros((2 * N_DEVICES, 3), np.float32), "b": np.zeros(5, np.float32)}
+
+  def transforms(**kw):
+    return {
+        "skip": jaxclip.skip_nonfinite(optax.chain(
+            jaxclip.autoclip(50.0, 8, **kw), jaxclip.zclip(warmup_steps=2, **kw),
+            optax.sgd(0.1, momentum=0.9)), axis_name=kw.get("axis_name")),
+        "spike": jaxclip.skip_on_spike(optax.sgd(0.1), window=4, **kw),
+        "zero": optax.chain(jaxclip.zero_nonfinite(**kw),
+                            jaxclip.clip_by_global_norm(1.0, **kw), optax.sgd(0.1)),
+    }
+
+  def run(txs, p, gs):
+    out = {}
+    for name, tx in txs.items():
+      q, state, trace = p, tx.init(p), []
+      for step in range(num_steps):
+        g = jax.tree.map(lambda a, step=step: a[step], gs)
+        updates, state = tx.update(g, state, q)
+        q = optax.apply_updates(q, updates)
+        trace.append(jnp.stack([
+            optax.tree.get(state, "nonfinite_step_skipped", False),
+            optax.tree.get(state, "spike_step_skipped", False)]).astype(jnp.int32)
+            if name != "zero" else optax.tree.get(state, "num_nonfinite_zeroed"))
+      out[name] = (q, state, jnp.stack(trace))
+    return out
+
+  expected = jax.jit(lambda p, gs: run(transforms(), p, gs))(params, grads)
+  assert int(expected["zero"][2][bias_nan_step]) == 1  # one entry, counted once
+  mesh = jax.make_mesh((N_DEVICES,), ("data",))
+  grad_specs = {"w": P(None, "data"), "b": P()}
+  with jax.set_mesh(mesh):
+    put = lambda tree, specs: jax.tree.map(
+        lambda a, s: jax.device_put(a, NamedSharding(mesh, s)), tree, specs)
+    ps, gs = put(params, specs), put(grads, grad_specs)
+    for check_vma in (True, False):
+      kw = {"axis_name": "data"} if check_vma else {"axis_name": "data",
+                                                     "partition_specs": specs}
+      fn = jax.shard_map(lambda p, g, kw=kw: _per_device(run(transforms(**kw), p, g)),
+                         mesh=mesh, in_specs=(specs, grad_specs), out_specs=P("data"),
+                         check_vma=check_vma)
+      got = jax.tree.map(np.asarray, jax.jit(fn)(ps, gs))
+      # Everything but w's shards (and their moments) is the same everywhere,
+      _assert_same_on_every_device(got, skip=lambda path: "['w']" in path)
+      for name, (q, state, trace) in got.items():
+        ref_q, ref_state, ref_trace = expected[name]
+        # and it is what one device computes on the whole tree.
+        np.testing.assert_array_equal(np.asarray(trace[0]), np.asarray(ref_trace), err_msg=name)
+        np.testing.assert_allclose(np.asarray(q["w"]).reshape(-1, 3), ref_q["w"], rtol=1e-5,
+                                   atol=1e-6, err_msg=name)
+        np.testing.assert_allclose(q["b"][0], ref_q["b"], rtol=1e-5, atol=1e-6, err_msg=name)
+        for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
+          if "['w']" not in jax.tree_util.keystr(path):
+            np.testing.assert_allclose(
+                np.asarray(leaf[0], np.float64),
+                np.asarray(_get_path(ref_state, path), np.float64), rtol=1e-5, atol=1e-6,
+                err_msg=f"{name} {jax.tree_util.keystr(path)}")
+      skipped = np.asarray(got["skip"][2])
+      assert np.all(skipped[:, nan_step, 0] == 1) and np.all(skipped[:, bias_nan_step, 0] == 1)
+
+
+def _get_path(tree, path):
+  leaves = dict((jax.tree_util.keystr(p), v)
+                for p, v in jax.tree_util.tree_flatten_with_path(tree)[0])
+  return leaves[jax.tree_util.keystr(path)]
+
+
 MD_CHECKS = sorted(name for name in dict(globals()) if name.startswith("md_"))
 
 
@@ -375,29 +542,42 @@ def test_leaf_reduction_axes_forms():
   axes = lambda r: _distributed.leaf_reduction_axes(tree, names, r)
   assert axes(None) == [names] * 3
   assert axes({"a": True, "b": False, "e": "model"}) == [(), names, ("data",)]
-  assert axes({"a": ("data", "model"), "b": P(None, "model"), "e": P(("data", "model"))}) == [
-      (), ("model",), names]
+  assert axes({"a": ("data", "model"), "b": "data", "e": ("model",)}) == [
+      (), ("model",), ("data",)]
   assert axes(lambda path, leaf: leaf.size == 3) == [names, (), names]
-  assert _distributed.leaf_reduction_axes(tree, "data", {"a": P("model"), "b": True,
-                                                         "e": False}) == [(), (), ("data",)]
+  specs = lambda s, axis_name=names: _distributed.leaf_reduction_axes(
+      tree, axis_name, partition_specs=s)
+  assert specs({"a": P(), "b": P(None, "model"), "e": P(("data", "model"))}) == [
+      (), ("model",), names]
+  assert specs(P("data")) == [("data",)] * 3
+  assert specs({"a": P("model"), "b": P(), "e": P("data", "model")}, "data") == [
+      (), (), ("data",)]
 
 
 @pytest.mark.parametrize(
-    "replicated, error, match",
-    [({"a": "expert"}, ValueError, "not among axis_name"),
-     ({"a": 3}, TypeError, "PartitionSpec"),
-     ({"a": True, "zzz": False}, ValueError, "pytree prefix"),
-     (lambda path, leaf: None, TypeError, "leaf at \\['a'\\]")])
-def test_replicated_errors(replicated, error, match):
+    "where, error, match",
+    [({"replicated": {"a": "expert"}}, ValueError, "not among axis_name"),
+     ({"replicated": {"a": 3}}, TypeError, "axis name"),
+     ({"replicated": {"a": True, "zzz": False}}, ValueError, "pytree prefix"),
+     ({"replicated": lambda path, leaf: None}, TypeError, "leaf at \\['a'\\]"),
+     # PartitionSpecs say where a leaf is sharded: they have their own argument.
+     ({"replicated": {"a": P("i")}}, TypeError, "partition_specs="),
+     ({"replicated": P()}, TypeError, "partition_specs="),
+     ({"replicated": lambda path, leaf: P()}, TypeError, "partition_specs="),
+     ({"partition_specs": {"a": True}}, TypeError, "PartitionSpecs only"),
+     ({"partition_specs": {"zzz": P()}}, ValueError, "pytree prefix"),
+     ({"replicated": True, "partition_specs": P()}, ValueError, "not both")])
+def test_replicated_errors(where, error, match):
   with pytest.raises(error, match=match):
-    jax.vmap(lambda a: jaxclip.ops.global_norm({"a": a}, axis_name="i",
-                                               replicated=replicated),
+    jax.vmap(lambda a: jaxclip.ops.global_norm({"a": a}, axis_name="i", **where),
              axis_name="i")(jnp.ones((2, 3)))
 
 
 def test_replicated_needs_axis_name_and_axis_names_distinct():
   with pytest.raises(ValueError, match="axis_name"):
     jaxclip.ops.global_norm({"a": jnp.ones(2)}, replicated=True)
+  with pytest.raises(ValueError, match="axis_name"):
+    jaxclip.ops.global_norm({"a": jnp.ones(2)}, partition_specs=P())
   with pytest.raises(ValueError, match="distinct"):
     jax.vmap(lambda a: jaxclip.ops.global_norm(a, axis_name=("i", "i")),
              axis_name="i")(jnp.ones((2, 3)))

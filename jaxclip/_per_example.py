@@ -1,0 +1,224 @@
+"""Per-example clipping of a whole batch in bounded memory (DP-SGD's clip step).
+
+It sits above the ops and the optax-compatible transforms: each chunk of
+examples is clipped by :func:`jaxclip.per_example_global_norm_clip`'s kernel,
+and :mod:`jaxclip._distributed` keeps the parameters local inside
+``shard_map``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jaxclip import _distributed
+from jaxclip import _optax_compat
+from jaxclip import _validation
+
+PyTree = Any
+AxisName = _distributed.AxisName
+
+
+def _mesh_axis_size(axis_name: AxisName | None) -> int | None:
+  """The number of devices along ``axis_name`` of the current mesh, if known."""
+  get_mesh = getattr(jax.sharding, "get_abstract_mesh", None)
+  if axis_name is None or get_mesh is None:
+    return None
+  mesh = get_mesh()
+  names = _distributed.axis_names(axis_name)
+  if mesh.empty or any(n not in mesh.axis_names for n in names):
+    return None
+  return math.prod(mesh.shape[n] for n in names)
+
+
+def _batch_size(args: Sequence[Any], batch_argnums: tuple[int, ...]) -> int:
+  sizes = {jnp.shape(x)[0] if jnp.ndim(x) else None
+           for i in batch_argnums for x in jax.tree.leaves(args[i])}
+  if len(sizes) != 1 or None in sizes:
+    shapes = [jax.tree.map(jnp.shape, args[i]) for i in batch_argnums]
+    raise ValueError(
+        "per_example_clipped_grad needs every array of the batch arguments to "
+        f"share one batch dimension on axis 0; got shapes {shapes}."
+    )
+  return sizes.pop()
+
+
+def per_example_clipped_grad(
+    loss_fn: Callable[..., jax.Array],
+    l2_norm_clip: jax.typing.ArrayLike,
+    *,
+    microbatch_size: int | None = None,
+    batch_argnums: int | Sequence[int] = 1,
+    keep_batch_dim: bool = False,
+    spmd_axis_name: AxisName | None = None,
+    axis_name: AxisName | None = None,
+) -> Callable[..., tuple[PyTree, jax.Array]]:
+  r"""Makes a function returning the sum of per-example gradients, each clipped.
+
+  .. math::
+
+    \sum_{b=1}^{B} \nabla_\theta \ell(\theta, x_b) \cdot
+    \min\!\Big(1, \frac{C}{\|\nabla_\theta \ell(\theta, x_b)\|_2}\Big)
+
+  the clipping step of DP-SGD, computed in chunks of ``microbatch_size``
+  examples under ``jax.lax.scan``: only ``microbatch_size`` per-example
+  gradients exist at once, so memory stays bounded whatever the batch size.
+  Each chunk is :func:`jaxclip.per_example_global_norm_clip` of a ``vmap``-ed
+  gradient; the running sum is kept in float32 for half-precision parameters.
+  A batch that is not a multiple of ``microbatch_size`` is padded with
+  all-zero examples whose gradients are dropped (even non-finite ones).
+
+  On many devices:
+
+  * under ``jax.jit`` with the batch sharded over a mesh axis (data
+    parallelism), pass that axis as ``spmd_axis_name`` and a
+    ``microbatch_size`` that is a multiple of its number of devices: the
+    examples of each chunk stay on the device that holds them (chunk ``j``
+    takes examples ``j, j + n, j + 2n, ...`` of the ``n`` chunks, so every
+    device works on its own rows), and per-example gradients are never
+    gathered;
+  * inside ``jax.shard_map`` over the batch axis, pass it as ``axis_name``:
+    each device clips its local examples and the sums (and counts) are
+    ``psum``-ed, so every device returns the global sum. The parameters are
+    first marked varying over the axis (``jax.lax.pcast(..., to='varying')``),
+    so that JAX does not sum gradients across devices before they are
+    clipped.
+
+  ==========================  ===============================================
+  case                        result
+  ==========================  ===============================================
+  ``l2_norm_clip == 0``       zeros; every example counts as clipped
+  a non-finite gradient       ``nan`` in the sum (the failure is visible)
+  ==========================  ===============================================
+
+  Args:
+    loss_fn: ``loss_fn(params, *args) -> scalar`` for one example (or, with
+      ``keep_batch_dim=True``, for a batch of one).
+    l2_norm_clip: The largest L2 norm of one example's gradient, ``>= 0``.
+    microbatch_size: How many examples' gradients to hold at once; ``None``
+      for the whole batch in one ``vmap``.
+    batch_argnums: Which positional arguments of ``loss_fn`` after ``params``
+      carry the batch on axis 0 of every leaf (counted as in ``loss_fn``, so
+      ``1`` is the first argument after ``params``); the others are shared.
+    keep_batch_dim: Pass each example to ``loss_fn`` with a leading axis of
+      size one.
+    spmd_axis_name: The mesh axis (or axes) the batch is sharded over under
+      ``jit``, passed to ``jax.vmap``.
+    axis_name: Inside ``shard_map``/``pmap``, the axis (or axes) to sum the
+      clipped gradients and counts over.
+
+  Returns:
+    A function ``(params, *args) -> (clipped_grad_sum, num_clipped)``: the sum
+    over the batch of the clipped per-example gradients (a pytree like
+    ``params``, in its dtypes) and how many examples were scaled down. Divide
+    by the batch size (after adding noise, for DP-SGD) to get a mean.
+
+  Raises:
+    ValueError: for a concrete negative or NaN ``l2_norm_clip``, a
+      ``microbatch_size`` below 1 or (under a mesh set with ``jax.set_mesh``)
+      not a multiple of the devices of ``spmd_axis_name``, ``batch_argnums``
+      naming ``params``, or batch arguments without a common leading
+      dimension.
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> import jaxclip
+    >>> loss = lambda w, x: jnp.dot(w, x)  # gradient: the example itself
+    >>> xs = jnp.array([[3., 4.], [0., 1.], [6., 8.]])  # norms 5, 1, 10
+    >>> grad_fn = jaxclip.per_example_clipped_grad(loss, 2.0, microbatch_size=2)
+    >>> total, num_clipped = grad_fn(jnp.zeros(2), xs)
+    >>> total, num_clipped  # [1.2, 1.6] + [0, 1] + [1.2, 1.6]
+    (Array([2.4, 4.2], dtype=float32), Array(2, dtype=int32))
+
+  References:
+    Abadi et al., `Deep Learning with Differential Privacy
+    <https://arxiv.org/abs/1607.00133>`_, 2016
+  """
+  _validation.check_threshold(l2_norm_clip, "l2_norm_clip")
+  if microbatch_size is not None and (
+      isinstance(microbatch_size, bool) or int(microbatch_size) != microbatch_size
+      or microbatch_size < 1):
+    raise ValueError(f"microbatch_size must be a positive integer, got {microbatch_size!r}.")
+  batch_argnums = (batch_argnums,) if isinstance(batch_argnums, int) else tuple(batch_argnums)
+  if not batch_argnums or any(i < 1 for i in batch_argnums):
+    raise ValueError(
+        "batch_argnums must name arguments after params (1, 2, ...), got "
+        f"{batch_argnums!r}."
+    )
+  grad_fn = jax.grad(loss_fn)
+
+  def example_grad(params, *args):
+    if keep_batch_dim:
+      args = [jax.tree.map(lambda x: jnp.expand_dims(x, 0), a) if i + 1 in batch_argnums
+              else a for i, a in enumerate(args)]
+    return grad_fn(params, *args)
+
+  def clipped_grad(params, *args):
+    if max(batch_argnums) > len(args):
+      raise ValueError(
+          f"batch_argnums={batch_argnums} but only {len(args)} arguments follow params.")
+    _validation.check_inexact_leaves(params, "per_example_clipped_grad")
+    idx = [i - 1 for i in batch_argnums]
+    size = _batch_size(args, idx)
+    if axis_name is not None:
+      params = _distributed.as_varying(params, axis_name)
+    in_axes = (None,) + tuple(0 if i in idx else None for i in range(len(args)))
+    vgrad = jax.vmap(example_grad, in_axes=in_axes, spmd_axis_name=spmd_axis_name)
+    chunk = size if microbatch_size is None else min(int(microbatch_size), size)
+    num_chunks = -(-size // chunk) if chunk else 1
+    devices = _mesh_axis_size(spmd_axis_name)
+    if num_chunks > 1 and devices and chunk % devices:
+      raise ValueError(
+          f"microbatch_size={microbatch_size} must be a multiple of the {devices} "
+          f"devices of spmd_axis_name={spmd_axis_name!r}, so that every device "
+          "takes the same number of examples of each chunk."
+      )
+
+    def clip_chunk(batch_args, mask):
+      full = list(args)
+      for i, a in zip(idx, batch_args, strict=True):
+        full[i] = a
+      grads = vgrad(params, *full)
+      return _optax_compat._per_example_clip(grads, l2_norm_clip, mask=mask, accumulate=True)
+
+    if num_chunks == 1:
+      total, num_clipped = clip_chunk([args[i] for i in idx], None)
+    else:
+      padded = chunk * num_chunks
+
+      def to_chunks(x):
+        x = jnp.asarray(x)
+        if x.shape[0] < padded:
+          x = jnp.pad(x, [(0, padded - x.shape[0])] + [(0, 0)] * (x.ndim - 1))
+        # Example i * num_chunks + j goes to chunk j, row i: a device holding a
+        # contiguous block of the batch holds whole rows of every chunk.
+        return jnp.swapaxes(x.reshape((chunk, num_chunks) + x.shape[1:]), 0, 1)
+
+      xs = [jax.tree.map(to_chunks, args[i]) for i in idx]
+      masks = to_chunks(jnp.arange(padded) < size) if padded > size else None
+      # zeros_like keeps each parameter's sharding for the running sum.
+      init = (jax.tree.map(
+          lambda p: jnp.zeros_like(p, jnp.promote_types(jnp.result_type(p), jnp.float32)),
+          params), jnp.zeros((), jax.dtypes.canonicalize_dtype(jnp.int_)))
+
+      def body(carry, chunk_in):
+        batch_args, mask = chunk_in
+        part, count = clip_chunk(batch_args, mask)
+        return (jax.tree.map(jnp.add, carry[0], part), carry[1] + count), None
+
+      # Inside shard_map the sums vary over the axes the inputs vary over; the
+      # scan carry must have that type from the start.
+      vary = frozenset().union(*map(_distributed.varying_axes, jax.tree.leaves((params, args))))
+      if vary:
+        init = _distributed.cast_varying(init, tuple(sorted(vary, key=str)))
+      (total, num_clipped), _ = jax.lax.scan(body, init, (xs, masks))
+    total = jax.tree.map(lambda t, p: t.astype(jnp.result_type(p)), total, params)
+    if axis_name is not None:
+      total, num_clipped = jax.lax.psum((total, num_clipped), _distributed.axis_names(axis_name))
+    return total, num_clipped
+
+  return clipped_grad
