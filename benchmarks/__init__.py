@@ -4,6 +4,10 @@ It measures, side by side in one process:
 
 * a jitted adam train step (donated buffers) on a GPT-2-small gradient tree,
   alone and with jaxclip's / optax's clipping chained in front;
+* a full jitted train step (forward, backward, clip, adam; donated buffers)
+  of a ~20M-parameter GPT-like model in pure JAX on random tokens: adam
+  alone, and behind jaxclip's / optax's ``clip_by_global_norm``, with each
+  compiled step's temporary memory;
 * the standalone jitted clip (donated) against the machine's bandwidth floor
   (one read pass plus one in-place scale pass over one flat buffer of the same
   bytes), against optax and, when installed, torch's foreach
@@ -13,4 +17,11 @@ It measures, side by side in one process:
 * clip time and GB/s against the tree size.
 
 It prints a table and writes ``results.md`` and ``results.png``.
+
+Sections: ``train``, ``full-step``, ``standalone``, ``compile``, ``sizes``.
+``--skip SECTION ...`` leaves some out; ``--only SECTION ...`` runs just
+those, e.g. ``python -m benchmarks --only full-step --out /tmp/bench`` for the
+full train step alone (``--out`` keeps the committed ``results.md``, written
+by a run of every section, as it is). ``--quick`` makes every section a smoke
+test (tiny sizes, a tiny model, few repetitions).
 """

@@ -1,4 +1,4 @@
-"""The benchmark cases: train step, standalone clip, compile sweep, size sweep."""
+"""The benchmark cases: train step, full train step, standalone clip, compile and size sweeps."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import numpy as np
 import optax
 
 import jaxclip
-from benchmarks import _timing, _trees
+from benchmarks import _model, _timing, _trees
 
 MAX_NORM = 1.0
 
@@ -97,6 +97,79 @@ def run_train_steps(shapes: dict, reps: int) -> list[dict]:
     r["x_optax"] = r["ms"] / by_name[other]["ms"] if other else None
     r["x_floor"] = r["ms"] / (adam_ms + r["extra_reads"] * 1e3 * read_floor_s)
   return rows
+
+
+# ----------------------------------------------------------------------------
+# Full train step: forward + backward + clip + adam on a small GPT.
+# ----------------------------------------------------------------------------
+
+FULL_STEP_CASES = {name: TRAIN_CASES[name] for name in (
+    "adam", "jaxclip.clip_by_global_norm + adam", "optax.clip_by_global_norm + adam")}
+
+
+def compile_full_step(tx: optax.GradientTransformation, cfg: _model.GPTConfig, params: Any,
+                      tokens: jax.Array):
+  """``(compiled, opt_state)``: loss, gradients and update of ``tx`` in one jitted step.
+
+  The compiled step maps ``(params, opt_state, tokens)`` to
+  ``(params, opt_state, loss)``, the params and optimizer state donated.
+  """
+  def step(params, opt_state, tokens):
+    loss, grads = jax.value_and_grad(_model.loss_fn)(params, tokens, cfg)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, loss
+
+  opt_state = tx.init(params)
+  compiled = jax.jit(step, donate_argnums=(0, 1)).lower(params, opt_state, tokens).compile()
+  return compiled, opt_state
+
+
+def run_full_train_steps(cfg: _model.GPTConfig, reps: int) -> dict:
+  """Median time and temp memory of a whole train step of a small GPT, per case.
+
+  Each case of :data:`FULL_STEP_CASES` (adam alone, and adam behind jaxclip's
+  or optax's global-norm clip) is one jitted step, forward, backward and
+  update, with donated params and optimizer state. The cases start from the
+  same params and take the same batch of random tokens every step; they are
+  timed interleaved (see :func:`_timing.time_interleaved`).
+
+  Returns:
+    ``{"model": summary, "params": count, "leaves": count, "reps": reps,
+    "rows": [...]}``, one row per case with its median ``ms``, ``x_adam``
+    (the ratio of the medians), ``x_adam_iqr`` (the 25th and 75th
+    percentiles of its per-round ratios to adam), ``x_optax`` (jaxclip's row
+    only), ``temp_mb`` (the compiled step's temporary buffers) and ``loss``
+    (the loss of the last step timed).
+  """
+  tokens = _model.make_tokens(cfg, seed=1)
+  steps, temps, losses = {}, {}, {}
+  for name, make in FULL_STEP_CASES.items():
+    params = _model.init_params(cfg, seed=0)
+    compiled, opt_state = compile_full_step(make(), cfg, params, tokens)
+    temps[name] = _temp_mb(compiled)
+
+    def one(state, c=compiled, name=name):
+      params, opt_state, losses[name] = c(*state, tokens)
+      return losses[name], (params, opt_state)
+
+    steps[name] = (one, (params, opt_state))
+  samples = _timing.interleaved_samples(steps, reps)
+  del steps
+  seconds = {name: statistics.median(ts) for name, ts in samples.items()}
+  adam_s = seconds["adam"]
+  rows = []
+  for name, s in seconds.items():
+    # The step's time over adam's in the same round: the spread of these
+    # paired ratios is the noise of the machine on the ratio itself.
+    paired = np.array(samples[name]) / np.array(samples["adam"])
+    rows.append({"case": name, "ms": 1e3 * s, "x_adam": s / adam_s,
+                 "x_adam_iqr": tuple(np.percentile(paired, [25, 75])),
+                 "temp_mb": temps[name], "loss": float(losses[name])})
+  for r in rows:
+    other = TRAIN_OPTAX.get(r["case"])
+    r["x_optax"] = seconds[r["case"]] / seconds[other] if other in seconds else None
+  return {"model": cfg.describe(), "params": _model.num_params(cfg),
+          "leaves": len(_model.param_shapes(cfg)), "reps": reps, "rows": rows}
 
 
 # ----------------------------------------------------------------------------

@@ -15,9 +15,10 @@ import jax.numpy as jnp
 import jaxlib
 import optax
 
-from benchmarks import _cases, _report, _trees
+from benchmarks import _cases, _model, _report, _trees
 
 HERE = Path(__file__).resolve().parent
+SECTIONS = ("train", "full-step", "standalone", "compile", "sizes")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -40,8 +41,9 @@ def _parser() -> argparse.ArgumentParser:
                  help="the device's peak memory bandwidth, to report %% of peak "
                       "(e.g. 3350 for an H100 SXM)")
   p.add_argument("--no-torch", action="store_true", help="skip torch even if installed")
-  p.add_argument("--skip", nargs="*", default=(),
-                 choices=("train", "standalone", "compile", "sizes"), help="sections to skip")
+  p.add_argument("--skip", nargs="*", default=(), choices=SECTIONS, help="sections to skip")
+  p.add_argument("--only", nargs="+", default=None, choices=SECTIONS,
+                 help="run only these sections (e.g. --only full-step); overrides --skip")
   return p
 
 
@@ -73,6 +75,7 @@ def main(argv: list[str] | None = None) -> str:
   timeout = args.compile_timeout if args.compile_timeout is not None else (0 if quick else 240)
   timeout = timeout or None
   with_torch = not args.no_torch
+  run = set(args.only) if args.only else set(SECTIONS) - set(args.skip)
   shapes = _trees.gpt2_shapes(shrink)
   device = jax.devices()[0]
   load_before = os.getloadavg()
@@ -83,25 +86,29 @@ def main(argv: list[str] | None = None) -> str:
                  f"({device.device_kind})",
       "versions": f"python {platform.python_version()}, jax {jax.__version__}, jaxlib "
                   f"{jaxlib.__version__}, optax {optax.__version__}, torch {_torch_version()}",
-      "train tree": f"GPT-2 small shapes / {shrink}: {_trees.num_params(shapes) / 1e6:.1f}M "
-                    f"float32 params in {len(shapes)} leaves",
-      "clip tree": f"the same {len(shapes)} leaves",
-      "load average (1, 5, 15 min) at start": " ".join(f"{x:.2f}" for x in load_before),
   }
+  if run & {"train", "standalone"}:
+    meta["train tree"] = (f"GPT-2 small shapes / {shrink}: {_trees.num_params(shapes) / 1e6:.1f}M "
+                          f"float32 params in {len(shapes)} leaves")
+    meta["clip tree"] = f"the same {len(shapes)} leaves"
+  meta["load average (1, 5, 15 min) at start"] = " ".join(f"{x:.2f}" for x in load_before)
   t_start = time.perf_counter()
   _cases.check_numbers(_trees.gpt2_shapes(64))
   train, standalone, compile_rows, size_rows, temp_rows = [], [], [], [], []
-  transform_rows = []
-  if "standalone" not in args.skip:
+  transform_rows, full_step = [], None
+  if "standalone" in run:
     print("standalone clip ...", flush=True)
     for dtype in (jnp.float32,) if quick else (jnp.float32, jnp.bfloat16):
       standalone.append(_cases.run_standalone(shapes, dtype, reps, args.peak_gbps, with_torch))
-  if "train" not in args.skip:
+  if "train" in run:
     print("train steps ...", flush=True)
     train = _cases.run_train_steps(shapes, 2 * reps)
     if not quick:
       temp_rows = _cases.temp_bytes_table(_trees.gpt2_shapes(max(shrink, 4)))
-  if "compile" not in args.skip:
+  if "full-step" in run:
+    print("full train steps ...", flush=True)
+    full_step = _cases.run_full_train_steps(_model.QUICK if quick else _model.FULL, 2 * reps)
+  if "compile" in run:
     print("compile sweep ...", flush=True)
     mixed_at = None if quick or not leaves else max(leaves)
     repeats = args.compile_repeats or (1 if quick else 3)
@@ -111,14 +118,14 @@ def main(argv: list[str] | None = None) -> str:
       transform_rows = _cases.run_transform_compiles(max(leaves), timeout, repeats,
                                                      mixed=not quick)
     meta["compiles per impl and leaf count (median kept)"] = str(repeats)
-  if "sizes" not in args.skip:
+  if "sizes" in run:
     print("size sweep ...", flush=True)
     shrinks = [128] if quick else [16, 8, 4, 2, 1]
     size_rows = _cases.run_size_sweep(shrinks, reps, with_torch)
   meta["load average (1, 5, 15 min) at end"] = " ".join(f"{x:.2f}" for x in os.getloadavg())
   meta["total benchmark time"] = f"{time.perf_counter() - t_start:.0f} s"
   text = _report.markdown(meta, train, standalone, compile_rows, _cases.COMPILE_IMPLS,
-                          size_rows, temp_rows, transform_rows)
+                          size_rows, temp_rows, transform_rows, full_step)
   args.out.mkdir(parents=True, exist_ok=True)
   (args.out / "results.md").write_text(text + "\n")
   _report.plot(str(args.out / "results.png"), compile_rows, _cases.COMPILE_IMPLS, size_rows)

@@ -32,7 +32,7 @@ def _ratio(entry: tuple[str, Any], base: tuple[str, Any]) -> str:
 
 def markdown(meta: dict, train: list[dict], standalone: list[list[dict]], compile_rows: list[dict],
              impls: tuple[str, ...], size_rows: list[dict], temp_rows: list[dict],
-             transform_rows: list[dict] = ()) -> str:
+             transform_rows: list[dict] = (), full_step: dict | None = None) -> str:
   out = ["# jaxclip benchmark results", ""]
   out += [f"- {k}: {v}" for k, v in meta.items()]
   out += ["", "Times are medians of the repetitions. The train steps are timed interleaved "
@@ -49,6 +49,24 @@ def markdown(meta: dict, train: list[dict], standalone: list[list[dict]], compil
         [[r["case"], _f(r["ms"], "{:.1f}"), _f(r["x_adam"], "{:.3f}"),
           _f(r.get("x_optax"), "{:.3f}"), _f(r["x_floor"], "{:.3f}"), _f(r["temp_mb"], "{:.1f}")]
          for r in train]))
+    out.append("")
+  if full_step:
+    n = full_step["params"]
+    size = f"{n / 1e6:.1f}M" if n >= 100_000 else f"{n:,}"
+    out += [f"## Full train step: forward + backward + clip + adam, a {size}-parameter GPT", "",
+            f"A GPT-like model in pure JAX ({full_step['model']}; "
+            f"{full_step['params']:,} float32 params in {full_step['leaves']} leaves), random "
+            f"tokens. Each case is one jitted step (loss, gradients, clip, adam; params and "
+            f"optimizer state donated), {full_step['reps']} steps each, timed interleaved. "
+            f"`temp MiB` is the compiled step's temporary buffers (activations and gradients "
+            f"included). `x adam, per-step IQR` is the interquartile range of the ratios of "
+            f"each step to adam's in the same round: the noise on `x adam`. `loss` is the loss "
+            f"of the last step timed: the two clips must agree.", ""]
+    out.append(_table(
+        ["case", "median ms", "x adam", "x adam, per-step IQR", "x optax", "temp MiB", "loss"],
+        [[r["case"], _f(r["ms"], "{:.1f}"), _f(r["x_adam"], "{:.3f}"),
+          "{:.3f}-{:.3f}".format(*r["x_adam_iqr"]), _f(r.get("x_optax"), "{:.3f}"),
+          _f(r["temp_mb"], "{:.1f}"), _f(r["loss"], "{:.4f}")] for r in full_step["rows"]]))
     out.append("")
   for rows in standalone:
     out += [f"## Standalone jitted clip (donated), {meta['clip tree']}", ""]
@@ -126,7 +144,8 @@ def plot(path: str, compile_rows: list[dict], impls: tuple[str, ...], size_rows:
       ax1.scatter(*zip(*cut, strict=True), marker="^", color="red", zorder=3)
   ax1.set(xscale="log", yscale="log", xlabel="number of leaves", ylabel="compile time (s)",
           title="Compile time (red ^: timed out)")
-  ax1.legend(fontsize=8)
+  if ax1.lines:
+    ax1.legend(fontsize=8)
   if size_rows:
     params = [r["params"] for r in size_rows]
     for key, label in (("floor_ms", "bandwidth floor"), ("jaxclip_ms", "jaxclip"),

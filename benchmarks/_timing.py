@@ -26,6 +26,17 @@ def time_interleaved(steps: dict[str, tuple[Callable[[Any], tuple[Any, Any]], An
   Interleaving makes every step sample the same stretch of time, so that a
   machine whose speed drifts does not skew their ratios.
   """
+  times = interleaved_samples(steps, reps, warmup)
+  return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+def interleaved_samples(steps: dict[str, tuple[Callable[[Any], tuple[Any, Any]], Any]],
+                        reps: int, warmup: int = 2) -> dict[str, list[float]]:
+  """The seconds of every timed call of :func:`time_interleaved`, round by round.
+
+  ``result[name][i]`` is the time of ``name``'s call in round ``i``, so that
+  two steps' times at the same ``i`` were taken back to back.
+  """
   states = {name: state for name, (_, state) in steps.items()}
   times: dict[str, list[float]] = {name: [] for name in steps}
   for i in range(warmup + reps):
@@ -35,4 +46,4 @@ def time_interleaved(steps: dict[str, tuple[Callable[[Any], tuple[Any, Any]], An
       jax.block_until_ready(result)
       if i >= warmup:
         times[name].append(time.perf_counter() - t0)
-  return {name: statistics.median(ts) for name, ts in times.items()}
+  return times

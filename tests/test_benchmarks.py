@@ -13,7 +13,7 @@ import optax
 import pytest
 
 import jaxclip
-from benchmarks import _cases, _main, _trees
+from benchmarks import _cases, _main, _model, _trees
 from jaxclip import _numerics
 
 # Gradient-sized leaves (one above the kernel's small-leaf size, the others
@@ -28,7 +28,8 @@ def test_benchmark_quick_run_writes_table_and_plot(tmp_path):
   text = _main.main(["--quick", "--out", str(tmp_path)])
   written = (tmp_path / "results.md").read_text()
   assert written.strip() == text.strip()
-  for section in ("## Train step", "## Standalone jitted clip", "## Compile time",
+  for section in ("## Train step", "## Full train step", "## Standalone jitted clip",
+                  "## Compile time",
                   "## Compile time (s) of the other transforms",
                   "## Standalone clip against the tree size", "load average", "x floor"):
     assert section in text
@@ -37,6 +38,40 @@ def test_benchmark_quick_run_writes_table_and_plot(tmp_path):
   assert "jaxclip.clip_by_global_norm + adam" in text
   png = (tmp_path / "results.png").read_bytes()
   assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+
+
+def test_full_train_step_alone_in_quick_mode(tmp_path):
+  text = _main.main(["--quick", "--only", "full-step", "--out", str(tmp_path)])
+  assert "## Full train step: forward + backward + clip + adam" in text
+  for section in ("## Train step", "## Standalone jitted clip", "## Compile time"):
+    assert section not in text
+  cfg = _model.QUICK
+  leaves = len(_model.param_shapes(cfg))
+  assert f"{_model.num_params(cfg):,} float32 params in {leaves} leaves" in text
+  rows = {}
+  for line in text.splitlines():
+    cells = [c.strip() for c in line.strip("|").split("|")]
+    if cells[0] in _cases.FULL_STEP_CASES:
+      rows[cells[0]] = cells
+  assert list(rows) == list(_cases.FULL_STEP_CASES)
+  for case, (_, ms, x_adam, iqr, x_optax, temp_mb, _) in rows.items():
+    low, high = map(float, iqr.split("-"))
+    assert float(ms) > 0 and float(x_adam) > 0 and 0 < low <= high and float(temp_mb) >= 0, case
+    assert (x_optax != "n/a") == case.startswith("jaxclip"), case
+  # Both clips compute the same update, so the same loss after the same steps.
+  jc, ox = rows["jaxclip.clip_by_global_norm + adam"], rows["optax.clip_by_global_norm + adam"]
+  assert jc[-1] == ox[-1]
+  assert (tmp_path / "results.md").read_text().strip() == text.strip()
+
+
+def test_full_train_step_model_is_about_20m_params():
+  assert 19e6 < _model.num_params(_model.FULL) < 22e6
+  cfg = _model.QUICK
+  params = _model.init_params(cfg)
+  assert {k: v.shape for k, v in params.items()} == _model.param_shapes(cfg)
+  loss = _model.loss_fn(params, _model.make_tokens(cfg), cfg)
+  # At initialisation the predictions are nearly uniform over the vocabulary.
+  assert abs(float(loss) - math.log(cfg.vocab)) < 0.5
 
 
 @pytest.mark.parametrize("clip", [
