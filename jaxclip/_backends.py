@@ -8,8 +8,9 @@ staged with :func:`on_cpu`, a :func:`jax.lax.platform_dependent` whose other
 branch is the plain math. The choice is made when the program is *lowered*,
 not from :func:`jax.default_backend` at trace time, so a program exported
 with ``jax.export(..., platforms=('cuda',))`` or ``('tpu',)`` on a CPU-only
-machine carries none of these workarounds, and the compiler never sees a
-conditional.
+machine carries none of these workarounds. (Lowered for one platform, the
+choice is a ``case`` on a constant index with only that platform's branch,
+which XLA folds away: the compiled program holds no conditional.)
 
 This module depends on nothing else in jaxclip.
 """

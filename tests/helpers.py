@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -59,3 +61,22 @@ def random_tree(seed: int = 0, dtype=jnp.float32, scale: float = 1.0, scalar: bo
   if not scalar:
     del tree["scalar"]
   return tree
+
+
+_COLLECTIVE_OPS = ("all-reduce", "all-gather", "all-to-all", "collective-permute",
+                   "reduce-scatter", "collective-broadcast")
+# One HLO instruction per line: ``%name = <result type> <opcode>(operands...``.
+# The result type may hold spaces and ``=`` (a tuple's ``/*index=5*/``), so
+# it is everything up to the first collective opcode on the line.
+_COLLECTIVE_LINE = re.compile(
+    r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(.*?)\s+(" + "|".join(_COLLECTIVE_OPS)
+    + r")(?:-start)?\(", re.MULTILINE)
+
+
+def hlo_collectives(hlo_text: str) -> list[tuple[str, str]]:
+  """``(kind, result type)`` of every collective in compiled HLO text.
+
+  An asynchronous collective counts once (its ``-start``; ``-done`` is not
+  matched).
+  """
+  return [(m.group(2), m.group(1)) for m in _COLLECTIVE_LINE.finditer(hlo_text)]

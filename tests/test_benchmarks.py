@@ -74,6 +74,7 @@ def test_full_train_step_model_is_about_20m_params():
   assert abs(float(loss) - math.log(cfg.vocab)) < 0.5
 
 
+@pytest.mark.hlo
 @pytest.mark.parametrize("clip", [
     lambda: jaxclip.clip_by_global_norm(1.0),
     lambda: jaxclip.clip_by_norm(1.0),
@@ -88,6 +89,7 @@ def test_clip_adam_step_holds_no_gradient_sized_buffer(clip):
       "fused into adam's update (a clipped copy of the gradients is materialised)")
 
 
+@pytest.mark.hlo
 def test_memory_analysis_does_see_a_materialised_clip():
   # The check above can fail: optax 0.2's clip_by_global_norm materialises the
   # clipped gradients before adam, and the same measurement shows it.
@@ -97,6 +99,7 @@ def test_memory_analysis_does_see_a_materialised_clip():
   assert compiled.memory_analysis().temp_size_in_bytes >= _SMALLEST_WEIGHT
 
 
+@pytest.mark.hlo
 def test_standalone_donated_clip_is_in_place():
   tree = _trees.make_tree(_SHAPES)
   tx = jaxclip.clip_by_global_norm(1.0)
@@ -114,6 +117,7 @@ _NORM_CLIPS = pytest.mark.parametrize("clip", [
 ], ids=["clip_by_global_norm", "clip_by_norm", "ord=1", "ord=inf"])
 
 
+@pytest.mark.hlo
 @_HALF
 @_NORM_CLIPS
 def test_half_precision_clip_holds_no_float32_copy(clip, dtype):
@@ -134,6 +138,7 @@ def _half_step_temp(tx, dtype):
   return compiled.memory_analysis().temp_size_in_bytes
 
 
+@pytest.mark.hlo
 @_HALF
 @_NORM_CLIPS
 def test_half_precision_clip_adam_step_costs_no_more_than_any_elementwise_transform(
@@ -171,6 +176,7 @@ def test_float16_norm_value_and_gradient(ord):
                                rtol=1e-2, atol=1e-4)
 
 
+@pytest.mark.hlo
 @pytest.mark.parametrize("mixed", [False, True], ids=["uniform", "mixed"])
 def test_many_leaves_compile_to_about_one_kernel_per_leaf(mixed):
   # Compile time follows the number of HLO fusions; one reduction per small
@@ -183,6 +189,7 @@ def test_many_leaves_compile_to_about_one_kernel_per_leaf(mixed):
   assert count(clip) <= count(scale_only) + 256 // 8, (count(clip), count(scale_only))
 
 
+@pytest.mark.hlo
 @pytest.mark.parametrize("mixed", [False, True], ids=["uniform", "mixed"])
 def test_adaptive_grad_clip_of_many_leaves_compiles_to_a_few_kernels_per_leaf(mixed):
   # Leaf by leaf, adaptive_grad_clip made six to eight fusions per leaf (two
@@ -303,6 +310,7 @@ def _distinct_fusions(compiled) -> int:
   return len({bodies[c] for c in called if c in bodies})
 
 
+@pytest.mark.hlo
 def test_per_leaf_clip_of_many_shapes_compiles_one_kernel_per_shape_not_per_row():
   # 24 shapes of 20 leaves: rows at constant offsets would make about one
   # kernel per (shape, offset), 480 in all; opaque indices one per shape.
@@ -313,6 +321,7 @@ def test_per_leaf_clip_of_many_shapes_compiles_one_kernel_per_shape_not_per_row(
   assert _distinct_fusions(clip) <= 4 * 24, _distinct_fusions(clip)
 
 
+@pytest.mark.hlo
 def test_per_leaf_clip_stacks_a_common_shape_by_fused_concatenates():
   # 300 leaves of one shape fill five stacks. XLA:CPU fuses no concatenate of
   # more than 8 operands (each becomes a kernel of its own, compiled per stack);

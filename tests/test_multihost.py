@@ -43,6 +43,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxclip
+from tests.helpers import hlo_collectives
 
 ROOT = Path(__file__).resolve().parents[1]
 N_PROCESSES = 2
@@ -70,11 +71,6 @@ SPECS = {
     "norm_scale": P(),
 }
 AXIS_TYPES = ("Explicit", "Auto")
-
-_COLLECTIVE = re.compile(
-    r"=\s*(\((?:[^()=]|/\*index=\d+\*/)*\)|\S+)\s+(all-reduce|all-gather|all-to-all|"
-    r"collective-permute|reduce-scatter|collective-broadcast)(-start)?\(")
-
 
 def _host_tree(seed: int) -> dict:
   """The tree of float32 NumPy arrays every process (and the test) builds."""
@@ -106,12 +102,12 @@ def _flat(prefix: str, tree) -> dict[str, np.ndarray]:
 
 def _collective_counts(compiled) -> dict[str, int]:
   """How many collectives of each kind the compiled HLO holds."""
-  return dict(collections.Counter(m.group(2) for m in _COLLECTIVE.finditer(compiled.as_text())))
+  return dict(collections.Counter(kind for kind, _ in hlo_collectives(compiled.as_text())))
 
 
 def _collective_types(compiled) -> list[str]:
   """The result type of every collective in the compiled HLO."""
-  return [m.group(1) for m in _COLLECTIVE.finditer(compiled.as_text())]
+  return [result for _, result in hlo_collectives(compiled.as_text())]
 
 
 def _single_process_results() -> dict[str, np.ndarray]:
@@ -283,6 +279,7 @@ def test_multihost_matches_single_process(multihost_results, axis_type):
     np.testing.assert_allclose(arrays[key], value, rtol=1e-6, atol=1e-7, err_msg=key)
 
 
+@pytest.mark.hlo
 @pytest.mark.parametrize("axis_type", AXIS_TYPES)
 def test_multihost_collectives_are_scalar_all_reduces(multihost_results, axis_type):
   report = multihost_results[0][1]

@@ -1,0 +1,213 @@
+"""How the kernel lowers: per platform, under ``jax.grad`` and under ``jax.vmap``.
+
+The XLA:CPU workarounds (``jaxclip._backends``) are chosen by the platform a
+program is lowered for. The tests marked ``hlo`` read exported or compiled
+program text and cost analyses; the others check values.
+"""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jaxclip
+from jaxclip import _backends
+
+# Many small leaves of a few shapes (stacked on CPU) and one larger leaf.
+_SHAPES = [(64,)] * 12 + [(8, 4), (4,), (3, 5)] * 6 + [(32, 32)]
+
+
+def _tree(seed, dtype=jnp.float32, scale=1.0):
+  rng = np.random.default_rng(seed)
+  return [jnp.asarray(scale * rng.normal(size=s), dtype) for s in _SHAPES]
+
+
+_PARAMS = _tree(100)
+
+
+def _naive_norm(x):
+  x = x.astype(jnp.float32)
+  return jnp.sqrt(jnp.sum(x * x))
+
+
+def _naive_global_clip(tree, c):
+  scale = jnp.minimum(1.0, c / jnp.sqrt(sum(_naive_norm(x) ** 2 for x in tree)))
+  return [x * scale for x in tree]
+
+
+# name -> (jaxclip's clip, the naive per-leaf math); both (tree, threshold).
+CLIPS = {
+    "ops.clip_by_norm": (
+        lambda t, c: jaxclip.ops.clip_by_norm(t, c),
+        lambda t, c: [x * jnp.minimum(1.0, c / _naive_norm(x)) for x in t]),
+    "ops.clip_by_average_norm": (
+        lambda t, c: jaxclip.ops.clip_by_average_norm(t, c),
+        lambda t, c: [x * jnp.minimum(1.0, c * x.size / _naive_norm(x)) for x in t]),
+    "ops.clip_by_global_norm": (
+        lambda t, c: jaxclip.ops.clip_by_global_norm(t, c)[0],
+        lambda t, c: _naive_global_clip(t, c)),
+    "ops.clip_by_value": (
+        lambda t, c: jaxclip.ops.clip_by_value(t, -c, c),
+        lambda t, c: [jnp.clip(x, -c, c) for x in t]),
+    "clip_by_norm": (
+        lambda t, c: jaxclip.clip_by_norm(c).update(t, optax.EmptyState())[0],
+        lambda t, c: [x * jnp.minimum(1.0, c / _naive_norm(x)) for x in t]),
+    "clip_by_block_rms": (
+        lambda t, c: jaxclip.clip_by_block_rms(c).update(t, optax.EmptyState())[0],
+        lambda t, c: [x / jnp.maximum(1.0, _naive_norm(x) / jnp.sqrt(x.size) / c) for x in t]),
+    "adaptive_grad_clip": (
+        lambda t, c: jaxclip.adaptive_grad_clip(c).update(t, optax.EmptyState(), _PARAMS)[0],
+        lambda t, c: optax.adaptive_grad_clip(c).update(t, optax.EmptyState(), _PARAMS)[0]),
+}
+# Thresholds at which some leaves are clipped and others not.
+THRESHOLD = {"ops.clip_by_norm": 4.0, "ops.clip_by_average_norm": 0.1,
+             "ops.clip_by_global_norm": 20.0, "ops.clip_by_value": 1.5, "clip_by_norm": 4.0,
+             "clip_by_block_rms": 0.9, "adaptive_grad_clip": 0.8}
+_WEIGHTS = _tree(7)
+
+
+def _loss(clip):
+  """A scalar of the clipped tree, whose gradient reaches every entry."""
+  def loss(tree, c):
+    return sum(jnp.sum(y * w) for y, w in zip(clip(tree, c), _WEIGHTS, strict=True))
+  return loss
+
+
+def _cost(fn, *args):
+  compiled = jax.jit(fn).lower(*args).compile()
+  analysis = compiled.cost_analysis()
+  analysis = analysis[0] if isinstance(analysis, list) else analysis
+  return analysis["flops"], analysis["bytes accessed"], compiled.as_text()
+
+
+def _assert_close(actual, expected, rtol=2e-6, atol=2e-6):
+  for a, e in zip(jax.tree.leaves(actual), jax.tree.leaves(expected), strict=True):
+    np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(e, np.float32),
+                               rtol=rtol, atol=atol)
+
+
+def test_clips_are_active_and_inactive_on_the_test_tree():
+  tree = _tree(0)
+  for name, (clip, _) in CLIPS.items():
+    changed = [bool(jnp.any(y != x)) for x, y in zip(tree, clip(tree, THRESHOLD[name]))]
+    if name == "ops.clip_by_global_norm":
+      assert all(changed), name
+    else:
+      assert any(changed) and not all(changed), (name, changed)
+
+
+@pytest.mark.parametrize("name", sorted(CLIPS))
+def test_grad_matches_naive_math(name):
+  clip, naive = CLIPS[name]
+  tree, c = _tree(0), jnp.float32(THRESHOLD[name])
+  ours = jax.jit(jax.grad(_loss(clip), argnums=(0, 1)))(tree, c)
+  ref = jax.jit(jax.grad(_loss(naive), argnums=(0, 1)))(tree, c)
+  _assert_close(ours, ref, rtol=1e-5, atol=1e-6)
+  # The threshold's derivative is taken through the operands, not lost in a
+  # closure: it is non-zero where the clip is active.
+  assert float(ours[1]) != 0.0
+
+
+@pytest.mark.hlo
+@pytest.mark.parametrize("name", sorted(CLIPS))
+def test_grad_costs_at_most_twice_the_naive_math(name):
+  clip, naive = CLIPS[name]
+  tree, c = _tree(0), jnp.float32(THRESHOLD[name])
+  flops, nbytes, _ = _cost(jax.grad(_loss(clip)), tree, c)
+  naive_flops, naive_bytes, _ = _cost(jax.grad(_loss(naive)), tree, c)
+  assert flops <= 2 * naive_flops, (flops, naive_flops)
+  assert nbytes <= 2 * naive_bytes, (nbytes, naive_bytes)
+
+
+def _batched(seed, batch=3):
+  return [jnp.stack([x * (i + 1) for i in range(batch)]) for x in _tree(seed)]
+
+
+@pytest.mark.parametrize("name", sorted(CLIPS))
+def test_vmap_matches_a_loop(name):
+  clip, _ = CLIPS[name]
+  batch, c = _batched(1), THRESHOLD[name]
+  out = jax.jit(jax.vmap(lambda t: clip(t, c)))(batch)
+  for i in range(3):
+    _assert_close([y[i] for y in out], clip([x[i] for x in batch], c))
+
+
+@pytest.mark.hlo
+@pytest.mark.parametrize("name", sorted(CLIPS))
+def test_vmap_compiles_to_no_gathers(name):
+  clip, _ = CLIPS[name]
+  _, _, text = _cost(jax.vmap(lambda t: clip(t, THRESHOLD[name])), _batched(1))
+  assert not re.search(r"\bgather\(", text)
+
+
+# ----------------------------------------------------------------------------
+# Platforms
+# ----------------------------------------------------------------------------
+
+
+def _mixed_precision_tree():
+  tree = _tree(2)
+  return ([x.astype(jnp.bfloat16) for x in tree[:18]] + [x.astype(jnp.float16) for x in tree[18:30]]
+          + tree[30:])
+
+
+_STEPS = {
+    "clip_by_global_norm": jaxclip.clip_by_global_norm(1.0),
+    "clip_by_norm": jaxclip.clip_by_norm(1.0),
+    "clip_by_block_rms": jaxclip.clip_by_block_rms(0.5),
+    "adaptive_grad_clip": jaxclip.adaptive_grad_clip(0.1),
+    "skip_nonfinite(clip_by_norm)": jaxclip.skip_nonfinite(jaxclip.clip_by_norm(1.0)),
+}
+
+
+def _exported_text(name, platform):
+  tx = optax.chain(_STEPS[name], optax.adam(1e-3))
+  params = _mixed_precision_tree()
+
+  def step(params, state, grads):
+    updates, state = tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+
+  with jax.numpy_dtype_promotion("standard"):
+    exported = jax.export.export(jax.jit(step), platforms=(platform,))(
+        params, tx.init(params), params)
+  return exported.mlir_module()
+
+
+_PER_LEAF = ("clip_by_norm", "clip_by_block_rms", "adaptive_grad_clip")
+_CPU_ONLY = ("stablehlo.optimization_barrier", "stablehlo.dynamic_slice", "stablehlo.slice")
+
+
+@pytest.mark.hlo
+@pytest.mark.parametrize("platform", ["cuda", "tpu"])
+@pytest.mark.parametrize("name", sorted(_STEPS))
+def test_programs_for_gpu_and_tpu_carry_no_cpu_workaround(name, platform):
+  text = _exported_text(name, platform)
+  for op in _CPU_ONLY:
+    assert op not in text, op
+  if name in _PER_LEAF:  # no stacking either (only the grouped norms concatenate)
+    assert "stablehlo.concatenate" not in text
+  # The same step lowered for CPU does carry them: the check can fail.
+  cpu_text = _exported_text(name, "cpu")
+  assert "stablehlo.optimization_barrier" in cpu_text
+  if name in _PER_LEAF:
+    assert "stablehlo.concatenate" in cpu_text
+
+
+@pytest.mark.parametrize("name", sorted(CLIPS))
+def test_the_path_of_other_platforms_computes_the_same(name, monkeypatch):
+  # What GPU and TPU run (the default branch of every workaround), run here.
+  clip, _ = CLIPS[name]
+  tree, c = _mixed_precision_tree(), THRESHOLD[name]
+  cpu = jax.jit(lambda t: clip(t, c))(tree)
+  monkeypatch.setattr(_backends, "on_cpu", lambda cpu, default, *args: default(*args))
+  default = jax.jit(lambda t: clip(t, c))(tree)
+  for a, b in zip(default, cpu, strict=True):
+    assert a.dtype == b.dtype
+    np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32),
+                               rtol=1e-2 if a.dtype != jnp.float32 else 1e-6, atol=1e-6)
