@@ -349,7 +349,7 @@ def per_example_global_norm_clip(
 
 
 def per_example_layer_norm_clip(
-    grads: Any, global_l2_norm_clip: ArrayLike, uniform: bool = True
+    grads: Any, global_l2_norm_clip: ArrayLike, uniform: bool = True, *, axis_name: Any = None
 ) -> tuple[Any, Any]:
   r"""Clips each example's gradient layer by layer, then sums over the batch.
 
@@ -358,10 +358,22 @@ def per_example_layer_norm_clip(
   parameters) with ``uniform=False``, so the per-example global norm stays at
   most ``C`` either way. A drop-in for ``optax.per_example_layer_norm_clip``.
 
+  With data parallelism, as :func:`per_example_global_norm_clip`: inside
+  ``jax.shard_map`` (or ``pmap``) over the batch axis each device holds whole
+  examples, so every per-example, per-leaf norm is local; pass ``axis_name``
+  to ``psum`` the clipped sums and the per-leaf counts so every device gets
+  the global ones. Take the per-example gradients with respect to
+  ``jax.lax.pcast(params, axis_name, to='varying')`` under ``shard_map``'s
+  default ``check_vma=True``, so that JAX does not sum them across devices
+  before they are clipped.
+
   Args:
     grads: A pytree whose every leaf has the batch dimension on axis 0.
     global_l2_norm_clip: The overall per-example bound ``C``, ``>= 0``.
     uniform: Split ``C`` equally between leaves, or by their sizes.
+    axis_name: The mesh axis (or tuple of axes) the batch is split over
+      inside ``shard_map``/``pmap``; ``None`` (default) sums the local batch
+      only.
 
   Returns:
     ``(clipped_sum, num_clipped)``: two pytrees with ``grads``' structure, the
@@ -392,5 +404,8 @@ def per_example_layer_norm_clip(
       for g, share in zip(leaves, shares)
   ]
   treedef = jax.tree.structure(grads)
-  return (jax.tree.unflatten(treedef, [r[0] for r in results]),
-          jax.tree.unflatten(treedef, [r[1] for r in results]))
+  clipped_sum = jax.tree.unflatten(treedef, [r[0] for r in results])
+  num_clipped = jax.tree.unflatten(treedef, [r[1] for r in results])
+  if axis_name is not None:
+    clipped_sum, num_clipped = jax.lax.psum((clipped_sum, num_clipped), axis_name)
+  return clipped_sum, num_clipped

@@ -56,7 +56,8 @@ def per_example_clipped_grad(
     keep_batch_dim: bool = False,
     spmd_axis_name: AxisName | None = None,
     axis_name: AxisName | None = None,
-) -> Callable[..., tuple[PyTree, jax.Array]]:
+    has_aux: bool = False,
+) -> Callable[..., tuple[PyTree, jax.Array] | tuple[PyTree, jax.Array, PyTree]]:
   r"""Makes a function returning the sum of per-example gradients, each clipped.
 
   .. math::
@@ -110,12 +111,25 @@ def per_example_clipped_grad(
       ``jit``, passed to ``jax.vmap``.
     axis_name: Inside ``shard_map``/``pmap``, the axis (or axes) to sum the
       clipped gradients and counts over.
+    has_aux: Whether ``loss_fn`` returns ``(loss, aux)``, as in ``jax.grad``:
+      ``aux`` (any pytree, e.g. logits or a per-example loss) is then returned
+      for every example.
 
   Returns:
     A function ``(params, *args) -> (clipped_grad_sum, num_clipped)``: the sum
     over the batch of the clipped per-example gradients (a pytree like
     ``params``, in its dtypes) and how many examples were scaled down. Divide
     by the batch size (after adding noise, for DP-SGD) to get a mean.
+
+    With ``has_aux=True`` it returns ``(clipped_grad_sum, num_clipped, aux)``:
+    each leaf of ``aux`` stacks what ``loss_fn`` returned for each example on
+    a new leading axis of the batch size, in the order of the batch, whatever
+    the ``microbatch_size`` (padding examples are dropped). With
+    ``keep_batch_dim=True`` it is stacked as returned, so an ``aux`` that keeps
+    the example's batch axis of one comes out ``(batch, 1, ...)``. Under
+    ``spmd_axis_name`` it is sharded over the batch as the inputs are; with
+    ``axis_name`` it holds the device's own examples only (nothing is
+    gathered: ``out_specs=P(axis_name)`` puts the global batch together).
 
   Raises:
     ValueError: for a concrete negative or NaN ``l2_norm_clip``, a
@@ -134,6 +148,16 @@ def per_example_clipped_grad(
     >>> total, num_clipped  # [1.2, 1.6] + [0, 1] + [1.2, 1.6]
     (Array([2.4, 4.2], dtype=float32), Array(2, dtype=int32))
 
+    With ``has_aux=True``, whatever ``loss_fn`` returns beside the loss comes
+    back for each example, in the batch's order:
+
+    >>> loss_aux = lambda w, x: (jnp.dot(w, x), {'x0': x[0]})
+    >>> grad_fn = jaxclip.per_example_clipped_grad(
+    ...     loss_aux, 2.0, microbatch_size=2, has_aux=True)
+    >>> total, num_clipped, aux = grad_fn(jnp.zeros(2), xs)
+    >>> aux
+    {'x0': Array([3., 0., 6.], dtype=float32)}
+
   References:
     Abadi et al., `Deep Learning with Differential Privacy
     <https://arxiv.org/abs/1607.00133>`_, 2016
@@ -149,7 +173,7 @@ def per_example_clipped_grad(
         "batch_argnums must name arguments after params (1, 2, ...), got "
         f"{batch_argnums!r}."
     )
-  grad_fn = jax.grad(loss_fn)
+  grad_fn = jax.grad(loss_fn, has_aux=has_aux)
 
   def example_grad(params, *args):
     if keep_batch_dim:
@@ -182,11 +206,13 @@ def per_example_clipped_grad(
       full = list(args)
       for i, a in zip(idx, batch_args, strict=True):
         full[i] = a
-      grads = vgrad(params, *full)
-      return _optax_compat._per_example_clip(grads, l2_norm_clip, mask=mask, accumulate=True)
+      grads, aux = vgrad(params, *full) if has_aux else (vgrad(params, *full), None)
+      total, count = _optax_compat._per_example_clip(
+          grads, l2_norm_clip, mask=mask, accumulate=True)
+      return total, count, aux
 
     if num_chunks == 1:
-      total, num_clipped = clip_chunk([args[i] for i in idx], None)
+      total, num_clipped, aux = clip_chunk([args[i] for i in idx], None)
     else:
       padded = chunk * num_chunks
 
@@ -207,18 +233,21 @@ def per_example_clipped_grad(
 
       def body(carry, chunk_in):
         batch_args, mask = chunk_in
-        part, count = clip_chunk(batch_args, mask)
-        return (jax.tree.map(jnp.add, carry[0], part), carry[1] + count), None
+        part, count, aux = clip_chunk(batch_args, mask)
+        return (jax.tree.map(jnp.add, carry[0], part), carry[1] + count), aux
 
       # Inside shard_map the sums vary over the axes the inputs vary over; the
       # scan carry must have that type from the start.
       vary = frozenset().union(*map(_distributed.varying_axes, jax.tree.leaves((params, args))))
       if vary:
         init = _distributed.cast_varying(init, tuple(sorted(vary, key=str)))
-      (total, num_clipped), _ = jax.lax.scan(body, init, (xs, masks))
+      (total, num_clipped), aux = jax.lax.scan(body, init, (xs, masks))
+      # The inverse of to_chunks: row i of chunk j is example i * num_chunks + j.
+      aux = jax.tree.map(
+          lambda a: jnp.swapaxes(a, 0, 1).reshape((padded,) + a.shape[2:])[:size], aux)
     total = jax.tree.map(lambda t, p: t.astype(jnp.result_type(p)), total, params)
     if axis_name is not None:
       total, num_clipped = jax.lax.psum((total, num_clipped), _distributed.axis_names(axis_name))
-    return total, num_clipped
+    return (total, num_clipped, aux) if has_aux else (total, num_clipped)
 
   return clipped_grad
