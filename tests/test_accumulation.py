@@ -26,7 +26,7 @@ def vec(*values):
 
 
 def steps(tx, grads, params):
-  """Runs ``tx`` over ``grads``: (updates, old state, new state, old params, new params) per step."""
+  """Steps ``tx`` over ``grads``: per step (updates, state, new state, params, new params)."""
   update, state, out = jax.jit(tx.update), tx.init(params), []
   for g in grads:
     updates, new_state = update(g, state, params)
