@@ -31,6 +31,8 @@ MODULE_ORDER = (
   "jaxclip._zclip",
   "jaxclip._spike",
   "jaxclip._robust",
+  "jaxclip._accumulation",
+  "jaxclip._record",
   "jaxclip._threshold",
 )
 

@@ -6,6 +6,7 @@ module) that chains with any optax optimizer.
 """
 
 from jaxclip import ops as ops
+from jaxclip._accumulation import skip_bad_microbatches as skip_bad_microbatches
 from jaxclip._autoclip import AutoClipState as AutoClipState
 from jaxclip._autoclip import autoclip as autoclip
 from jaxclip._per_example import per_example_clipped_grad as per_example_clipped_grad
@@ -16,8 +17,12 @@ from jaxclip._optax_compat import per_example_global_norm_clip as per_example_gl
 from jaxclip._optax_compat import per_example_layer_norm_clip as per_example_layer_norm_clip
 from jaxclip._optax_compat import unitwise_clip as unitwise_clip
 from jaxclip._optax_compat import unitwise_norm as unitwise_norm
+from jaxclip._record import RecordNormsState as RecordNormsState
+from jaxclip._record import record_norms as record_norms
+from jaxclip._robust import SkipAboveState as SkipAboveState
 from jaxclip._robust import SkipNonfiniteState as SkipNonfiniteState
 from jaxclip._robust import ZeroNonfiniteState as ZeroNonfiniteState
+from jaxclip._robust import skip_above as skip_above
 from jaxclip._robust import skip_nonfinite as skip_nonfinite
 from jaxclip._robust import zero_nonfinite as zero_nonfinite
 from jaxclip._spike import SkipOnSpikeState as SkipOnSpikeState
@@ -38,6 +43,8 @@ __version__ = "0.1.0"
 __all__ = (
     "AutoClipState",
     "ClipByGlobalNormState",
+    "RecordNormsState",
+    "SkipAboveState",
     "SkipNonfiniteState",
     "SkipOnSpikeState",
     "ThresholdSuggestion",
@@ -56,6 +63,9 @@ __all__ = (
     "per_example_clipped_grad",
     "per_example_global_norm_clip",
     "per_example_layer_norm_clip",
+    "record_norms",
+    "skip_above",
+    "skip_bad_microbatches",
     "skip_nonfinite",
     "skip_on_spike",
     "suggest_threshold",

@@ -356,3 +356,43 @@ def any_across_devices(flag: jax.Array, axis_name: AxisName | None) -> jax.Array
   if axis_name is None:
     return flag
   return jax.lax.pmax(jnp.asarray(flag).astype(jnp.int32), axis_names(axis_name)) > 0
+
+
+def tree_leaf_norms(
+    tree: Any, ord: float = 2, axis_name: AxisName | None = None, replicated: Any = None,
+    partition_specs: Any = None,
+) -> tuple[list[jax.Array], jax.Array]:
+  """``(norms, global_norm)``: each leaf's ``ord``-norm and the norm of them all.
+
+  One read of the leaves (:func:`jaxclip._numerics.leaf_parts`): the global
+  norm is computed from the leaves' partial sums, not by a second pass.
+  With ``axis_name`` each leaf's norm is that of the whole leaf across the
+  devices, as :func:`tree_norm` counts it (``replicated``,
+  ``partition_specs``): the partial sums of one group of leaves are
+  ``psum``-ed as one vector, one all-reduce per group as for
+  :func:`tree_norm` (one ``pmax`` of every leaf's maximum for ``ord=inf``).
+  """
+  acc = _numerics.tree_accumulation_dtype(tree)
+  leaves = jax.tree.leaves(tree)
+  op = "max" if ord == math.inf else "sum"
+  if axis_name is None:
+    if replicated is not None or partition_specs is not None:
+      raise ValueError(
+          "replicated= and partition_specs= only have a meaning together with axis_name=.")
+    totals = _numerics.leaf_parts(leaves, ord, acc)
+  else:
+    totals: list[Any] = [None] * len(leaves)
+    for (axes, _), members in _leaf_groups(tree, axis_name, replicated, partition_specs).items():
+      parts = _numerics.leaf_parts([leaves[i] for i in members], ord, acc)
+      if axes and op == "sum":
+        summed = jax.lax.psum(jnp.stack(parts), axes)
+        parts = [summed[j] for j in range(len(members))]
+      for i, p in zip(members, parts, strict=True):
+        totals[i] = p
+    if op == "max" and totals:
+      maxed = jax.lax.pmax(jnp.stack(totals), axis_names(axis_name))
+      totals = [maxed[j] for j in range(len(totals))]
+  total = _combine(totals, op) if totals else jnp.zeros((), acc)
+  if ord == 2:
+    return [_numerics.safe_sqrt(t) for t in totals], _numerics.safe_sqrt(total)
+  return list(totals), total

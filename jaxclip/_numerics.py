@@ -274,6 +274,46 @@ def _grouped_parts(leaves: list[Any], ord: float, acc: jnp.dtype) -> list[jax.Ar
   return list(_grouped_sums(plan, ord, acc, leaves))
 
 
+def leaf_parts(leaves: list[Any], ord: float, acc: jnp.dtype) -> list[jax.Array]:
+  """Each leaf's own share of a tree norm (``sum |x|**2``, ``sum |x|`` or ``max |x|``).
+
+  The per-leaf counterpart of :func:`_grouped_parts`, for callers that need
+  every leaf's norm as well as the tree's. Small local leaves (see
+  :func:`layout`) of one size and dtype are flattened and stacked,
+  ``_FLAT_STACK`` at a time, and each stack is reduced row by row in one
+  kernel (one value per leaf); larger leaves, and leaves whose layout is
+  not local, keep one reduction each and are never copied. Values are in
+  ``acc``.
+  """
+  leaves = [as_array(x) for x in leaves]
+  out: list[Any] = [None] * len(leaves)
+  groups: dict[Any, list[int]] = {}
+  for i, x in enumerate(leaves):
+    if 0 < x.size <= _SMALL_LEAF and layout(x) is LOCAL:
+      groups.setdefault((x.size, x.dtype), []).append(i)
+    else:
+      out[i] = _leaf_part(x, ord).astype(acc)
+  for (size, _), members in groups.items():
+    if len(members) == 1:
+      out[members[0]] = _leaf_part(leaves[members[0]], ord).astype(acc)
+      continue
+    for s in range(0, len(members), _FLAT_STACK):
+      batch = members[s:s + _FLAT_STACK]
+      flat = [jax.lax.reshape(leaves[i], (size,)) for i in batch]
+      stacked = _backends.stack(flat, (size,), nested=True)
+      rows = _leaf_part_rows(stacked, ord).astype(acc)
+      for j, i in enumerate(batch):
+        out[i] = rows[j]
+  return out
+
+
+def _leaf_part_rows(stacked: jax.Array, ord: float) -> jax.Array:
+  """:func:`_leaf_part` of each row of a ``(n, size)`` stack: a vector of ``n``."""
+  if ord == 2:
+    return leaf_sumsq(stacked, 1)
+  return leaf_norm(stacked, ord, 1)
+
+
 def _group_plan(leaves: list[jax.Array]) -> tuple[tuple[Any, tuple[int, ...]], ...]:
   """Which leaves :func:`_grouped_parts` reduces together: ``(how, members)`` pairs.
 

@@ -276,3 +276,119 @@ def zero_nonfinite(
     )
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+class SkipAboveState(NamedTuple):
+  """State of :func:`skip_above`.
+
+  Attributes:
+    inner_state: The wrapped transform's state, untouched by skipped steps.
+    skip_above_norm: The global norm of the last incoming updates (float32,
+      or float64 for float64 params; ``nan``/``inf`` if they held one), the
+      same on every device with ``axis_name``; ``0`` before the first step.
+    num_above_skipped: int32, how many steps were skipped in total.
+    above_step_skipped: bool, whether the last step was skipped.
+  """
+
+  inner_state: Any
+  skip_above_norm: jax.Array
+  num_above_skipped: jax.Array
+  above_step_skipped: jax.Array
+
+
+def skip_above(
+    inner: optax.GradientTransformation,
+    max_norm: ArrayLike,
+    *,
+    ord: int | float | str | None = None,
+    axis_name: Any = None,
+    replicated: Any = None,
+    partition_specs: Any = None,
+) -> optax.GradientTransformationExtraArgs:
+  r"""Skips every step whose incoming global norm is above ``max_norm`` or not finite.
+
+  A step is skipped if not :math:`\|g\| \le d` (so a ``nan`` or ``inf``
+  norm is skipped too): the updates returned are zeros (parameters do not
+  move) and ``inner``'s state is returned bit-identical. Other steps go
+  through ``inner`` unchanged. The norm is that of the updates *coming in*
+  (the gradient), read once, as :func:`jaxclip.ops.global_norm` computes it.
+
+  Where :func:`clip_by_global_norm` shrinks a large gradient, this drops it:
+  a gradient a hundred times the usual size is more often a bad batch than a
+  direction worth following. The two compose; with ``d > c``,
+  ``skip_above(optax.chain(clip_by_global_norm(c), opt), d)`` skips a step
+  above ``d`` and clips one between ``c`` and ``d`` to ``c``.
+
+  ==============================  ==========================================
+  incoming norm                   result
+  ==============================  ==========================================
+  ``norm <= max_norm``            ``inner``'s updates and state
+  ``norm > max_norm``             zeros; ``inner``'s state unchanged
+  ``nan`` or ``inf``              zeros; ``inner``'s state unchanged
+  ==============================  ==========================================
+
+  Args:
+    inner: The transform (typically the whole optimizer) to protect.
+    max_norm: The largest global norm a step may have, a positive finite
+      scalar; may be traced (e.g. under ``optax.inject_hyperparams``).
+    ord: The norm: ``None`` (L2, default), ``2``, ``1`` or ``inf``; a static
+      choice (list it in ``static_args`` under ``optax.inject_hyperparams``).
+    axis_name: Inside ``shard_map``/``pmap``, the axis over which the updates
+      are sharded: the norm is reduced across it, so every device takes the
+      same decision and keeps the same state.
+    replicated: Which leaves are the same on every device of ``axis_name``
+      (inferred inside ``shard_map`` with ``check_vma=True``), as for
+      :func:`jaxclip.ops.global_norm`.
+    partition_specs: Where the leaves are sharded (``PartitionSpec``
+      leaves), instead of ``replicated``.
+
+  Returns:
+    An :class:`optax.GradientTransformationExtraArgs` whose state is a
+    :class:`SkipAboveState`; extra arguments are forwarded to ``inner``.
+
+  Raises:
+    ValueError: if a concrete ``max_norm`` is not a positive finite scalar.
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> import optax, jaxclip
+    >>> tx = jaxclip.skip_above(optax.chain(jaxclip.clip_by_global_norm(1.0),
+    ...                                     optax.sgd(1.0)), 10.0)
+    >>> params = jnp.zeros(2)
+    >>> state = tx.init(params)
+    >>> updates, state = tx.update(jnp.array([3., 4.]), state, params)  # clipped
+    >>> updates
+    Array([-0.6, -0.8], dtype=float32)
+    >>> updates, state = tx.update(jnp.array([30., 40.]), state, params)  # skipped
+    >>> updates
+    Array([0., 0.], dtype=float32)
+    >>> int(optax.tree.get(state, 'num_above_skipped'))
+    1
+  """
+  _validation.check_positive_scalar(max_norm, "max_norm")
+  ord = _numerics.check_ord(ord)
+  inner = optax.with_extra_args_support(inner)
+
+  def init_fn(params):
+    return SkipAboveState(
+        inner_state=inner.init(params),
+        skip_above_norm=jnp.zeros((), _numerics.tree_accumulation_dtype(params)),
+        num_above_skipped=jnp.zeros((), jnp.int32),
+        above_step_skipped=jnp.array(False),
+    )
+
+  def update_fn(updates, state, params=None, **extra_args):
+    norm = _distributed.tree_norm(updates, ord, axis_name, replicated, partition_specs)
+    norm = norm.astype(state.skip_above_norm.dtype)
+    # Written so that a NaN norm fails the comparison and is skipped.
+    skip = jnp.logical_not(norm <= jnp.asarray(max_norm).astype(norm.dtype))
+    new_updates, inner_state = inner.update(updates, state.inner_state, params, **extra_args)
+    return zero_updates_where(skip, new_updates), SkipAboveState(
+        inner_state=select_tree(skip, state.inner_state, inner_state),
+        skip_above_norm=norm,
+        num_above_skipped=jnp.where(
+            skip, optax.safe_increment(state.num_above_skipped), state.num_above_skipped),
+        above_step_skipped=skip,
+    )
+
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)

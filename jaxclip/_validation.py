@@ -130,3 +130,19 @@ def check_interval(value: Any, name: str, lo: float, hi: float) -> None:
     raise TypeError(f"{name} must be a real number, got {value!r}.")
   if np.any(np.isnan(v)) or np.any(v < lo) or np.any(v > hi):
     raise ValueError(f"{name} must lie in [{lo}, {hi}], got {value!r}.")
+
+
+def check_positive_scalar(value: Any, name: str) -> None:
+  """Raises ``ValueError`` unless a concrete ``value`` is a positive, finite scalar.
+
+  Traced values are not checked.
+  """
+  v = concrete_value(value)
+  if v is None:
+    return
+  if not jnp.issubdtype(v.dtype, jnp.number) or np.iscomplexobj(v):
+    raise TypeError(f"{name} must be a real number, got {value!r}.")
+  if v.shape != ():
+    raise ValueError(f"{name} must be a scalar, got an array of shape {v.shape}.")
+  if not np.isfinite(v) or v <= 0:
+    raise ValueError(f"{name} must be a positive, finite number, got {value!r}.")

@@ -40,6 +40,10 @@ def skip_on_spike_gn(max_norm, sigma=6.0):
   return jaxclip.skip_on_spike(jaxclip.clip_by_global_norm(max_norm), window=4, sigma=sigma)
 
 
+def skip_above_gn(max_norm, skip_norm=1e3):
+  return jaxclip.skip_above(jaxclip.clip_by_global_norm(max_norm), skip_norm)
+
+
 def zero_nonfinite_gn(max_norm):
   return optax.chain(jaxclip.zero_nonfinite(), jaxclip.clip_by_global_norm(max_norm))
 
@@ -66,6 +70,7 @@ CASES: dict[str, Case] = {
                   reads_state=True),
     "skip_nonfinite": Case(skip_nonfinite_gn, {"max_norm": 0.5}, reads_state=True),
     "skip_on_spike": Case(skip_on_spike_gn, {"max_norm": 0.5}, reads_state=True),
+    "skip_above": Case(skip_above_gn, {"max_norm": 0.5}, reads_state=True),
     "zero_nonfinite": Case(zero_nonfinite_gn, {"max_norm": 0.5}, reads_state=True),
     # An optax.chain: its update indexes its state.
     "clipped": Case(clipped_identity, {"clipnorm": 0.5}, reads_state=True),

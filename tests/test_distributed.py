@@ -173,6 +173,9 @@ def _every_transform():
       "clip": (jaxclip.clip(0.5), {}),
       "clip_by_value": (jaxclip.clip_by_value(-0.5, 0.3), {}),
       "skip_nonfinite(adam)": (jaxclip.skip_nonfinite(adam), {}),
+      "skip_above(clip_by_global_norm + adam)": (jaxclip.skip_above(
+          optax.chain(jaxclip.clip_by_global_norm(1.0), adam), 1e3), {}),
+      "record_norms + adam": (optax.chain(jaxclip.record_norms(), adam), {}),
       "zero_nonfinite": (jaxclip.zero_nonfinite(), {}),
       "skip_on_spike(adam)": (jaxclip.skip_on_spike(adam, window=4), {"loss": 1.5}),
       "autoclip": (jaxclip.autoclip(50.0, history=8), {}),
@@ -556,6 +559,56 @@ def md_nonfinite_gradient_on_one_device_skipped_on_all():
                 err_msg=f"{name} {jax.tree_util.keystr(path)}")
       skipped = np.asarray(got["skip"][2])
       assert np.all(skipped[:, nan_step, 0] == 1) and np.all(skipped[:, bias_nan_step, 0] == 1)
+
+
+def md_norm_spike_on_one_device_skipped_on_all():
+  # skip_above, skip_bad_microbatches and record_norms inside shard_map: w is
+  # sharded over 'data' and spikes (or holds a NaN) in device 2's shard only;
+  # every device takes the decision one device takes on the whole tree.
+  rng = np.random.default_rng(11)
+  num_steps, spike_step, nan_step = 5, 2, 3
+  w = rng.normal(size=(num_steps, 2 * N_DEVICES, 3)).astype(np.float32)
+  w[spike_step, 2 * 2, 1] = 1e3
+  w[nan_step, 2 * 2 + 1, 0] = np.nan
+  b = rng.normal(size=(num_steps, 4)).astype(np.float32)
+  grads, specs = {"w": w, "b": b}, {"w": P("data"), "b": P()}
+  params = {"w": np.zeros((2 * N_DEVICES, 3), np.float32), "b": np.zeros(4, np.float32)}
+
+  def run(p, gs, **kw):
+    tx = jaxclip.skip_above(optax.chain(jaxclip.record_norms(**kw), optax.adam(0.1)), 100.0,
+                            **kw)
+    fn = jaxclip.skip_bad_microbatches(100.0, **kw)
+    state, trace = tx.init(p), []
+    for step in range(num_steps):
+      g = jax.tree.map(lambda a, step=step: a[step], gs)
+      updates, state = tx.update(g, state, p)
+      p = optax.apply_updates(p, updates)
+      trace.append(jnp.stack([state.above_step_skipped.astype(jnp.float32),
+                              fn(g, 0, p)[0].astype(jnp.float32),
+                              optax.tree.get(state, "global_norm"),
+                              optax.tree.get(state, "leaf_norms")["b"]]))
+    return p, state, jnp.stack(trace)
+
+  expected = jax.jit(run)(params, grads)
+  skipped = np.asarray(expected[2])[:, :2]
+  assert skipped[spike_step].all() and skipped[nan_step].all() and skipped.sum() == 4
+  mesh = jax.make_mesh((N_DEVICES,), ("data",))
+  grad_specs = {"w": P(None, "data"), "b": P()}
+  with jax.set_mesh(mesh):
+    put = lambda tree, sp: jax.tree.map(
+        lambda a, s: jax.device_put(a, NamedSharding(mesh, s)), tree, sp)
+    ps, gs = put(params, specs), put(grads, grad_specs)
+    for check_vma in (True, False):
+      kw = {"axis_name": "data"} if check_vma else {"axis_name": "data",
+                                                     "partition_specs": specs}
+      fn = jax.shard_map(lambda p, g, kw=kw: _per_device(run(p, g, **kw)), mesh=mesh,
+                         in_specs=(specs, grad_specs), out_specs=P("data"),
+                         check_vma=check_vma)
+      q, state, trace = jax.tree.map(np.asarray, jax.jit(fn)(ps, gs))
+      _assert_same_on_every_device((q["b"], trace, state.num_above_skipped))
+      np.testing.assert_array_equal(trace[0][:, :2], np.asarray(expected[2])[:, :2])
+      np.testing.assert_allclose(trace[0][:, 2:], np.asarray(expected[2])[:, 2:], rtol=1e-5)
+      np.testing.assert_allclose(q["w"].reshape(-1, 3), expected[0]["w"], rtol=1e-5, atol=1e-6)
 
 
 def _get_path(tree, path):

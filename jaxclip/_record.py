@@ -1,0 +1,107 @@
+"""Recording the norm of every leaf of the updates, for logging."""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from jaxclip import _distributed, _numerics, _validation
+
+
+class RecordNormsState(NamedTuple):
+  """State of :func:`record_norms`.
+
+  Attributes:
+    leaf_norms: A pytree of the updates' structure whose leaves are the norms
+      of the last updates' leaves, scalars in float32 (float64 for float64
+      params); zeros before the first step. Read it from any chain with
+      ``optax.tree.get(opt_state, "leaf_norms")``.
+    global_norm: The global norm of the last updates, a scalar of the same
+      dtype.
+  """
+
+  leaf_norms: Any
+  global_norm: jax.Array
+
+
+def record_norms(
+    *,
+    ord: int | float | str | None = None,
+    axis_name: Any = None,
+    replicated: Any = None,
+    partition_specs: Any = None,
+) -> optax.GradientTransformationExtraArgs:
+  r"""Passes the updates through unchanged and records each leaf's norm and the global norm.
+
+  .. math::
+
+    \text{leaf\_norms} = (\|t\|)_{t \in g}, \qquad
+    \text{global\_norm} = \Big(\textstyle\sum_t \|t\|^2\Big)^{1/2}
+
+  Put it anywhere in a chain to log per-layer gradient norms (before a clip
+  to see what comes in, after one to see what goes on). It costs one read of
+  the updates: small leaves of one size are reduced together, a few kernels
+  for thousands of leaves, and the global norm comes from the same partial
+  sums. Sums accumulate in float32 for bfloat16 and float16 leaves.
+
+  Under ``jax.jit`` with sharded updates nothing is needed: XLA all-reduces
+  scalars, and every leaf keeps its sharding. Inside ``shard_map``/``pmap``
+  pass ``axis_name`` (and, where ``shard_map``'s types cannot tell,
+  ``replicated`` or ``partition_specs``): each leaf's norm is then that of
+  the whole leaf, the same on every device, at one all-reduce per group of
+  leaves, as for :func:`jaxclip.ops.global_norm`.
+
+  Args:
+    ord: ``None`` or ``2`` for L2 norms (default), ``1`` or ``inf``; a
+      static choice (list it in ``static_args`` under
+      ``optax.inject_hyperparams``).
+    axis_name: Inside ``shard_map``/``pmap``, the mesh axis (or tuple of
+      axes) the updates are sharded over.
+    replicated: Which leaves are replicated across ``axis_name``; see
+      :func:`jaxclip.ops.global_norm`.
+    partition_specs: Where the leaves are sharded (``PartitionSpec``
+      leaves), instead of ``replicated``.
+
+  Returns:
+    An :class:`optax.GradientTransformationExtraArgs` whose state is a
+    :class:`RecordNormsState`.
+
+  Raises:
+    TypeError: if a leaf is an integer or boolean array (its path is named).
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> import optax, jaxclip
+    >>> tx = optax.chain(jaxclip.record_norms(), optax.sgd(0.1))
+    >>> params = {'w': jnp.zeros(2), 'b': jnp.zeros(1)}
+    >>> state = tx.init(params)
+    >>> grads = {'w': jnp.array([3., 4.]), 'b': jnp.array([12.])}
+    >>> _, state = tx.update(grads, state, params)
+    >>> optax.tree.get(state, 'leaf_norms')
+    {'b': Array(12., dtype=float32), 'w': Array(5., dtype=float32)}
+    >>> optax.tree.get(state, 'global_norm')
+    Array(13., dtype=float32)
+  """
+  ord = _numerics.check_ord(ord)
+
+  def init_fn(params):
+    acc = _numerics.tree_accumulation_dtype(params)
+    return RecordNormsState(
+        leaf_norms=jax.tree.map(lambda _: jnp.zeros((), acc), params),
+        global_norm=jnp.zeros((), acc))
+
+  def update_fn(updates, state, params=None, **extra_args):
+    del params, extra_args
+    _validation.check_inexact_leaves(updates, "record_norms")
+    norms, total = _distributed.tree_leaf_norms(
+        updates, ord, axis_name, replicated, partition_specs)
+    if state is not None:
+      dtype = state.global_norm.dtype
+      norms, total = [n.astype(dtype) for n in norms], total.astype(dtype)
+    return updates, RecordNormsState(
+        leaf_norms=jax.tree.structure(updates).unflatten(norms), global_norm=total)
+
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
