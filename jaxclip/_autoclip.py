@@ -122,6 +122,8 @@ def autoclip(
 
   def update_fn(updates, state, params=None, **extra_args):
     del params, extra_args
+    _validation.check_state(state, AutoClipState, "autoclip")
+    updates = _validation.numeric_leaves(updates, "autoclip")
     norm = _distributed.tree_norm(updates, ord, axis_name, replicated, partition_specs)
     buf = _history.push(
         _history.History(state.autoclip_norm_history, state.autoclip_norm_count,

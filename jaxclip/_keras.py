@@ -48,7 +48,8 @@ def clipped(
 
   Raises:
     ValueError: if more than one of ``clipnorm``, ``clipvalue`` and
-      ``global_clipnorm`` is set (as Keras), or for a negative or NaN value.
+      ``global_clipnorm`` is set (as Keras), for a negative or NaN value, or
+      for a ``global_clipnorm`` that is not a scalar.
 
   Examples:
     >>> import jax.numpy as jnp
@@ -68,6 +69,8 @@ def clipped(
         + ", ".join(f"{k}={v!r}" for k, v in given.items()) + ".")
   for name, value in given.items():
     _validation.check_threshold(value, name)
+  if global_clipnorm is not None:
+    _validation.check_scalar(global_clipnorm, "global_clipnorm")
   if clipnorm is not None:
     clip = _transforms.clip_by_norm(clipnorm)
   elif clipvalue is not None:

@@ -177,6 +177,8 @@ def zclip(
 
   def update_fn(updates, state, params=None, **extra_args):
     del params, extra_args
+    _validation.check_state(state, ZClipState, "zclip")
+    updates = _validation.numeric_leaves(updates, "zclip")
     norm = _distributed.tree_norm(updates, ord, axis_name, replicated, partition_specs)
     x = norm.astype(jnp.float32)
     finite = jnp.isfinite(x)
