@@ -83,8 +83,10 @@ def test_optax_clipping_suite_passes_on_jaxclip():
   unexpected = {k: v for k, v in problems.items() if k not in FAIL_WITH_OPTAX}
   assert not unexpected, "\n\n".join(f"{k}:\n{v}" for k, v in unexpected.items())
   assert run >= 9, run
-  # The substitution happened: every drop-in was called (the file tests them all).
-  assert set(calls) == set(DROP_INS), calls
+  # The substitution happened: every drop-in the file calls was ours.
+  source = pathlib.Path(module.__file__).read_text()
+  used = {n for n in DROP_INS if f"_clipping.{n}(" in source}
+  assert len(used) >= 7 and set(calls) == used, (calls, used)
 
   # The excluded tests fail with optax's own code as well.
   module._clipping = original
