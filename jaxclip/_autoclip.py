@@ -106,6 +106,7 @@ def autoclip(
     Separation Networks <https://arxiv.org/abs/2007.14469>`_, 2020
   """
   _validation.check_interval(percentile, "percentile", 0, 100)
+  _validation.check_scalar(percentile, "percentile")
   history = _validation.check_size(history, "history")
   ord = _numerics.check_ord(ord)
 

@@ -60,6 +60,7 @@ def clipped(
     >>> updates['w'].round(4)
     Array([-0.06, -0.08], dtype=float32)
   """
+  _validation.check_transform(optimizer, "optimizer")
   given = {name: value for name, value in (
       ("clipnorm", clipnorm), ("clipvalue", clipvalue),
       ("global_clipnorm", global_clipnorm)) if value is not None}

@@ -165,6 +165,7 @@ def skip_nonfinite(
   """
   if max_consecutive is not None:
     _validation.check_size(max_consecutive, "max_consecutive")
+  _validation.check_transform(inner, "inner")
   inner = optax.with_extra_args_support(inner)
 
   def init_fn(params):

@@ -193,6 +193,8 @@ def skip_on_spike(
   """
   window = _validation.check_size(window, "window", minimum=2)
   _validation.check_threshold(sigma, "sigma")
+  _validation.check_scalar(sigma, "sigma")
+  _validation.check_transform(inner, "inner")
   ord = _numerics.check_ord(ord)
   inner = optax.with_extra_args_support(inner)
 

@@ -70,7 +70,7 @@ def check_bounds(lo: Any, hi: Any, lo_name: str, hi_name: str) -> None:
 def check_scalar(value: Any, name: str) -> None:
   """Raises ``ValueError`` unless ``value`` is 0-d (shapes are static, even traced)."""
   try:
-    shape = jnp.shape(value)
+    shape = tuple(value.shape) if hasattr(value, "shape") else np.shape(value)
   except (TypeError, ValueError):
     raise TypeError(f"{name} must be a real scalar, got {value!r}.") from None
   if shape != ():
@@ -129,6 +129,14 @@ def numeric_leaves(tree: Any, fn_name: str, arg: str = "updates", *,
           jnp.float64)
       out.append(jnp.asarray(leaf).astype(to))
   return tree if not promote else treedef.unflatten(out)
+
+
+def check_transform(inner: Any, name: str) -> None:
+  """Raises ``TypeError`` unless ``inner`` looks like an optax transform."""
+  if not (callable(getattr(inner, "init", None)) and callable(getattr(inner, "update", None))):
+    raise TypeError(
+        f"{name} must be an optax GradientTransformation (with init and update), "
+        f"got {inner!r:.100}.")
 
 
 def check_state(state: Any, state_type: type, fn_name: str) -> None:

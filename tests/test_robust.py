@@ -76,7 +76,7 @@ def test_skip_nonfinite_skips_bad_steps_bit_identically():
   assert int(optax.tree.get(steps[-1][2], "count")) == 2
 
 
-@pytest.mark.parametrize("limit", [0, 2])
+@pytest.mark.parametrize("limit", [1, 2])
 def test_skip_nonfinite_matches_optax_apply_if_finite(limit):
   grads = vec([1.0, NAN, NAN, NAN, 2.0, INF, 3.0])
   params = jnp.zeros(2)
