@@ -66,7 +66,8 @@ def clip_by_value(
   The transform form of :func:`jaxclip.ops.clip_by_value` (Keras's
   ``clipvalue=`` is ``clip_by_value(-v, v)``). Value clipping bounds each
   entry on its own, so it can change the update's direction; prefer
-  :func:`clip_by_global_norm` unless entries are independent.
+  :func:`clip_by_global_norm` unless entries are independent. An integer or
+  boolean leaf is promoted as by ``jnp.clip`` (float bounds make it float).
 
   Args:
     min_value: Lower bound, a scalar or an array broadcastable to each leaf.
@@ -96,7 +97,8 @@ def clip(max_delta: ArrayLike) -> optax.GradientTransformationExtraArgs:
 
   A drop-in for ``optax.clip``: same name, signature and results, with a clear
   ``ValueError`` for a concrete negative or NaN ``max_delta`` (optax silently
-  returns ``max_delta`` everywhere then).
+  returns ``max_delta`` everywhere then). An integer leaf is promoted as by
+  ``jnp.clip``: a float ``max_delta`` makes it float, an int one keeps it.
 
   Args:
     max_delta: The largest absolute value an entry may keep, ``>= 0``.
@@ -233,6 +235,14 @@ def clip_by_global_norm(
   Returns:
     An :class:`optax.GradientTransformationExtraArgs` whose state is a
     :class:`ClipByGlobalNormState`.
+
+  Raises:
+    ValueError: for a concrete negative or NaN ``max_norm``, a ``max_norm``
+      that is not a scalar (a traced scalar is fine), or an unsupported
+      ``ord``.
+    TypeError: in ``update``, for a leaf that holds no number (a PRNG key),
+      named by its path. Integer and boolean leaves are promoted to float,
+      as optax's arithmetic does.
 
   Examples:
     >>> import jax.numpy as jnp
