@@ -209,8 +209,9 @@ def skip_on_spike(
   def update_fn(updates, state, params=None, **extra_args):
     _validation.check_state(state, SkipOnSpikeState, "skip_on_spike")
     loss = objective(extra_args, "skip_on_spike")
+    numbers = _validation.numeric_leaves(updates, "skip_on_spike")
     norm = _distributed.tree_norm(
-        _validation.numeric_leaves(updates, "skip_on_spike"), ord, axis_name, replicated, partition_specs).astype(jnp.float32)
+        numbers, ord, axis_name, replicated, partition_specs).astype(jnp.float32)
     min_count = max(2, state.spike_norm_history.shape[0] // 2)
     norms = _history.History(
         state.spike_norm_history, state.spike_norm_count, state.spike_norm_index)
