@@ -106,6 +106,7 @@ def autoclip(
     Separation Networks <https://arxiv.org/abs/2007.14469>`_, 2020
   """
   _validation.check_interval(percentile, "percentile", 0, 100)
+  _validation.check_scalar(percentile, "percentile")
   history = _validation.check_size(history, "history")
   ord = _numerics.check_ord(ord)
 
@@ -122,6 +123,8 @@ def autoclip(
 
   def update_fn(updates, state, params=None, **extra_args):
     del params, extra_args
+    _validation.check_state(state, AutoClipState, "autoclip")
+    updates = _validation.numeric_leaves(updates, "autoclip")
     norm = _distributed.tree_norm(updates, ord, axis_name, replicated, partition_specs)
     buf = _history.push(
         _history.History(state.autoclip_norm_history, state.autoclip_norm_count,

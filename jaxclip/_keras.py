@@ -48,7 +48,8 @@ def clipped(
 
   Raises:
     ValueError: if more than one of ``clipnorm``, ``clipvalue`` and
-      ``global_clipnorm`` is set (as Keras), or for a negative or NaN value.
+      ``global_clipnorm`` is set (as Keras), for a negative or NaN value, or
+      for a ``global_clipnorm`` that is not a scalar.
 
   Examples:
     >>> import jax.numpy as jnp
@@ -59,6 +60,7 @@ def clipped(
     >>> updates['w'].round(4)
     Array([-0.06, -0.08], dtype=float32)
   """
+  _validation.check_transform(optimizer, "optimizer")
   given = {name: value for name, value in (
       ("clipnorm", clipnorm), ("clipvalue", clipvalue),
       ("global_clipnorm", global_clipnorm)) if value is not None}
@@ -68,6 +70,8 @@ def clipped(
         + ", ".join(f"{k}={v!r}" for k, v in given.items()) + ".")
   for name, value in given.items():
     _validation.check_threshold(value, name)
+  if global_clipnorm is not None:
+    _validation.check_scalar(global_clipnorm, "global_clipnorm")
   if clipnorm is not None:
     clip = _transforms.clip_by_norm(clipnorm)
   elif clipvalue is not None:

@@ -46,8 +46,18 @@ def accumulation_dtype(dtype: Any) -> jnp.dtype:
 
 
 def tree_accumulation_dtype(tree: Any) -> jnp.dtype:
-  """The accumulation dtype shared by all leaves of ``tree`` (float32 if empty)."""
-  dtypes = {accumulation_dtype(jnp.result_type(x)) for x in jax.tree.leaves(tree)}
+  """The accumulation dtype shared by the inexact leaves of ``tree`` (float32 if none).
+
+  Other leaves (integers, booleans, PRNG keys, ``float0``) are ignored, so any
+  params tree optax accepts can size a transform's state.
+  """
+  dtypes = set()
+  for x in jax.tree.leaves(tree):
+    dtype = getattr(x, "dtype", None)
+    if dtype is None and isinstance(x, (float, complex)):
+      dtype = jnp.result_type(x)
+    if dtype is not None and jnp.issubdtype(dtype, jnp.inexact):
+      dtypes.add(accumulation_dtype(dtype))
   return jnp.dtype(jnp.float64) if jnp.dtype(jnp.float64) in dtypes else jnp.dtype(jnp.float32)
 
 
@@ -621,7 +631,8 @@ def check_ord(ord: Any) -> float:
   if hasattr(ord, "shape") and getattr(ord, "shape", None) == ():
     ord = ord.item()
   try:
-    return _ORDS[ord]
+    if not isinstance(ord, bool):  # True == 1 as a dict key
+      return _ORDS[ord]
   except (KeyError, TypeError):
     pass
   raise ValueError(

@@ -396,8 +396,8 @@ def clip_by_global_norm(
     and dtypes, and the global norm before clipping.
 
   Raises:
-    ValueError: for a concrete negative or NaN ``clip_norm`` or an
-      unsupported ``ord``.
+    ValueError: for a concrete negative or NaN ``clip_norm``, a ``clip_norm``
+      that is not a scalar, or an unsupported ``ord``.
     TypeError: if a leaf is an integer or boolean array (its path is named).
 
   Examples:
@@ -416,6 +416,7 @@ def clip_by_global_norm(
   """
   ord = _numerics.check_ord(ord)
   _validation.check_threshold(clip_norm, "clip_norm")
+  _validation.check_scalar(clip_norm, "clip_norm")
   _validation.check_inexact_leaves(tree, "clip_by_global_norm")
   if use_norm is None:
     norm = _distributed.tree_norm(tree, ord, axis_name, replicated, partition_specs)

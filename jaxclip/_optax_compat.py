@@ -3,7 +3,8 @@
 Same names, signatures, defaults and results as ``optax`` within float32
 rounding; where they differ, jaxclip is the more careful one: norms accumulate
 in float32 for half-precision leaves, zero thresholds give zeros rather than
-NaN, gradients at zero are finite, and integer leaves raise ``TypeError``.
+NaN and gradients at zero are finite. Integer and boolean inputs are promoted
+to floating point, as optax does.
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ def clip_by_block_rms(threshold: ArrayLike) -> optax.GradientTransformationExtra
   _validation.check_threshold(threshold, "threshold")
 
   def update(updates):
-    _validation.check_inexact_leaves(updates, "clip_by_block_rms")
+    updates = _validation.numeric_leaves(updates, "clip_by_block_rms")
     leaves, treedef = jax.tree.flatten(updates)
     return treedef.unflatten(_numerics.scale_by_leaf_norms(
         _block_rms_scale, leaves, 2, operands=(threshold,)))
@@ -105,8 +106,7 @@ def unitwise_norm(x: ArrayLike, axis: Axis = None) -> jax.Array:
     Array([[5., 1.],
            [5., 1.]], dtype=float32)
   """
-  x = jnp.asarray(x)
-  _validation.check_inexact_leaves(x, "unitwise_norm")
+  x = jnp.asarray(_validation.numeric_leaves(x, "unitwise_norm", "x"))
   norm = _numerics.leaf_norm(x, 2, _unitwise_axes(x.shape, axis), keepdims=True)
   return jnp.broadcast_to(norm.astype(jnp.finfo(x.dtype).dtype), x.shape)
 
@@ -159,7 +159,9 @@ def unitwise_clip(
     >>> jaxclip.unitwise_clip(jnp.full(2, 5.), jnp.full(2, 1.), g)
     Array([0.6, 0.8], dtype=float32)
   """
-  g_norm, max_norm, grad = map(jnp.asarray, (g_norm, max_norm, grad))
+  g_norm, max_norm, grad = (jnp.asarray(_validation.numeric_leaves(v, "unitwise_clip", name))
+                            for v, name in ((g_norm, "g_norm"), (max_norm, "max_norm"),
+                                            (grad, "grad")))
   if not g_norm.shape == max_norm.shape == grad.shape:
     raise ValueError(
         "unitwise_clip needs g_norm, max_norm and grad of one shape, got "
@@ -221,10 +223,14 @@ def adaptive_grad_clip(
           "adaptive_grad_clip needs the current parameters: call "
           "update(updates, state, params).")
 
-    _validation.check_inexact_leaves(updates, "adaptive_grad_clip")
-    _validation.check_inexact_leaves(params, "adaptive_grad_clip")
+    updates = _validation.numeric_leaves(updates, "adaptive_grad_clip")
     leaves, treedef = jax.tree.flatten(updates)
-    param_leaves = treedef.flatten_up_to(params)
+    if jax.tree.structure(params) != treedef:
+      raise ValueError(
+          "adaptive_grad_clip needs params with the tree structure of the updates, "
+          f"got params {jax.tree.structure(params)} for updates {treedef}.")
+    param_leaves = jax.tree.leaves(
+        _validation.numeric_leaves(params, "adaptive_grad_clip", "params"))
     for g, p in zip(leaves, param_leaves, strict=True):
       if jnp.shape(g) != jnp.shape(p):
         raise ValueError(
@@ -305,7 +311,7 @@ def per_example_global_norm_clip(
   where ``g_b`` is the slice of every leaf at index ``b`` of axis 0 — the
   clipping step of DP-SGD. A drop-in for ``optax.per_example_global_norm_clip``
   with float32 accumulation and a finite gradient at zero; integer gradients
-  raise ``TypeError`` (optax silently promotes them).
+  are promoted to floating point, as optax does.
 
   Inside ``jax.shard_map`` (or ``pmap``) over the batch axis each device holds
   whole examples, so their norms are local; pass ``axis_name`` to ``psum``
@@ -340,7 +346,7 @@ def per_example_global_norm_clip(
     <https://arxiv.org/abs/1607.00133>`_, 2016
   """
   _validation.check_threshold(l2_norm_clip, "l2_norm_clip")
-  _validation.check_inexact_leaves(grads, "per_example_global_norm_clip")
+  grads = _validation.numeric_leaves(grads, "per_example_global_norm_clip", "grads")
   _check_batch_dim(grads, "per_example_global_norm_clip")
   clipped_sum, num_clipped = _per_example_clip(grads, l2_norm_clip)
   if axis_name is not None:
@@ -391,7 +397,7 @@ def per_example_layer_norm_clip(
     <https://arxiv.org/abs/1710.06963>`_, 2017
   """
   _validation.check_threshold(global_l2_norm_clip, "global_l2_norm_clip")
-  _validation.check_inexact_leaves(grads, "per_example_layer_norm_clip")
+  grads = _validation.numeric_leaves(grads, "per_example_layer_norm_clip", "grads")
   _check_batch_dim(grads, "per_example_layer_norm_clip")
   leaves = jax.tree.leaves(grads)
   if uniform:

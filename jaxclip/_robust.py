@@ -136,7 +136,7 @@ def skip_nonfinite(
   Args:
     inner: The transform (typically the whole optimizer) to protect.
     max_consecutive: ``None`` or the number of non-finite steps in a row to
-      skip before letting them through (``>= 0``; may be traced).
+      skip before letting them through: a positive int (may be traced).
     axis_name: Inside ``shard_map``/``pmap``, the axis over which the updates
       are sharded: a step that is non-finite on any device is skipped on
       all, so every device makes the same decision and keeps the same state.
@@ -145,6 +145,11 @@ def skip_nonfinite(
   Returns:
     An :class:`optax.GradientTransformationExtraArgs` whose state is a
     :class:`SkipNonfiniteState`; extra arguments are forwarded to ``inner``.
+
+  Raises:
+    TypeError: for a ``max_consecutive`` that is not an int (``2.5``,
+      ``True``), or updates with a leaf that holds no number (a PRNG key).
+    ValueError: for a concrete ``max_consecutive < 1``.
 
   Examples:
     >>> import jax.numpy as jnp
@@ -159,7 +164,8 @@ def skip_nonfinite(
     1
   """
   if max_consecutive is not None:
-    _validation.check_threshold(max_consecutive, "max_consecutive")
+    _validation.check_size(max_consecutive, "max_consecutive")
+  _validation.check_transform(inner, "inner")
   inner = optax.with_extra_args_support(inner)
 
   def init_fn(params):
@@ -171,6 +177,8 @@ def skip_nonfinite(
     )
 
   def update_fn(updates, state, params=None, **extra_args):
+    _validation.check_state(state, SkipNonfiniteState, "skip_nonfinite")
+    _validation.numeric_leaves(updates, "skip_nonfinite", promote=False)
     finite = all_finite(updates, axis_name)
     in_a_row = jnp.where(finite, 0, optax.safe_increment(state.num_consecutive_nonfinite))
     skip = jnp.logical_not(finite)
@@ -247,6 +255,8 @@ def zero_nonfinite(
 
   def update_fn(updates, state, params=None, **extra_args):
     del params, extra_args
+    _validation.check_state(state, ZeroNonfiniteState, "zero_nonfinite")
+    _validation.numeric_leaves(updates, "zero_nonfinite", promote=False)
     # lax ops, a few per leaf: jnp's nested functions make tracing thousands
     # of leaves slow.
     counts, zeros_like = {}, _zeros_like_maker()

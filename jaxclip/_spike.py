@@ -6,6 +6,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from jaxclip import _distributed, _history, _numerics, _validation
@@ -24,7 +25,7 @@ class SkipOnSpikeState(NamedTuple):
     spike_norm_count: int32, how many slots of the norm history are in use.
     spike_norm_index: int32, the norm-history slot written next.
     spike_loss_history: float32 ``(window,)`` ring buffer of the latest finite
-      losses passed as ``loss=`` (empty if none was ever passed).
+      losses passed as ``value=`` or ``loss=`` (empty if none was ever passed).
     spike_loss_count: int32, how many slots of the loss history are in use.
     spike_loss_index: int32, the loss-history slot written next.
     spike_grad_norm: float32, the global norm of the last updates (may be
@@ -64,6 +65,28 @@ def _check(history: _history.History, value: jax.Array, sigma: Any,
   return active & jnp.logical_not(within), threshold
 
 
+def objective(extra_args: dict[str, Any], fn_name: str) -> Any:
+  """The objective passed as ``loss=`` or as ``value=`` (optax's name), or ``None``.
+
+  Both may be passed if they are the same value (the same traced array, or
+  equal concrete ones); otherwise which one to use is ambiguous: ``ValueError``.
+  """
+  loss, value = extra_args.get("loss"), extra_args.get("value")
+  if loss is None or value is None or loss is value:
+    return value if loss is None else loss
+  a, b = _validation.concrete_value(loss), _validation.concrete_value(value)
+  try:
+    same = a is not None and b is not None and np.array_equal(a, b, equal_nan=True)
+  except TypeError:
+    same = False
+  if not same:
+    raise ValueError(
+        f"{fn_name} got both loss={loss!r:.80} and value={value!r:.80}, which may "
+        "differ; pass the objective once (value= is optax's name, as in "
+        "reduce_on_plateau and the line searches; loss= is accepted too).")
+  return loss
+
+
 def _state(inner_state: Any, norms: _history.History, losses: _history.History,
            **scalars: jax.Array) -> SkipOnSpikeState:
   """A :class:`SkipOnSpikeState` from the two histories and the scalar fields."""
@@ -97,11 +120,12 @@ def skip_on_spike(
 
     \|g_t\| - \mu > \sigma \, s \quad\text{or}\quad \|g_t\| \text{ is not finite,}
 
-  and likewise for the loss when it is passed as ``tx.update(..., loss=l)``
-  (each series is checked against its own history). A skipped step returns
-  zero updates and ``inner``'s state bit-identical; the others go through
-  ``inner`` unchanged. Every extra argument, ``loss`` included, is forwarded
-  to ``inner``.
+  and likewise for the loss when it is passed as ``tx.update(..., value=l)``
+  (optax's name for the objective, as ``optax.contrib.reduce_on_plateau`` and
+  the line searches read it) or as ``loss=l`` (each series is checked against
+  its own history). A skipped step returns zero updates and ``inner``'s
+  state bit-identical; the others go through ``inner`` unchanged. Every extra
+  argument, ``value`` and ``loss`` included, is forwarded to ``inner``.
 
   The rule is inactive (nothing is skipped, not even a NaN step: compose with
   :func:`jaxclip.skip_nonfinite` for that) until the history holds
@@ -119,13 +143,14 @@ def skip_on_spike(
   Args:
     inner: The transform (typically the whole optimizer) to protect.
     window: How many previous values the statistics use (a Python int
-      ``>= 1``; it fixes the state's shape).
+      ``>= 2``, since a standard deviation needs two; it fixes the state's
+      shape).
     sigma: How many standard deviations above the mean count as a spike
       (``>= 0``; may be traced).
     ord: The norm: ``None`` (L2, default), ``2``, ``1`` or ``inf``; a static
       choice (list it in ``static_args`` under ``optax.inject_hyperparams``).
     axis_name: Inside ``shard_map``/``pmap``, the axis over which the updates
-      are sharded. The norm is reduced across it, ``loss`` is averaged over
+      are sharded. The norm is reduced across it, the loss is averaged over
       it (``pmean``: pass each device's local loss), and a step skipped on
       any device is skipped on all, so every device takes the same decision
       and keeps the same state.
@@ -140,8 +165,11 @@ def skip_on_spike(
     :class:`SkipOnSpikeState`.
 
   Raises:
-    ValueError: for ``window < 1``, a concrete negative or NaN ``sigma``, or a
-      ``loss`` that is not a scalar.
+    ValueError: for ``window < 2``, a concrete negative or NaN ``sigma``, a
+      loss that is not a scalar, or both ``loss=`` and ``value=`` with
+      different values.
+    TypeError: for a ``window`` that is not an int, or updates with a leaf
+      that holds no number (a PRNG key).
 
   Examples:
     >>> import jax.numpy as jnp
@@ -150,7 +178,7 @@ def skip_on_spike(
     >>> params = jnp.zeros(2)
     >>> state = tx.init(params)
     >>> for g in [1., 2., 1., 2., 1., 2., 1., 2., 50.]:
-    ...   updates, state = tx.update(jnp.array([g, 0.]), state, params, loss=3.0)
+    ...   updates, state = tx.update(jnp.array([g, 0.]), state, params, value=3.0)
     >>> updates  # the last step spiked: skipped
     Array([0., 0.], dtype=float32)
     >>> print(f"{optax.tree.get(state, 'spike_norm_threshold'):.4f}")
@@ -163,8 +191,10 @@ def skip_on_spike(
     <https://github.com/allenai/OLMo-core/blob/main/src/olmo_core/optim/skip_step_optimizer.py>`_,
     2024
   """
-  window = _validation.check_size(window, "window")
+  window = _validation.check_size(window, "window", minimum=2)
   _validation.check_threshold(sigma, "sigma")
+  _validation.check_scalar(sigma, "sigma")
+  _validation.check_transform(inner, "inner")
   ord = _numerics.check_ord(ord)
   inner = optax.with_extra_args_support(inner)
 
@@ -177,8 +207,11 @@ def skip_on_spike(
                   num_spike_skipped=jnp.zeros((), jnp.int32))
 
   def update_fn(updates, state, params=None, **extra_args):
+    _validation.check_state(state, SkipOnSpikeState, "skip_on_spike")
+    loss = objective(extra_args, "skip_on_spike")
+    numbers = _validation.numeric_leaves(updates, "skip_on_spike")
     norm = _distributed.tree_norm(
-        updates, ord, axis_name, replicated, partition_specs).astype(jnp.float32)
+        numbers, ord, axis_name, replicated, partition_specs).astype(jnp.float32)
     min_count = max(2, state.spike_norm_history.shape[0] // 2)
     norms = _history.History(
         state.spike_norm_history, state.spike_norm_count, state.spike_norm_index)
@@ -187,11 +220,12 @@ def skip_on_spike(
     skip, norm_threshold = _check(norms, norm, sigma, min_count)
     norms = _history.push(norms, norm)
     loss_threshold = state.spike_loss_threshold
-    if extra_args.get("loss") is not None:
-      loss = jnp.asarray(extra_args["loss"])
-      if loss.shape != ():
+    if loss is not None:
+      loss = jnp.asarray(loss)
+      if loss.shape != () or not jnp.issubdtype(loss.dtype, jnp.number):
         raise ValueError(
-            f"skip_on_spike needs a scalar loss=, got shape {loss.shape}.")
+            "skip_on_spike needs a real scalar loss (value= or loss=), got "
+            f"{loss.dtype} of shape {loss.shape}.")
       loss = _distributed.mean_across_devices(loss.astype(jnp.float32), axis_name)
       loss_spike, loss_threshold = _check(losses, loss, sigma, min_count)
       skip = skip | loss_spike

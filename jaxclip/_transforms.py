@@ -33,6 +33,31 @@ def stateless(update: Any) -> optax.GradientTransformationExtraArgs:
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
+def value_clip_dtype(lo: ArrayLike, hi: ArrayLike) -> Any:
+  """The dtype an integer or boolean leaf is promoted to when clipped to ``[lo, hi]``.
+
+  That of ``jnp.clip(leaf, lo, hi)`` (and so of ``optax.clip``): integer
+  bounds keep an integer leaf integer, float bounds make it float.
+  """
+
+  def dtype_for(dtype: Any) -> Any:
+    with jax.numpy_dtype_promotion("standard"):
+      return jnp.result_type(dtype, lo, hi)
+
+  return dtype_for
+
+
+def value_clip(lo: ArrayLike, hi: ArrayLike, fn_name: str) -> Any:
+  """``updates -> clip_by_value(updates, lo, hi)`` with jaxclip's leaf policy."""
+  dtype_for = value_clip_dtype(lo, hi)
+
+  def update(updates):
+    updates = _validation.numeric_leaves(updates, fn_name, dtype_for=dtype_for)
+    return _ops.clip_by_value(updates, lo, hi)
+
+  return update
+
+
 def clip_by_value(
     min_value: ArrayLike, max_value: ArrayLike
 ) -> optax.GradientTransformationExtraArgs:
@@ -41,7 +66,8 @@ def clip_by_value(
   The transform form of :func:`jaxclip.ops.clip_by_value` (Keras's
   ``clipvalue=`` is ``clip_by_value(-v, v)``). Value clipping bounds each
   entry on its own, so it can change the update's direction; prefer
-  :func:`clip_by_global_norm` unless entries are independent.
+  :func:`clip_by_global_norm` unless entries are independent. An integer or
+  boolean leaf is promoted as by ``jnp.clip`` (float bounds make it float).
 
   Args:
     min_value: Lower bound, a scalar or an array broadcastable to each leaf.
@@ -63,7 +89,7 @@ def clip_by_value(
     Array([ 1. , -0.5, -1. ], dtype=float32)
   """
   _validation.check_bounds(min_value, max_value, "min_value", "max_value")
-  return stateless(lambda u: _ops.clip_by_value(u, min_value, max_value))
+  return stateless(value_clip(min_value, max_value, "clip_by_value"))
 
 
 def clip(max_delta: ArrayLike) -> optax.GradientTransformationExtraArgs:
@@ -71,7 +97,8 @@ def clip(max_delta: ArrayLike) -> optax.GradientTransformationExtraArgs:
 
   A drop-in for ``optax.clip``: same name, signature and results, with a clear
   ``ValueError`` for a concrete negative or NaN ``max_delta`` (optax silently
-  returns ``max_delta`` everywhere then).
+  returns ``max_delta`` everywhere then). An integer leaf is promoted as by
+  ``jnp.clip``: a float ``max_delta`` makes it float, an int one keeps it.
 
   Args:
     max_delta: The largest absolute value an entry may keep, ``>= 0``.
@@ -87,7 +114,7 @@ def clip(max_delta: ArrayLike) -> optax.GradientTransformationExtraArgs:
     Array([-0.5,  0.1,  0.5], dtype=float32)
   """
   _validation.check_threshold(max_delta, "max_delta")
-  return stateless(lambda u: _ops.clip_by_value(u, -max_delta, max_delta))
+  return stateless(value_clip(jnp.negative(max_delta), max_delta, "clip"))
 
 
 def clip_by_norm(
@@ -116,7 +143,8 @@ def clip_by_norm(
     Array([-1.4285715,  2.142857 ,  4.285714 ], dtype=float32)
   """
   _validation.check_threshold(max_norm, "max_norm")
-  return stateless(lambda u: _ops.clip_by_norm(u, max_norm, axes))
+  return stateless(lambda u: _ops.clip_by_norm(
+      _validation.numeric_leaves(u, "clip_by_norm"), max_norm, axes))
 
 
 def clip_by_average_norm(max_norm: ArrayLike) -> optax.GradientTransformationExtraArgs:
@@ -139,7 +167,8 @@ def clip_by_average_norm(max_norm: ArrayLike) -> optax.GradientTransformationExt
     [Array([1.2, 1.6], dtype=float32)]
   """
   _validation.check_threshold(max_norm, "max_norm")
-  return stateless(lambda u: _ops.clip_by_average_norm(u, max_norm))
+  return stateless(lambda u: _ops.clip_by_average_norm(
+      _validation.numeric_leaves(u, "clip_by_average_norm"), max_norm))
 
 
 class ClipByGlobalNormState(NamedTuple):
@@ -207,6 +236,14 @@ def clip_by_global_norm(
     An :class:`optax.GradientTransformationExtraArgs` whose state is a
     :class:`ClipByGlobalNormState`.
 
+  Raises:
+    ValueError: for a concrete negative or NaN ``max_norm``, a ``max_norm``
+      that is not a scalar (a traced scalar is fine), or an unsupported
+      ``ord``.
+    TypeError: in ``update``, for a leaf that holds no number (a PRNG key),
+      named by its path. Integer and boolean leaves are promoted to float,
+      as optax's arithmetic does.
+
   Examples:
     >>> import jax.numpy as jnp
     >>> import optax, jaxclip
@@ -225,6 +262,7 @@ def clip_by_global_norm(
   """
   ord = _numerics.check_ord(ord)
   _validation.check_threshold(max_norm, "max_norm")
+  _validation.check_scalar(max_norm, "max_norm")
 
   def init_fn(params):
     return ClipByGlobalNormState(
@@ -232,6 +270,7 @@ def clip_by_global_norm(
 
   def update_fn(updates, state, params=None, **extra_args):
     del params, extra_args
+    updates = _validation.numeric_leaves(updates, "clip_by_global_norm")
     clipped, norm = _ops.clip_by_global_norm(
         updates, max_norm, ord=ord, axis_name=axis_name, replicated=replicated,
         partition_specs=partition_specs)

@@ -25,13 +25,28 @@ def concrete_value(x: Any) -> np.ndarray | None:
     return None
 
 
-def check_threshold(value: Any, name: str) -> None:
-  """Raises ``ValueError`` if a concrete threshold is negative or NaN."""
+def _real(value: Any, name: str, what: str = "a real number or array") -> np.ndarray | None:
+  """``value`` as a NumPy array (``None`` if traced); ``TypeError`` unless it is real."""
+  if value is None:
+    raise TypeError(f"{name} must be {what}, got None.")
   v = concrete_value(value)
   if v is None:
+    return None
+  if (v.dtype == np.bool_ or not jnp.issubdtype(v.dtype, jnp.number)
+      or np.iscomplexobj(v)):
+    raise TypeError(f"{name} must be {what}, got {value!r}.")
+  return v
+
+
+def check_threshold(value: Any, name: str) -> None:
+  """Raises ``ValueError`` if a concrete threshold is negative or NaN.
+
+  ``TypeError`` if it is not a real number (``None``, a string, a bool,
+  complex).
+  """
+  v = _real(value, name)
+  if v is None:
     return
-  if not jnp.issubdtype(v.dtype, jnp.number) or np.iscomplexobj(v):
-    raise TypeError(f"{name} must be a real number or array, got {value!r}.")
   if np.any(np.isnan(v)):
     raise ValueError(f"{name} must not be NaN, got {value!r}.")
   if np.any(v < 0):
@@ -40,11 +55,9 @@ def check_threshold(value: Any, name: str) -> None:
 
 def check_bounds(lo: Any, hi: Any, lo_name: str, hi_name: str) -> None:
   """Raises ``ValueError`` for concrete NaN bounds or ``lo > hi``."""
-  vlo, vhi = concrete_value(lo), concrete_value(hi)
+  vlo, vhi = _real(lo, lo_name), _real(hi, hi_name)
   for v, name, raw in ((vlo, lo_name, lo), (vhi, hi_name, hi)):
     if v is not None:
-      if not jnp.issubdtype(v.dtype, jnp.number) or np.iscomplexobj(v):
-        raise TypeError(f"{name} must be a real number or array, got {raw!r}.")
       if np.any(np.isnan(v)):
         raise ValueError(f"{name} must not be NaN, got {raw!r}.")
   if vlo is not None and vhi is not None and np.any(vlo > vhi):
@@ -54,8 +67,88 @@ def check_bounds(lo: Any, hi: Any, lo_name: str, hi_name: str) -> None:
     )
 
 
-def _leaf_dtype(x: Any) -> np.dtype:
-  return jnp.result_type(x) if not hasattr(x, "dtype") else np.dtype(x.dtype)
+def check_scalar(value: Any, name: str) -> None:
+  """Raises ``ValueError`` unless ``value`` is 0-d (shapes are static, even traced)."""
+  try:
+    shape = tuple(value.shape) if hasattr(value, "shape") else np.shape(value)
+  except (TypeError, ValueError):
+    raise TypeError(f"{name} must be a real scalar, got {value!r}.") from None
+  if shape != ():
+    raise ValueError(f"{name} must be a scalar, got shape {shape}: {value!r}.")
+
+
+def _leaf_dtype(x: Any) -> Any:
+  """The dtype of a leaf (a NumPy dtype, or JAX's extended dtype of a PRNG key)."""
+  return jnp.result_type(x) if not hasattr(x, "dtype") else x.dtype
+
+
+def _is_float_leaf(x: Any) -> bool:
+  dtype = getattr(x, "dtype", None)
+  if dtype is None:
+    return isinstance(x, (float, complex))
+  return jnp.issubdtype(dtype, jnp.inexact)
+
+
+def _where(path: Any) -> str:
+  return jax.tree_util.keystr(path) or "<root>"
+
+
+def numeric_leaves(tree: Any, fn_name: str, arg: str = "updates", *,
+                   promote: bool = True, dtype_for: Any = None) -> Any:
+  """``tree`` with integer and boolean leaves promoted to floating point.
+
+  The one policy of jaxclip's transforms for leaves that are not floats: as
+  optax's arithmetic does, an integer or boolean leaf is a number, promoted
+  to JAX's default float dtype (``dtype_for(dtype)`` instead, where given)
+  and clipped as one. A leaf that holds no number (a PRNG key, a ``float0``
+  tangent, anything that is not an array) raises ``TypeError`` naming its
+  path. With ``promote=False`` the leaves are only checked and ``tree`` is
+  returned as is.
+  """
+  if all(_is_float_leaf(x) for x in jax.tree.leaves(tree)):
+    return tree
+  out = []
+  paths, treedef = jax.tree_util.tree_flatten_with_path(tree)
+  for path, leaf in paths:
+    try:
+      dtype = _leaf_dtype(leaf)
+      ok = not jnp.issubdtype(dtype, jax.dtypes.extended) and (
+          dtype == np.bool_ or jnp.issubdtype(dtype, jnp.number))
+    except (TypeError, ValueError):
+      dtype, ok = type(leaf).__name__, False
+    if not ok:
+      raise TypeError(
+          f"{fn_name} clips numbers, but the leaf of {arg} at {_where(path)} has "
+          f"dtype {dtype}, which holds none (a PRNG key, a float0 tangent or a "
+          "non-array). Leave such leaves out of the updates, e.g. with "
+          "optax.masked or optax.partition.")
+    if not promote or jnp.issubdtype(dtype, jnp.inexact):
+      out.append(leaf)
+    else:
+      to = dtype_for(dtype) if dtype_for is not None else jax.dtypes.canonicalize_dtype(
+          jnp.float64)
+      out.append(jnp.asarray(leaf).astype(to))
+  return tree if not promote else treedef.unflatten(out)
+
+
+def check_transform(inner: Any, name: str) -> None:
+  """Raises ``TypeError`` unless ``inner`` looks like an optax transform."""
+  if not (callable(getattr(inner, "init", None)) and callable(getattr(inner, "update", None))):
+    raise TypeError(
+        f"{name} must be an optax GradientTransformation (with init and update), "
+        f"got {inner!r:.100}.")
+
+
+def check_state(state: Any, state_type: type, fn_name: str) -> None:
+  """Raises ``TypeError`` unless ``state`` has the fields of ``state_type``.
+
+  Duck-typed, so a state restored from a checkpoint as another named tuple of
+  the same fields still works.
+  """
+  if not all(hasattr(state, field) for field in state_type._fields):
+    raise TypeError(
+        f"{fn_name}'s update needs the state its init returned (a "
+        f"{state_type.__name__}), got state={type(state).__name__}: {state!r:.200}.")
 
 
 def check_inexact_leaves(tree: Any, fn_name: str) -> None:
@@ -63,7 +156,7 @@ def check_inexact_leaves(tree: Any, fn_name: str) -> None:
   for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
     dtype = _leaf_dtype(leaf)
     if not jnp.issubdtype(dtype, jnp.inexact):
-      where = jax.tree_util.keystr(path) or "<root>"
+      where = _where(path)
       raise TypeError(
           f"{fn_name} needs floating-point or complex leaves, but the leaf at "
           f"{where} has dtype {dtype}. Cast it to a float dtype first (norms "
@@ -76,7 +169,7 @@ def check_real_leaves(tree: Any, fn_name: str) -> None:
   for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
     dtype = _leaf_dtype(leaf)
     if jnp.issubdtype(dtype, jnp.complexfloating) or dtype == np.bool_:
-      where = jax.tree_util.keystr(path) or "<root>"
+      where = _where(path)
       raise TypeError(
           f"{fn_name} needs real (integer or floating-point) leaves, but the "
           f"leaf at {where} has dtype {dtype}; elementwise bounds are not "
@@ -123,11 +216,9 @@ def check_interval(value: Any, name: str, lo: float, hi: float) -> None:
 
   Traced values are not checked.
   """
-  v = concrete_value(value)
+  v = _real(value, name, "a real number")
   if v is None:
     return
-  if not jnp.issubdtype(v.dtype, jnp.number) or np.iscomplexobj(v):
-    raise TypeError(f"{name} must be a real number, got {value!r}.")
   if np.any(np.isnan(v)) or np.any(v < lo) or np.any(v > hi):
     raise ValueError(f"{name} must lie in [{lo}, {hi}], got {value!r}.")
 

@@ -147,16 +147,18 @@ def zclip(
     Kumar et al., `ZClip: Adaptive Spike Mitigation for LLM Pre-Training
     <https://arxiv.org/abs/2504.02507>`_, 2025
   """
-  if mode not in _MODES:
+  if not isinstance(mode, str) or mode not in _MODES:
     raise ValueError(f"zclip: mode must be one of {_MODES}, got {mode!r}.")
-  if clip_option not in _CLIP_OPTIONS:
+  if not isinstance(clip_option, str) or clip_option not in _CLIP_OPTIONS:
     raise ValueError(
         f"zclip: clip_option must be one of {_CLIP_OPTIONS}, got {clip_option!r}.")
   _validation.check_interval(alpha, "alpha", 0, 1)
-  for value, name in ((z_thresh, "z_thresh"), (clip_factor, "clip_factor"), (eps, "eps")):
-    _validation.check_threshold(value, name)
-  if max_norm is not None:
-    _validation.check_threshold(max_norm, "max_norm")
+  _validation.check_scalar(alpha, "alpha")
+  for value, name in ((z_thresh, "z_thresh"), (clip_factor, "clip_factor"), (eps, "eps"),
+                      (max_norm, "max_norm")):
+    if value is not None or name != "max_norm":
+      _validation.check_threshold(value, name)
+      _validation.check_scalar(value, name)
   warmup_steps = _validation.check_size(warmup_steps, "warmup_steps")
   ord = _numerics.check_ord(ord)
   cap = jnp.inf if max_norm is None else max_norm
@@ -177,6 +179,8 @@ def zclip(
 
   def update_fn(updates, state, params=None, **extra_args):
     del params, extra_args
+    _validation.check_state(state, ZClipState, "zclip")
+    updates = _validation.numeric_leaves(updates, "zclip")
     norm = _distributed.tree_norm(updates, ord, axis_name, replicated, partition_specs)
     x = norm.astype(jnp.float32)
     finite = jnp.isfinite(x)
