@@ -83,6 +83,7 @@ def skip_bad_microbatches(
 
   def should_skip(updates, gradient_step, params):
     del gradient_step, params
+    updates = _validation.numeric_leaves(updates, "skip_bad_microbatches")
     if max_norm is None:
       skip = jnp.logical_not(_robust.all_finite(updates, axis_name))
       return skip, {"microbatch_skipped": skip}

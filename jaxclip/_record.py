@@ -95,12 +95,12 @@ def record_norms(
 
   def update_fn(updates, state, params=None, **extra_args):
     del params, extra_args
-    _validation.check_inexact_leaves(updates, "record_norms")
+    _validation.check_state(state, RecordNormsState, "record_norms")
+    numbers = _validation.numeric_leaves(updates, "record_norms")
     norms, total = _distributed.tree_leaf_norms(
-        updates, ord, axis_name, replicated, partition_specs)
-    if state is not None:
-      dtype = state.global_norm.dtype
-      norms, total = [n.astype(dtype) for n in norms], total.astype(dtype)
+        numbers, ord, axis_name, replicated, partition_specs)
+    dtype = state.global_norm.dtype
+    norms, total = [n.astype(dtype) for n in norms], total.astype(dtype)
     return updates, RecordNormsState(
         leaf_norms=jax.tree.structure(updates).unflatten(norms), global_norm=total)
 

@@ -375,6 +375,7 @@ def skip_above(
     >>> int(optax.tree.get(state, 'num_above_skipped'))
     1
   """
+  _validation.check_transform(inner, "inner")
   _validation.check_positive_scalar(max_norm, "max_norm")
   ord = _numerics.check_ord(ord)
   inner = optax.with_extra_args_support(inner)
@@ -388,7 +389,9 @@ def skip_above(
     )
 
   def update_fn(updates, state, params=None, **extra_args):
-    norm = _distributed.tree_norm(updates, ord, axis_name, replicated, partition_specs)
+    _validation.check_state(state, SkipAboveState, "skip_above")
+    numbers = _validation.numeric_leaves(updates, "skip_above")
+    norm = _distributed.tree_norm(numbers, ord, axis_name, replicated, partition_specs)
     norm = norm.astype(state.skip_above_norm.dtype)
     # Written so that a NaN norm fails the comparison and is skipped.
     skip = jnp.logical_not(norm <= jnp.asarray(max_norm).astype(norm.dtype))

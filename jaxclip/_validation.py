@@ -228,11 +228,10 @@ def check_positive_scalar(value: Any, name: str) -> None:
 
   Traced values are not checked.
   """
-  v = concrete_value(value)
+  check_scalar(value, name)
+  v = _real(value, name, "a real number")
   if v is None:
     return
-  if not jnp.issubdtype(v.dtype, jnp.number) or np.iscomplexobj(v):
-    raise TypeError(f"{name} must be a real number, got {value!r}.")
   if v.shape != ():
     raise ValueError(f"{name} must be a scalar, got an array of shape {v.shape}.")
   if not np.isfinite(v) or v <= 0:

@@ -241,17 +241,26 @@ def test_record_norms_match_numpy_in_float32_under_jit(dtype, ord):
 
 def test_record_norms_is_the_identity_and_counts_replicated_leaves_once():
   tree = _record_tree(jnp.float32)
-  out, _ = jaxclip.record_norms().update(tree, None)
+  rec = jaxclip.record_norms()
+  out, _ = rec.update(tree, rec.init(tree))
   assert_bit_identical(out, tree)
   tx = jaxclip.record_norms(axis_name="i", replicated={"w": False, "b": True})
 
   def step(w, b):
-    return tx.update({"w": w, "b": b}, None)[1]
+    return tx.update({"w": w, "b": b}, tx.init({"w": w, "b": b}))[1]
 
   state = jax.vmap(step, in_axes=(0, None), axis_name="i")(
       jnp.array([[3., 0.], [0., 4.]]), jnp.array([12.]))
   np.testing.assert_allclose(state.leaf_norms["w"], [5., 5.])
   np.testing.assert_allclose(state.leaf_norms["b"], [12., 12.])
   np.testing.assert_allclose(state.global_norm, [13., 13.])
-  with pytest.raises(TypeError, match="record_norms"):
-    jaxclip.record_norms().update({"n": jnp.arange(3)}, None)
+  # The library's policy for non-float leaves: an integer leaf is a number
+  # (passed through unchanged, its norm recorded); a PRNG key is refused.
+  ints = {"n": jnp.arange(3)}
+  out, state = rec.update(ints, rec.init(ints))
+  assert out["n"].dtype == jnp.int32
+  np.testing.assert_allclose(state.leaf_norms["n"], np.sqrt(5.0), rtol=1e-6)
+  with pytest.raises(TypeError, match=r"record_norms.*\['k'\]"):
+    rec.update({"k": jax.random.key(0)}, rec.init({"k": jax.random.key(0)}))
+  with pytest.raises(TypeError, match="record_norms.*state"):
+    rec.update(tree, None)

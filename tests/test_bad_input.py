@@ -91,6 +91,11 @@ CASES = [
     (lambda v: jaxclip.clipped(_opt(), global_clipnorm=v), "global_clipnorm",
      _threshold_bad(True, True)),
     (lambda v: jaxclip.clipped(v, clipnorm=1.0), "optimizer", NOT_A_NUMBER_OR_NONE),
+    (lambda v: jaxclip.skip_above(_opt(), v), "max_norm", _threshold_bad(True)),
+    (lambda v: jaxclip.skip_above(_opt(), 1.0, ord=v), "ord", BAD_ORD),
+    (lambda v: jaxclip.skip_above(v, 1.0), "inner", NOT_A_NUMBER_OR_NONE),
+    (lambda v: jaxclip.skip_bad_microbatches(v), "max_norm", _threshold_bad(True, none_ok=True)),
+    (lambda v: jaxclip.record_norms(ord=v), "ord", BAD_ORD),
     (lambda v: jaxclip.per_example_global_norm_clip(_GRADS, v), "l2_norm_clip",
      _threshold_bad(False)),
     (lambda v: jaxclip.per_example_layer_norm_clip(_GRADS, v), "global_l2_norm_clip",
@@ -140,6 +145,8 @@ _STATEFUL = {
     "skip_on_spike": lambda: jaxclip.skip_on_spike(_opt(), window=4),
     "autoclip": lambda: jaxclip.autoclip(history=4),
     "zclip": lambda: jaxclip.zclip(warmup_steps=2),
+    "skip_above": lambda: jaxclip.skip_above(_opt(), 10.0),
+    "record_norms": lambda: jaxclip.record_norms(),
 }
 _ALL = {
     **_STATEFUL,
@@ -206,7 +213,9 @@ def test_integer_leaves_are_promoted_as_optax_does(name, ints):
   got, _ = tx.update(int_tree, tx.init(params), params)
   want, _ = tx.update(float_tree, tx.init(params), params)
   for key in int_tree:
-    assert got[key].dtype == want[key].dtype or name == "zero_nonfinite", (key, got[key])
+    # The identity transforms pass every leaf through in its own dtype.
+    identity = name in ("zero_nonfinite", "record_norms")
+    assert got[key].dtype == want[key].dtype or identity, (key, got[key])
     np.testing.assert_allclose(np.asarray(got[key], np.float32),
                                np.asarray(want[key], np.float32), rtol=1e-6)
 

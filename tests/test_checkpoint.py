@@ -21,15 +21,17 @@ ocp = pytest.importorskip("orbax.checkpoint")
 NUM_STEPS, SAVE_AFTER = 14, 8
 NAN_STEPS = (3, 4)  # skipped by skip_nonfinite, then let through to zero_nonfinite
 SPIKE_STEPS = (6, 11)  # a gradient and loss far above their history
+SKIP_ABOVE = 1.7  # some ordinary steps' clipped norms are above it, others not
 
 
 def _optimizer() -> optax.GradientTransformationExtraArgs:
   """Every stateful jaxclip transform, nested so that each one acts."""
   inner = optax.chain(
+      jaxclip.record_norms(),
       jaxclip.clip_by_global_norm(5.0),
       jaxclip.autoclip(50.0, history=4),
       jaxclip.zclip(z_thresh=1.0, warmup_steps=2),
-      jaxclip.clipped(optax.adam(1e-2), global_clipnorm=4.0),
+      jaxclip.skip_above(jaxclip.clipped(optax.adam(1e-2), global_clipnorm=4.0), SKIP_ABOVE),
   )
   spiky = jaxclip.skip_on_spike(inner, window=4, sigma=3.0)
   # One non-finite step in a row is skipped; the second is let through, and
@@ -105,6 +107,8 @@ def test_every_stateful_transform_resumes_bit_for_bit(tmp_path):
   assert get("num_nonfinite_skipped") == 1
   assert get("num_steps_with_nonfinite") == 1
   assert get("num_spike_skipped") == 1
+  assert 1 <= get("num_above_skipped") < SAVE_AFTER - 2
+  assert float(optax.tree.get(state, "global_norm")) > 0
   assert get("autoclip_norm_count") > 0 and get("zclip_warmup_count") > 0
 
   with ocp.StandardCheckpointer() as ckpt:
