@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import re
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -80,3 +82,16 @@ def hlo_collectives(hlo_text: str) -> list[tuple[str, str]]:
   matched).
   """
   return [(m.group(2), m.group(1)) for m in _COLLECTIVE_LINE.finditer(hlo_text)]
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def device_env(n_devices: int) -> dict[str, str]:
+  """A subprocess environment: ``n_devices`` virtual CPU devices, the repo importable."""
+  env = dict(os.environ)
+  env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") +
+                      f" --xla_force_host_platform_device_count={n_devices}").strip()
+  env["JAX_PLATFORMS"] = "cpu"
+  env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+  return env

@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-import os
 import re
 import subprocess
 import sys
@@ -32,7 +31,7 @@ from jax.sharding import PartitionSpec as P
 
 import jaxclip
 from jaxclip import _distributed
-from tests.helpers import hlo_collectives
+from tests.helpers import device_env, hlo_collectives
 
 ROOT = Path(__file__).resolve().parents[1]
 N_DEVICES = 8
@@ -632,22 +631,13 @@ def _run_checks_in_this_process() -> dict[str, str]:
   return {"results": results, "collectives": COLLECTIVES}
 
 
-def _device_env() -> dict[str, str]:
-  env = dict(os.environ)
-  env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") +
-                      f" --xla_force_host_platform_device_count={N_DEVICES}").strip()
-  env["JAX_PLATFORMS"] = "cpu"
-  env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-  return env
-
-
 @pytest.fixture(scope="module")
 def subprocess_runs():
   """Runs the multi-device checks and the FSDP example, side by side."""
   example = ROOT / "examples" / "fsdp_training.py"
   commands = {"checks": [sys.executable, __file__],
               "example": [sys.executable, str(example), "--steps", "40"]}
-  procs = {name: subprocess.Popen(cmd, env=_device_env(), cwd=ROOT, text=True,
+  procs = {name: subprocess.Popen(cmd, env=device_env(N_DEVICES), cwd=ROOT, text=True,
                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE)
            for name, cmd in commands.items()}
   results = {}

@@ -7,7 +7,6 @@ file run as a script) on 8 virtual CPU devices, as in ``test_distributed.py``.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import traceback
@@ -22,6 +21,7 @@ from jax.sharding import PartitionSpec as P
 
 import jaxclip
 from jaxclip import _distributed
+from tests.helpers import device_env
 
 ROOT = Path(__file__).resolve().parents[1]
 N_DEVICES = 8
@@ -210,18 +210,9 @@ def md_has_aux_in_shard_map_and_under_spmd_axis_name():
 MD_CHECKS = sorted(name for name in dict(globals()) if name.startswith("md_"))
 
 
-def _device_env() -> dict[str, str]:
-  env = dict(os.environ)
-  env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") +
-                      f" --xla_force_host_platform_device_count={N_DEVICES}").strip()
-  env["JAX_PLATFORMS"] = "cpu"
-  env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-  return env
-
-
 @pytest.fixture(scope="module")
 def multi_device_results():
-  proc = subprocess.run([sys.executable, __file__], env=_device_env(), cwd=ROOT, text=True,
+  proc = subprocess.run([sys.executable, __file__], env=device_env(N_DEVICES), cwd=ROOT, text=True,
                         capture_output=True, timeout=600)
   lines = proc.stdout.strip().splitlines()
   assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-3000:]
