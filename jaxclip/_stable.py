@@ -24,15 +24,42 @@ def _per_leaf_zeros(params: Any) -> Any:
   return jax.tree.map(lambda _: jnp.zeros((), jnp.float32), params)
 
 
-def _per_leaf(stat: Any, leaves: list[Any], fn_name: str, field: str) -> list[jax.Array]:
-  """The leaves of the per-tensor statistic ``stat``, one per leaf of the updates."""
-  values = jax.tree.leaves(stat)
-  if len(values) != len(leaves):
-    raise ValueError(
-        f"{fn_name} keeps one {field} per leaf of the params given to init "
-        f"({len(values)} leaves), but the updates have {len(leaves)} leaves; init "
-        "it with params of the same structure as the updates.")
-  return values
+class _PerLeaf(NamedTuple):
+  """A per-tensor statistic's leaves, and where each leaf of the updates reads its own."""
+
+  values: list[jax.Array]
+  positions: list[int]
+  treedef: Any
+
+  def read(self) -> list[jax.Array]:
+    return [self.values[i] for i in self.positions]
+
+  def write(self, new: list[jax.Array]) -> Any:
+    values = list(self.values)
+    for i, v in zip(self.positions, new, strict=True):
+      values[i] = v
+    return jax.tree.unflatten(self.treedef, values)
+
+
+def _per_leaf(stat: Any, updates: Any, fn_name: str, field: str) -> _PerLeaf:
+  """The statistic ``stat`` (one scalar per leaf of the params given to init), matched
+  to the leaves of ``updates`` by their paths.
+
+  The updates may leave out leaves of the params (integer or key leaves,
+  say): their statistics are kept as they are.
+  """
+  flat, treedef = jax.tree_util.tree_flatten_with_path(stat)
+  where = {jax.tree_util.keystr(path): i for i, (path, _) in enumerate(flat)}
+  positions = []
+  for path, _ in jax.tree_util.tree_flatten_with_path(updates)[0]:
+    i = where.get(jax.tree_util.keystr(path))
+    if i is None:
+      raise ValueError(
+          f"{fn_name} keeps one {field} per leaf of the params given to init, but "
+          f"the updates have a leaf at {jax.tree_util.keystr(path) or '<root>'} that "
+          "the params have not; init it with params of the updates' structure.")
+    positions.append(i)
+  return _PerLeaf([v for _, v in flat], positions, treedef)
 
 
 def _bias_correction(beta: jax.Array, count: jax.Array) -> jax.Array:
@@ -107,7 +134,7 @@ def adagc(
 
   Norms are accumulated in float32 for half-precision leaves, whose dtypes
   are kept. :math:`\gamma_i` is stored per leaf of the params given to
-  ``init``, which must have the structure of the updates.
+  ``init``; the updates may leave some of them out (matched by path).
 
   Args:
     beta: EMA decay of :math:`\gamma_i`, in ``[0, 1)``. May be traced.
@@ -169,7 +196,7 @@ def adagc(
     _validation.check_state(state, AdaGCState, "adagc")
     updates = _validation.numeric_leaves(updates, "adagc")
     leaves, treedef = jax.tree.flatten(updates)
-    gammas = _per_leaf(state.adagc_gamma, leaves, "adagc", "adagc_gamma")
+    gammas = _per_leaf(state.adagc_gamma, updates, "adagc", "adagc_gamma")
     norms, global_norm = _distributed.tree_leaf_norms(
         updates, 2, axis_name, replicated, partition_specs)
     first = state.adagc_count == 0
@@ -181,7 +208,7 @@ def adagc(
     global_scale = _ratio(abs_, denominator, denominator > abs_)
 
     out, new_gammas = [], []
-    for x, n, gamma in zip(leaves, norms, gammas, strict=True):
+    for x, n, gamma in zip(leaves, norms, gammas.read(), strict=True):
       n = n.astype(jnp.float32)
       warm_norm = n * global_scale
       warm_gamma = jnp.where(first, warm_norm, jnp.minimum(gamma, warm_norm))
@@ -191,8 +218,7 @@ def adagc(
       ada_gamma = b * gamma + (1 - b) * jnp.minimum(n, threshold)
       out.append(_numerics.apply_scale(x, jnp.where(warming, global_scale, scale)))
       new_gammas.append(jnp.where(warming, warm_gamma, ada_gamma))
-    gamma_tree = jax.tree.unflatten(jax.tree.structure(state.adagc_gamma), new_gammas)
-    return jax.tree.unflatten(treedef, out), AdaGCState(gamma_tree, count)
+    return jax.tree.unflatten(treedef, out), AdaGCState(gammas.write(new_gammas), count)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
@@ -294,7 +320,7 @@ def adaptive_value_clip(
     _validation.check_state(state, AdaptiveValueClipState, "adaptive_value_clip")
     updates = _validation.numeric_leaves(updates, "adaptive_value_clip")
     leaves, treedef = jax.tree.flatten(updates)
-    emas = _per_leaf(state.value_clip_max_ema, leaves, "adaptive_value_clip",
+    emas = _per_leaf(state.value_clip_max_ema, updates, "adaptive_value_clip",
                      "value_clip_max_ema")
     maxima, _ = _distributed.tree_leaf_norms(
         updates, math.inf, axis_name, replicated, partition_specs)
@@ -303,7 +329,7 @@ def adaptive_value_clip(
     correction = _bias_correction(b, count)
 
     out, new_emas = [], []
-    for x, top, m in zip(leaves, maxima, emas, strict=True):
+    for x, top, m in zip(leaves, maxima, emas.read(), strict=True):
       top = top.astype(jnp.float32)
       m = b * m + (1 - b) * top
       bound = m / correction
@@ -314,8 +340,7 @@ def adaptive_value_clip(
       over = magnitude > bound.astype(magnitude.dtype)
       out.append(jnp.where(over, xc * factor.astype(dtype), xc).astype(x.dtype))
       new_emas.append(m)
-    ema_tree = jax.tree.unflatten(jax.tree.structure(state.value_clip_max_ema), new_emas)
-    return jax.tree.unflatten(treedef, out), AdaptiveValueClipState(ema_tree, count)
+    return jax.tree.unflatten(treedef, out), AdaptiveValueClipState(emas.write(new_emas), count)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
@@ -433,8 +458,8 @@ def adaptive_norm_scale(
     _validation.check_state(state, AdaptiveNormScaleState, "adaptive_norm_scale")
     updates = _validation.numeric_leaves(updates, "adaptive_norm_scale")
     leaves, treedef = jax.tree.flatten(updates)
-    mus = _per_leaf(state.norm_scale_mu, leaves, "adaptive_norm_scale", "norm_scale_mu")
-    nus = _per_leaf(state.norm_scale_nu, leaves, "adaptive_norm_scale", "norm_scale_nu")
+    mus = _per_leaf(state.norm_scale_mu, updates, "adaptive_norm_scale", "norm_scale_mu")
+    nus = _per_leaf(state.norm_scale_nu, updates, "adaptive_norm_scale", "norm_scale_nu")
     norms, _ = _distributed.tree_leaf_norms(updates, 2, axis_name, replicated, partition_specs)
     count = optax.safe_increment(state.norm_scale_count)
     b1, b2 = _f32(beta1), _f32(beta2)
@@ -442,7 +467,7 @@ def adaptive_norm_scale(
     e = _f32(eps)
 
     out, new_mus, new_nus = [], [], []
-    for x, n, mu, nu in zip(leaves, norms, mus, nus, strict=True):
+    for x, n, mu, nu in zip(leaves, norms, mus.read(), nus.read(), strict=True):
       n = n.astype(jnp.float32)
       mu = b1 * mu + (1 - b1) * n
       nu = b2 * nu + (1 - b2) * n * n
@@ -451,8 +476,7 @@ def adaptive_norm_scale(
       out.append(_numerics.apply_scale(x, _ratio(target, n, n > 0)))
       new_mus.append(mu)
       new_nus.append(nu)
-    structure = jax.tree.structure(state.norm_scale_mu)
     return jax.tree.unflatten(treedef, out), AdaptiveNormScaleState(
-        jax.tree.unflatten(structure, new_mus), jax.tree.unflatten(structure, new_nus), count)
+        mus.write(new_mus), nus.write(new_nus), count)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
