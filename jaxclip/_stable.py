@@ -127,8 +127,9 @@ def adagc(
   ``warmup_steps <= 1``                   :math:`\gamma_i` starts at the first
                                           step's norm
   :math:`\gamma_i = 0` after warm-up      that tensor is zeroed from then on
-  a NaN/inf gradient                      it reaches the state: wrap the
-                                          optimizer in
+  a NaN/inf gradient                      it passes through; the state is
+                                          kept as it was (count included):
+                                          wrap the optimizer in
                                           :func:`jaxclip.skip_nonfinite`
   ======================================  ===============================
 
@@ -218,9 +219,24 @@ def adagc(
       ada_gamma = b * gamma + (1 - b) * jnp.minimum(n, threshold)
       out.append(_numerics.apply_scale(x, jnp.where(warming, global_scale, scale)))
       new_gammas.append(jnp.where(warming, warm_gamma, ada_gamma))
-    return jax.tree.unflatten(treedef, out), AdaGCState(gammas.write(new_gammas), count)
+    new_state = AdaGCState(gammas.write(new_gammas), count)
+    return jax.tree.unflatten(treedef, out), _keep_if_nonfinite(
+        [*norms, global_norm], new_state, state)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _keep_if_nonfinite(norms: list[jax.Array], new_state: Any, state: Any) -> Any:
+  """``new_state``, or ``state`` unchanged (step count included) if a norm is not finite.
+
+  A NaN or inf gradient never reaches an adaptive statistic: the step's
+  updates pass through (non-finite, for a :func:`jaxclip.skip_nonfinite`
+  around the optimizer to skip) and the statistics are those of the last
+  finite step. The norms are reduced across ``axis_name`` already, so every
+  replica takes the same decision.
+  """
+  finite = jnp.all(jnp.stack([jnp.isfinite(n) for n in norms])) if norms else jnp.array(True)
+  return jax.tree.map(lambda a, b: jnp.where(finite, a, b), new_state, state)
 
 
 # ---------------------------------------------------------------- AdaClip
@@ -267,8 +283,9 @@ def adaptive_value_clip(
   ======================================  ===============================
   a tensor is all zeros                   it stays zeros (no ``0/0``)
   ``beta = 0``                            nothing is clipped
-  a NaN/inf gradient                      it reaches the state: wrap the
-                                          optimizer in
+  a NaN/inf gradient                      it passes through; the state is
+                                          kept as it was (count included):
+                                          wrap the optimizer in
                                           :func:`jaxclip.skip_nonfinite`
   ======================================  ===============================
 
@@ -340,7 +357,8 @@ def adaptive_value_clip(
       over = magnitude > bound.astype(magnitude.dtype)
       out.append(jnp.where(over, xc * factor.astype(dtype), xc).astype(x.dtype))
       new_emas.append(m)
-    return jax.tree.unflatten(treedef, out), AdaptiveValueClipState(emas.write(new_emas), count)
+    new_state = AdaptiveValueClipState(emas.write(new_emas), count)
+    return jax.tree.unflatten(treedef, out), _keep_if_nonfinite(maxima, new_state, state)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
@@ -394,8 +412,9 @@ def adaptive_norm_scale(
   ======================================  ===============================
   a tensor is all zeros (:math:`n = 0`)   it stays zeros; the moments
                                           still decay
-  a NaN/inf gradient                      it reaches the state: wrap the
-                                          optimizer in
+  a NaN/inf gradient                      it passes through; the state is
+                                          kept as it was (count included):
+                                          wrap the optimizer in
                                           :func:`jaxclip.skip_nonfinite`
   ======================================  ===============================
 
@@ -476,7 +495,7 @@ def adaptive_norm_scale(
       out.append(_numerics.apply_scale(x, _ratio(target, n, n > 0)))
       new_mus.append(mu)
       new_nus.append(nu)
-    return jax.tree.unflatten(treedef, out), AdaptiveNormScaleState(
-        mus.write(new_mus), nus.write(new_nus), count)
+    new_state = AdaptiveNormScaleState(mus.write(new_mus), nus.write(new_nus), count)
+    return jax.tree.unflatten(treedef, out), _keep_if_nonfinite(norms, new_state, state)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)

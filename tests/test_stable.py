@@ -260,3 +260,21 @@ def test_validation_names_the_argument():
   tx = jaxclip.adagc()
   with pytest.raises(ValueError, match=r"adagc_gamma.*\[.b.\]"):
     tx.update({"a": jnp.ones(2), "b": jnp.ones(2)}, tx.init({"a": jnp.ones(2)}))
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+def test_a_nonfinite_gradient_never_reaches_the_state(bad):
+  """The step's updates pass through; the state is the last finite step's, bit for bit."""
+  warm = {"w": jnp.ones((2, 3)), "h": jnp.full(3, 2.0, jnp.bfloat16)}
+  for tx in _makers():
+    state = tx.init(warm)
+    for _ in range(3):
+      _, state = tx.update(warm, state)
+    poisoned = {"w": warm["w"].at[1, 2].set(bad), "h": warm["h"]}
+    out, after = jax.jit(tx.update)(poisoned, state)
+    for a, b in zip(jax.tree.leaves(after), jax.tree.leaves(state), strict=True):
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert not np.all(np.isfinite(np.asarray(out["w"])))
+    # and the run goes on from the last finite step as if the bad one never came
+    np.testing.assert_array_equal(np.asarray(tx.update(warm, after)[0]["w"]),
+                                  np.asarray(tx.update(warm, state)[0]["w"]))
