@@ -29,6 +29,7 @@ MODULE_ORDER = (
   "jaxclip._keras",
   "jaxclip._autoclip",
   "jaxclip._zclip",
+  "jaxclip._stable",
   "jaxclip._spike",
   "jaxclip._robust",
   "jaxclip._accumulation",

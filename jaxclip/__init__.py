@@ -27,6 +27,12 @@ from jaxclip._robust import skip_nonfinite as skip_nonfinite
 from jaxclip._robust import zero_nonfinite as zero_nonfinite
 from jaxclip._spike import SkipOnSpikeState as SkipOnSpikeState
 from jaxclip._spike import skip_on_spike as skip_on_spike
+from jaxclip._stable import AdaGCState as AdaGCState
+from jaxclip._stable import AdaptiveNormScaleState as AdaptiveNormScaleState
+from jaxclip._stable import AdaptiveValueClipState as AdaptiveValueClipState
+from jaxclip._stable import adagc as adagc
+from jaxclip._stable import adaptive_norm_scale as adaptive_norm_scale
+from jaxclip._stable import adaptive_value_clip as adaptive_value_clip
 from jaxclip._threshold import ThresholdSuggestion as ThresholdSuggestion
 from jaxclip._threshold import suggest_threshold as suggest_threshold
 from jaxclip._transforms import ClipByGlobalNormState as ClipByGlobalNormState
@@ -41,6 +47,9 @@ from jaxclip._zclip import zclip as zclip
 __version__ = "0.1.0"
 
 __all__ = (
+    "AdaGCState",
+    "AdaptiveNormScaleState",
+    "AdaptiveValueClipState",
     "AutoClipState",
     "ClipByGlobalNormState",
     "RecordNormsState",
@@ -50,7 +59,10 @@ __all__ = (
     "ThresholdSuggestion",
     "ZClipState",
     "ZeroNonfiniteState",
+    "adagc",
     "adaptive_grad_clip",
+    "adaptive_norm_scale",
+    "adaptive_value_clip",
     "autoclip",
     "clip",
     "clip_by_average_norm",

@@ -236,3 +236,17 @@ def check_positive_scalar(value: Any, name: str) -> None:
     raise ValueError(f"{name} must be a scalar, got an array of shape {v.shape}.")
   if not np.isfinite(v) or v <= 0:
     raise ValueError(f"{name} must be a positive, finite number, got {value!r}.")
+
+
+def check_decay(value: Any, name: str) -> None:
+  """Raises unless a concrete ``value`` is a real scalar in ``[0, 1)`` (an EMA's decay).
+
+  ``TypeError`` if it is not a real number, ``ValueError`` if it is not a
+  scalar or lies outside ``[0, 1)``. Traced values are only checked for shape.
+  """
+  check_scalar(value, name)
+  v = _real(value, name, "a real number")
+  if v is None:
+    return
+  if np.isnan(v) or v < 0 or v >= 1:
+    raise ValueError(f"{name} must lie in [0, 1), got {value!r}.")

@@ -43,6 +43,10 @@ def _threshold_bad(scalar: bool, none_ok: bool = False):
   return st.one_of(*kinds)
 
 
+# Bad values for an EMA decay, which lies in [0, 1).
+_DECAY_BAD = st.one_of(NOT_A_NUMBER_OR_NONE, st.just(NAN), st.just(1.0), NEGATIVE,
+                       st.floats(1.0, 1e9), VECTOR)
+
 _GRADS = [jnp.array([[0.0, 3.0], [4.0, 0.0]])]
 
 # (constructor call with the bad value, argument name, strategy of bad values)
@@ -86,6 +90,16 @@ CASES = [
     (lambda v: jaxclip.zclip(clip_option=v), "clip_option",
      st.one_of(NOT_A_NUMBER_OR_NONE, st.text(max_size=5))),
     (lambda v: jaxclip.zclip(ord=v), "ord", BAD_ORD),
+    (lambda v: jaxclip.adagc(beta=v), "beta", _DECAY_BAD),
+    (lambda v: jaxclip.adagc(lambda_abs=v), "lambda_abs", _threshold_bad(True)),
+    (lambda v: jaxclip.adagc(lambda_rel=v), "lambda_rel", _threshold_bad(True)),
+    (lambda v: jaxclip.adagc(eps=v), "eps", _threshold_bad(True)),
+    (lambda v: jaxclip.adagc(warmup_steps=v), "warmup_steps",
+     st.one_of(NOT_A_NUMBER_OR_NONE, st.just(2.5), st.integers(-100, -1))),
+    (lambda v: jaxclip.adaptive_value_clip(beta=v), "beta", _DECAY_BAD),
+    (lambda v: jaxclip.adaptive_norm_scale(beta1=v), "beta1", _DECAY_BAD),
+    (lambda v: jaxclip.adaptive_norm_scale(beta2=v), "beta2", _DECAY_BAD),
+    (lambda v: jaxclip.adaptive_norm_scale(eps=v), "eps", _threshold_bad(True)),
     (lambda v: jaxclip.clipped(_opt(), clipnorm=v), "clipnorm", _threshold_bad(False, True)),
     (lambda v: jaxclip.clipped(_opt(), clipvalue=v), "clipvalue", _threshold_bad(False, True)),
     (lambda v: jaxclip.clipped(_opt(), global_clipnorm=v), "global_clipnorm",
@@ -147,6 +161,9 @@ _STATEFUL = {
     "zclip": lambda: jaxclip.zclip(warmup_steps=2),
     "skip_above": lambda: jaxclip.skip_above(_opt(), 10.0),
     "record_norms": lambda: jaxclip.record_norms(),
+    "adagc": lambda: jaxclip.adagc(warmup_steps=2),
+    "adaptive_value_clip": lambda: jaxclip.adaptive_value_clip(),
+    "adaptive_norm_scale": lambda: jaxclip.adaptive_norm_scale(),
 }
 _ALL = {
     **_STATEFUL,

@@ -32,6 +32,11 @@ def _optimizer() -> optax.GradientTransformationExtraArgs:
       jaxclip.autoclip(50.0, history=4),
       jaxclip.zclip(z_thresh=1.0, warmup_steps=2),
       jaxclip.skip_above(jaxclip.clipped(optax.adam(1e-2), global_clipnorm=4.0), SKIP_ABOVE),
+      # Per-tensor statistics of the optimizer's updates (after skip_above, whose
+      # decisions they would otherwise change by rescaling every tensor).
+      jaxclip.adaptive_value_clip(beta=0.9),
+      jaxclip.adagc(beta=0.9, lambda_abs=0.05, warmup_steps=3),
+      jaxclip.adaptive_norm_scale(),
   )
   spiky = jaxclip.skip_on_spike(inner, window=4, sigma=3.0)
   # One non-finite step in a row is skipped; the second is let through, and
