@@ -179,6 +179,9 @@ def _every_transform():
       "skip_on_spike(adam)": (jaxclip.skip_on_spike(adam, window=4), {"loss": 1.5}),
       "autoclip": (jaxclip.autoclip(50.0, history=8), {}),
       "zclip": (jaxclip.zclip(warmup_steps=1), {}),
+      "adagc": (jaxclip.adagc(warmup_steps=1), {}),
+      "adaptive_value_clip": (jaxclip.adaptive_value_clip(0.9), {}),
+      "adaptive_norm_scale": (jaxclip.adaptive_norm_scale(), {}),
       "optax.clip_by_global_norm + adam": (
           optax.chain(optax.clip_by_global_norm(1.0), adam), {}),
   }
