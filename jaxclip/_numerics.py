@@ -293,9 +293,14 @@ def leaf_parts(leaves: list[Any], ord: float, acc: jnp.dtype) -> list[jax.Array]
   ``_FLAT_STACK`` at a time, and each stack is reduced row by row in one
   kernel (one value per leaf); larger leaves, and leaves whose layout is
   not local, keep one reduction each and are never copied. Values are in
-  ``acc``.
+  ``acc``. As for :func:`_grouped_parts`, ``jax.jvp`` and ``jax.grad``
+  differentiate the plain per-leaf sums, so no stack is transposed.
   """
-  leaves = [as_array(x) for x in leaves]
+  return list(_stacked_leaf_parts(ord, acc, [as_array(x) for x in leaves]))
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1))
+def _stacked_leaf_parts(ord: float, acc: jnp.dtype, leaves: list[jax.Array]) -> tuple:
   out: list[Any] = [None] * len(leaves)
   groups: dict[Any, list[int]] = {}
   for i, x in enumerate(leaves):
@@ -314,7 +319,14 @@ def leaf_parts(leaves: list[Any], ord: float, acc: jnp.dtype) -> list[jax.Array]
       rows = _leaf_part_rows(stacked, ord).astype(acc)
       for j, i in enumerate(batch):
         out[i] = rows[j]
-  return out
+  return tuple(out)
+
+
+@_stacked_leaf_parts.defjvp
+def _stacked_leaf_parts_jvp(ord, acc, primals, tangents):
+  plain = lambda xs: tuple(_leaf_part(x, ord).astype(acc) for x in xs)
+  _, tangent_out = jax.jvp(plain, primals, tangents)
+  return _stacked_leaf_parts(ord, acc, *primals), tangent_out
 
 
 def _leaf_part_rows(stacked: jax.Array, ord: float) -> jax.Array:

@@ -16,7 +16,7 @@ import optax
 import pytest
 
 import jaxclip
-from jaxclip import _backends
+from jaxclip import _backends, _numerics
 
 # Many small leaves of a few shapes (stacked on CPU) and one larger leaf.
 _SHAPES = [(64,)] * 12 + [(8, 4), (4,), (3, 5)] * 6 + [(32, 32)]
@@ -126,6 +126,26 @@ def test_grad_costs_at_most_twice_the_naive_math(name):
 
 def _batched(seed, batch=3):
   return [jnp.stack([x * (i + 1) for i in range(batch)]) for x in _tree(seed)]
+
+
+@pytest.mark.hlo
+@pytest.mark.parametrize("ord", [2, 1, np.inf])
+def test_per_leaf_norms_differentiate_as_the_plain_per_leaf_math(ord):
+  """The per-leaf norms behind record_norms and the adaptive clips (stacked rows)."""
+  rng = np.random.default_rng(0)
+  shapes = [(64,)] * 40 + [(8, 8)] * 10 + [(3,)] * 5 + [(2000,)]
+  leaves = [jnp.asarray(rng.normal(size=s), jnp.float32) for s in shapes]
+  w = jnp.asarray(rng.normal(size=len(leaves)), jnp.float32)
+  ours = lambda xs: jnp.dot(w, jnp.stack(_numerics.leaf_parts(xs, ord, jnp.float32)))
+  share = {2: lambda x: jnp.sum(x * x), 1: lambda x: jnp.sum(jnp.abs(x)),
+           np.inf: lambda x: jnp.max(jnp.abs(x))}[ord]
+  plain = lambda xs: jnp.dot(w, jnp.stack([share(x) for x in xs]))
+  np.testing.assert_allclose(ours(leaves), plain(leaves), rtol=1e-5)
+  for a, b in zip(jax.grad(ours)(leaves), jax.grad(plain)(leaves), strict=True):
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+  flops, nbytes, _ = _cost(jax.grad(ours), leaves)
+  plain_flops, plain_bytes, _ = _cost(jax.grad(plain), leaves)
+  assert flops <= 2 * plain_flops and nbytes <= 2 * plain_bytes, (flops, plain_flops)
 
 
 @pytest.mark.parametrize("name", sorted(CLIPS))
