@@ -4,9 +4,13 @@ A tanh RNN reads a sequence of (value, marker) pairs and must output the sum
 of the two marked values (the *adding problem* of Hochreiter & Schmidhuber,
 used by Pascanu et al. 2013 to study exploding gradients). Backpropagating
 through the recurrence multiplies the gradient by the recurrent Jacobian at
-every step; with a recurrent matrix of gain above 1 the gradient norm jumps by
-orders of magnitude, and SGD with momentum takes a step that throws the
-network out of the region where it can learn, or to ``nan``.
+every step, so the gradient norm jumps by orders of magnitude when the network
+starts to carry information across the sequence. The default setting (T=20,
+recurrent gain 1, SGD with momentum 0.9 at learning rate 0.05) is one where
+such a jump throws the unclipped network far from where it can learn, and
+most seeds end above chance; a clip that bounds the step keeps them on course.
+(adam, ``--optimizer adam``, normalises each step and learns here with or
+without a clip.)
 
 One RNN is chaotic: a single seed per method decides nothing (the ranking of
 two clips flips between machines). So every method trains ``--seeds`` networks
@@ -32,6 +36,7 @@ Run (``pip install -e ".[examples]"`` gives matplotlib and tqdm)::
 
   python examples/exploding_gradients.py                 # 8 seeds, 1000 steps
   python examples/exploding_gradients.py --seeds 16 --seed 100
+  python examples/exploding_gradients.py --optimizer sgd adam
   python examples/exploding_gradients.py --tiny          # a few seconds, for tests
 """
 
@@ -64,14 +69,14 @@ class Config(NamedTuple):
   steps: int = 1000
   seed: int = 0  # base seed: the seeds are seed, seed + 1, ...
   seeds: int = 8
-  length: int = 40  # sequence length T
+  length: int = 20  # sequence length T
   hidden: int = 32
   batch: int = 32
-  gain: float = 1.5  # scale of the recurrent matrix at initialisation
+  gain: float = 1.0  # scale of the recurrent matrix at initialisation
   sgd_learning_rate: float = 0.05
   momentum: float = 0.9
   adam_learning_rate: float = 3e-3
-  optimizers: tuple[str, ...] = ("sgd", "adam")
+  optimizers: tuple[str, ...] = ("sgd",)
   target: float = 0.05  # a seed succeeds if its final loss is below this
   chunk: int = 100  # steps per jitted lax.scan call (one progress-bar tick)
 
@@ -250,7 +255,8 @@ def train(
     else:
       updates, tx_state = tx.update(clipped, tx_state, params)
       changed = jax.tree.reduce(
-        jnp.logical_or, jax.tree.map(lambda a, b: jnp.any(a != b), grads, clipped)
+        jnp.logical_or,
+        jax.tree.map(lambda a, b: ~jnp.array_equal(a, b, equal_nan=True), grads, clipped),
       )
       post = jaxclip.ops.global_norm(clipped)
     params = optax.apply_updates(params, updates)
@@ -286,6 +292,11 @@ def final_losses(h: History) -> np.ndarray:
 
 
 def summary_row(name: str, h: History, target: float) -> dict[str, Any]:
+  """One table row: success count, median and quartiles of the final loss, counts and shares.
+
+  With an even number of seeds the median and quartiles are the lower of the
+  two middle values (``method="lower"``), so a value is always a seed's own.
+  """
   final = final_losses(h)
   q25, median, q75 = np.percentile(final, [25, 50, 75], method="lower")
   finite_pre = h.pre_clip_norm[np.isfinite(h.pre_clip_norm)]
@@ -343,7 +354,7 @@ def plot(results: dict[str, dict[str, History]], config: Config, out: Path) -> N
   colors = mpl.colormaps["tab10"].colors
   # A bare Figure draws without pyplot, so importing this module from a
   # notebook leaves the notebook's plotting backend alone.
-  fig = Figure(figsize=(6.5 * len(results), 9), layout="constrained")
+  fig = Figure(figsize=(max(8.0, 6.5 * len(results)), 9), layout="constrained")
   axes = fig.subplots(2, len(results), squeeze=False, sharex=True, height_ratios=[1.6, 1])
   window = max(1, config.steps // 40)
   for col, (opt, histories) in enumerate(results.items()):
@@ -385,13 +396,20 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, History]]:
   parser.add_argument("--seed", type=int, default=defaults.seed, help="base seed")
   parser.add_argument("--seeds", type=int, default=defaults.seeds, help="seeds per method")
   parser.add_argument("--length", type=int, default=defaults.length, help="sequence length T")
+  parser.add_argument(
+    "--optimizer", nargs="+", choices=["sgd", "adam"], default=list(defaults.optimizers),
+    help="optimizer(s) behind the clips: sgd (with momentum) and/or adam",
+  )
   parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="where to write the PNG")
   parser.add_argument("--tiny", action="store_true", help="a seconds-long run (smoke tests)")
   args = parser.parse_args(argv)
   if args.seeds < 1:
     parser.error("--seeds must be at least 1")
 
-  config = Config(steps=args.steps, seed=args.seed, seeds=args.seeds, length=args.length)
+  config = Config(
+    steps=args.steps, seed=args.seed, seeds=args.seeds, length=args.length,
+    optimizers=tuple(dict.fromkeys(args.optimizer)),
+  )
   if args.tiny:
     config = config._replace(
       steps=min(args.steps, 40), length=min(args.length, 10), hidden=8, batch=8, chunk=20
