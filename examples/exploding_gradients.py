@@ -291,7 +291,9 @@ def final_losses(h: History) -> np.ndarray:
   return np.where(np.all(np.isfinite(tail), axis=1), np.mean(tail, axis=1), np.inf)
 
 
-def summary_row(name: str, h: History, target: float) -> dict[str, Any]:
+def summary_row(
+  name: str, h: History, target: float = Config._field_defaults["target"]
+) -> dict[str, Any]:
   """One table row: success count, median and quartiles of the final loss, counts and shares.
 
   With an even number of seeds the median and quartiles are the lower of the
