@@ -26,33 +26,78 @@ def load(name):
 def test_exploding_gradients_tiny_run(tmp_path, capsys):
   example = load("exploding_gradients")
   out = tmp_path / "plot.png"
-  histories = example.main(["--tiny", "--seed", "3", "--out", str(out)])
+  results = example.main(["--tiny", "--seed", "3", "--seeds", "3", "--out", str(out)])
   assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
   printed = capsys.readouterr().out
   assert f"plot written to {out}" in printed
-  assert "final loss" in printed and "clipped" in printed
+  assert "3 seeds (3..5) per method" in printed
+  assert "sgd: success = final loss < 0.05 on k of 3 seeds" in printed
+  header = next(line for line in printed.splitlines() if line.startswith("method"))
+  assert header.split() == [
+    "method", "success", "final", "loss", "IQR", "non-finite", "clipped", "median", "norm"
+  ]
+  assert list(results) == ["sgd"]
+  histories = results["sgd"]
   names = list(histories)
+  assert names == list(example.methods())
   assert names[0] == "no clipping"
-  assert any(n.startswith("clip_by_value") for n in names)
-  assert any(n.startswith("clip_by_norm") for n in names)
-  assert any(n.startswith("clip_by_global_norm") for n in names)
-  assert any(n.startswith("autoclip") for n in names)
-  assert any(n.startswith("zclip") for n in names)
+  for prefix in ("clip_by_value", "clip_by_norm", "clip_by_global_norm", "autoclip", "zclip",
+                 "skip_on_spike"):
+    assert any(n.startswith(prefix) for n in names), prefix
+  # One table row per method: name, k/3 successes, median, IQR, non-finite, clipped, norm.
+  rows = [line for line in printed.splitlines() if "/3 " in line]
+  assert [r[: len(n)] for r, n in zip(rows, names, strict=True)] == names
+  table = {n: r[len(n) :].split() for r, n in zip(rows, names, strict=True)}
   for name, h in histories.items():
-    assert h.loss.shape == h.pre_clip_norm.shape == h.clipped.shape == (40,)
+    assert h.loss.shape == h.pre_clip_norm.shape == h.clipped.shape == (3, 40), name
     assert np.all(np.isfinite(h.loss)), name
-  # Same initialisation and batches: the first step's gradient is the same for all.
-  first = {float(h.pre_clip_norm[0]) for h in histories.values()}
-  assert len(first) == 1
-  # Unclipped: nothing clipped, adam sees the raw gradient.
+  # Same initialisation and batches per seed for every method; different across seeds.
+  first = np.stack([h.pre_clip_norm[:, 0] for h in histories.values()])
+  np.testing.assert_array_equal(first, np.broadcast_to(first[0], first.shape))
+  assert len(set(first[0].tolist())) == 3
+  # Unclipped: nothing clipped, the optimizer sees the raw gradient.
   none = histories["no clipping"]
   assert not none.clipped.any()
   np.testing.assert_array_equal(none.pre_clip_norm, none.post_clip_norm)
-  # The global-norm clip never lets a norm above its threshold through.
-  name = next(n for n in names if n.startswith("clip_by_global_norm"))
-  threshold = float(np.median(none.pre_clip_norm))
-  assert np.all(histories[name].post_clip_norm <= threshold * (1 + 1e-5))
-  assert histories[name].clipped.any()
+  assert table["no clipping"][3:5] == ["0", "0.0%"]
+  # The global-norm clip never lets a norm above its threshold through, and
+  # "clipped" means exactly that the pre-clip norm was above it.
+  g = histories["clip_by_global_norm(1)"]
+  assert np.all(g.post_clip_norm <= 1 + 1e-5)
+  np.testing.assert_array_equal(g.clipped, g.pre_clip_norm > 1)
+  # skip_on_spike: a skipped step hands the optimizer nothing.
+  s = histories["skip_on_spike(opt)"]
+  np.testing.assert_array_equal(s.post_clip_norm == 0, s.clipped)
+
+
+def test_exploding_gradients_seed_runs_the_same_alone_and_in_a_batch():
+  example = load("exploding_gradients")
+  config = example.Config(steps=30, length=8, hidden=8, batch=8, chunk=15)
+  for name in ("clip_by_global_norm(1)", "zclip()", "skip_on_spike(opt)"):
+    method = example.methods()[name]
+    batch = example.train(method, config, "sgd", seeds=[3, 4, 5])
+    alone = example.train(method, config, "sgd", seeds=[4])
+    np.testing.assert_allclose(alone.loss[0], batch.loss[1], rtol=1e-5, err_msg=name)
+    np.testing.assert_array_equal(alone.clipped[0], batch.clipped[1], err_msg=name)
+    assert not np.allclose(batch.loss[0], batch.loss[1])
+
+
+def test_exploding_gradients_table_counts_dead_seeds_as_failures():
+  example = load("exploding_gradients")
+  loss = np.full((4, 20), 0.01)
+  loss[1, -1] = np.nan  # goes non-finite at the end
+  loss[2] = 0.3  # never learns
+  loss[3, 5:] = 0.02
+  clipped = np.zeros((4, 20), bool)
+  clipped[0, :5] = True
+  h = example.History(loss, np.ones_like(loss), np.ones_like(loss), clipped, 0.0)
+  np.testing.assert_array_equal(example.final_losses(h), [0.01, np.inf, 0.3, 0.02])
+  row = example.summary_row("m", h, target=0.05)
+  assert (row["success"], row["seeds"], row["non-finite"]) == (2, 4, 1)
+  assert (row["q25"], row["median"], row["q75"]) == (0.01, 0.02, 0.3)
+  assert row["clipped"] == 5 / 80
+  line = example.format_table([row]).splitlines()[-1].split()
+  assert line[:3] == ["m", "2/4", "0.02"] and line[4:6] == ["1", "6.2%"]
 
 
 def test_exploding_gradients_pieces():
@@ -68,6 +113,9 @@ def test_exploding_gradients_pieces():
   )
   np.testing.assert_allclose(
     example.smooth(np.array([1.0, np.nan, 3.0, 5.0]), 2), [1.0, 1.0, 3.0, 4.0]
+  )
+  np.testing.assert_allclose(
+    example.smooth(np.array([[1.0, 3.0], [2.0, np.nan]]), 2), [[1.0, 2.0], [2.0, 2.0]]
   )
 
 
