@@ -162,14 +162,10 @@ def methods() -> dict[str, Method]:
     "autoclip(percentile=10)": Method(jaxclip.autoclip(percentile=10.0)),
     "zclip()": Method(jaxclip.zclip()),
     "skip_on_spike(opt)": Method(wrap=jaxclip.skip_on_spike),
+    "adagc()": Method(jaxclip.adagc()),
+    "adaptive_value_clip + adaptive_norm_scale": Method(
+        optax.chain(jaxclip.adaptive_value_clip(), jaxclip.adaptive_norm_scale())),
   }
-  # Being written in parallel; listed here so they join the table once merged.
-  if hasattr(jaxclip, "adagc"):
-    out["adagc()"] = Method(jaxclip.adagc())
-  if hasattr(jaxclip, "adaptive_value_clip"):
-    out["adaptive_value_clip()"] = Method(jaxclip.adaptive_value_clip())
-  if hasattr(jaxclip, "adaptive_norm_scale"):
-    out["adaptive_norm_scale()"] = Method(jaxclip.adaptive_norm_scale())
   return out
 
 
