@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -55,14 +56,27 @@ def test_api_page_renders_the_docstrings(site):
   assert "pre_clip_norm" in page
 
 
-def test_notebooks_are_rendered_not_executed(site):
+def test_notebooks_are_rendered_with_their_stored_outputs(site):
   for path in sorted((ROOT / "notebooks").glob("*.ipynb")):
     page = site / "notebooks" / path.stem / "index.html"
     assert page.exists(), path.name
     text = page.read_text()
     assert "What this notebook teaches" in text
     assert 'class="jp-InputArea' in text  # the code cells are on the page
-    assert 'class="jp-OutputArea-output' not in text  # stored without outputs, not executed
+    # and their outputs, figures included, as committed (the build executes nothing)
+    assert 'class="jp-OutputArea-output' in text, path.name
+    assert re.search(r'<img[^>]+src="data:image/png;base64,', text), f"{path.name}: no figure"
+
+
+def test_every_image_the_readme_shows_is_committed():
+  readme = (ROOT / "README.md").read_text()
+  targets = re.findall(r"!\[[^\]]*\]\(([^)\s]+)", readme) + re.findall(
+    r'<img[^>]+src="([^"]+)"', readme
+  )
+  assert "docs/images/exploding_gradients.png" in targets  # the main job's figure
+  for target in targets:
+    assert not re.match(r"[a-z]+:", target), f"{target}: link a file in the repository"
+    assert (ROOT / target).is_file(), f"README.md shows {target}, which is not committed"
 
 
 def test_every_public_function_has_a_doctest_example():
