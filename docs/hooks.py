@@ -1,7 +1,8 @@
 """mkdocs hooks: notebooks from notebooks/, an API page from ``__all__``, reST roles.
 
 * ``on_files`` adds ``notebooks/*.ipynb`` (outside ``docs/``) before
-  mkdocs-jupyter turns notebooks into pages; they are rendered, not executed.
+  mkdocs-jupyter turns notebooks into pages; they are rendered with the
+  outputs stored in them (``tools/execute_notebooks.py``), not executed.
 * ``on_page_markdown`` fills ``api.md``'s placeholder with one mkdocstrings
   block per name in ``jaxclip.__all__`` and ``jaxclip.ops.__all__``, grouped by
   the private module that defines it (its docstring's first line is the

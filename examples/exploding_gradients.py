@@ -56,7 +56,7 @@ import matplotlib as mpl
 import numpy as np
 import optax
 from matplotlib.figure import Figure
-from tqdm.auto import tqdm
+from tqdm import tqdm  # not tqdm.auto: it warns in a notebook kernel without ipywidgets
 
 import jaxclip
 
