@@ -21,7 +21,9 @@ ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
 MAX_BYTES = 200_000  # per notebook, images included
 
-_spec = importlib.util.spec_from_file_location("execute_notebooks", ROOT / "tools/execute_notebooks.py")
+_spec = importlib.util.spec_from_file_location(
+  "execute_notebooks", ROOT / "tools" / "execute_notebooks.py"
+)
 execute_notebooks = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(execute_notebooks)
 
