@@ -95,3 +95,22 @@ def device_env(n_devices: int) -> dict[str, str]:
   env["JAX_PLATFORMS"] = "cpu"
   env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
   return env
+
+
+def mlp_loss(params, x, y):
+  """The summed squared error of a one-hidden-layer tanh MLP (the per-example tests' model)."""
+  h = jnp.tanh(x @ params["w1"] + params["b1"])
+  return jnp.sum((h @ params["w2"] - y) ** 2)
+
+
+def mlp_problem(batch: int = 12, seed: int = 0):
+  """``(params, x, y)`` for :func:`mlp_loss`: 5 inputs, 8 hidden units, 3 outputs."""
+  rng = np.random.default_rng(seed)
+  params = {
+      "w1": jnp.asarray(rng.normal(size=(5, 8)), jnp.float32),
+      "b1": jnp.asarray(rng.normal(size=(8,)), jnp.float32),
+      "w2": jnp.asarray(rng.normal(size=(8, 3)), jnp.float32),
+  }
+  x = jnp.asarray(rng.normal(size=(batch, 5)), jnp.float32)
+  y = jnp.asarray(rng.normal(size=(batch, 3)), jnp.float32)
+  return params, x, y

@@ -31,7 +31,7 @@ from jax.sharding import PartitionSpec as P
 
 import jaxclip
 from jaxclip import _distributed
-from tests.helpers import device_env, hlo_collectives
+from tests.helpers import device_env, hlo_collectives, mlp_loss, mlp_problem
 
 ROOT = Path(__file__).resolve().parents[1]
 N_DEVICES = 8
@@ -51,26 +51,9 @@ def _assert_trees_close(actual, expected, rtol=2e-6, atol=1e-6):
                                rtol=tol, atol=atol)
 
 
-def _loss(params, x, y):
-  h = jnp.tanh(x @ params["w1"] + params["b1"])
-  return jnp.sum((h @ params["w2"] - y) ** 2)
-
-
-def _mlp_problem(batch=12, seed=0):
-  rng = np.random.default_rng(seed)
-  params = {
-      "w1": jnp.asarray(rng.normal(size=(5, 8)), jnp.float32),
-      "b1": jnp.asarray(rng.normal(size=(8,)), jnp.float32),
-      "w2": jnp.asarray(rng.normal(size=(8, 3)), jnp.float32),
-  }
-  x = jnp.asarray(rng.normal(size=(batch, 5)), jnp.float32)
-  y = jnp.asarray(rng.normal(size=(batch, 3)), jnp.float32)
-  return params, x, y
-
-
 @jax.jit
 def _reference_per_example(params, x, y, clip):
-  grads = jax.vmap(jax.grad(_loss), in_axes=(None, 0, 0))(params, x, y)
+  grads = jax.vmap(jax.grad(mlp_loss), in_axes=(None, 0, 0))(params, x, y)
   return jaxclip.per_example_global_norm_clip(grads, clip)
 
 
@@ -358,18 +341,18 @@ def md_pmap_with_replicated_leaf():
 
 
 def md_per_example_clipping_in_shard_map():
-  params, x, y = _mlp_problem(batch=64)
+  params, x, y = mlp_problem(batch=64)
   ref_sum, ref_count = _reference_per_example(params, x, y, CLIP)
   assert 0 < int(ref_count) < 64
   mesh = jax.make_mesh((N_DEVICES,), ("data",))
 
   def with_op(p, xb, yb):
     p = _distributed.as_varying(p, "data")
-    grads = jax.vmap(jax.grad(_loss), in_axes=(None, 0, 0))(p, xb, yb)
+    grads = jax.vmap(jax.grad(mlp_loss), in_axes=(None, 0, 0))(p, xb, yb)
     return jaxclip.per_example_global_norm_clip(grads, CLIP, axis_name="data")
 
   helper = jaxclip.per_example_clipped_grad(
-      _loss, CLIP, microbatch_size=3, batch_argnums=(1, 2), axis_name="data")
+      mlp_loss, CLIP, microbatch_size=3, batch_argnums=(1, 2), axis_name="data")
   with jax.set_mesh(mesh):
     xs, ys = (jax.device_put(a, NamedSharding(mesh, P("data"))) for a in (x, y))
     for fn, check_vma in ((with_op, True), (helper, True), (helper, False)):
@@ -381,7 +364,7 @@ def md_per_example_clipping_in_shard_map():
 
 
 def md_per_example_helper_under_jit_with_spmd_axis_name():
-  params, x, y = _mlp_problem(batch=64, seed=1)
+  params, x, y = mlp_problem(batch=64, seed=1)
   ref_sum, ref_count = _reference_per_example(params, x, y, CLIP)
   mesh = jax.make_mesh((N_DEVICES,), ("data",))
   with jax.set_mesh(mesh):
@@ -389,7 +372,7 @@ def md_per_example_helper_under_jit_with_spmd_axis_name():
     ps = jax.device_put(params, NamedSharding(mesh, P()))
     for microbatch_size in (None, 16):
       fn = jaxclip.per_example_clipped_grad(
-          _loss, CLIP, microbatch_size=microbatch_size, batch_argnums=(1, 2),
+          mlp_loss, CLIP, microbatch_size=microbatch_size, batch_argnums=(1, 2),
           spmd_axis_name="data")
       compiled = _compiled(fn, ps, xs, ys)
       total, count = compiled(ps, xs, ys)
@@ -400,7 +383,7 @@ def md_per_example_helper_under_jit_with_spmd_axis_name():
       _record_collectives(f"per_example_clipped_grad microbatch={microbatch_size}", compiled,
                           scalar=False)
     bad = jaxclip.per_example_clipped_grad(
-        _loss, CLIP, microbatch_size=12, batch_argnums=(1, 2), spmd_axis_name="data")
+        mlp_loss, CLIP, microbatch_size=12, batch_argnums=(1, 2), spmd_axis_name="data")
     with pytest.raises(ValueError, match="multiple of the 8 devices"):
       jax.jit(bad)(ps, xs, ys)
 
@@ -421,13 +404,13 @@ def _assert_same_on_every_device(tree, skip=lambda path: False):
 
 
 def md_vma_inference_counts_replicated_gradients_once():
-  params, x, y = _mlp_problem(batch=8 * 4, seed=6)
-  full_grad = jax.jit(jax.grad(_loss))(params, x, y)
+  params, x, y = mlp_problem(batch=8 * 4, seed=6)
+  full_grad = jax.jit(jax.grad(mlp_loss))(params, x, y)
   expected = _jit_global_norm({"g": full_grad, "x": x})
   mesh = jax.make_mesh((N_DEVICES,), ("data",))
 
   def local(p, xb, yb, check_vma, **where):
-    g = jax.grad(_loss)(p, xb, yb)
+    g = jax.grad(mlp_loss)(p, xb, yb)
     if not check_vma:
       # No types to read: the gradient is local, and its sum is replicated.
       g = jax.lax.psum(g, "data")
@@ -459,7 +442,7 @@ def md_vma_inference_counts_replicated_gradients_once():
 
 
 def md_loss_spike_on_one_device_skipped_on_all():
-  params, x, y = _mlp_problem(batch=8 * 4, seed=5)
+  params, x, y = mlp_problem(batch=8 * 4, seed=5)
   mesh = jax.make_mesh((N_DEVICES,), ("data",))
   spike_step, num_steps = 6, 8
 
@@ -469,7 +452,7 @@ def md_loss_spike_on_one_device_skipped_on_all():
                                **where)
     state, skipped = tx.init(p), []
     for step in range(num_steps):
-      loss, g = jax.value_and_grad(_loss)(p, xb, yb)  # loss: this device's
+      loss, g = jax.value_and_grad(mlp_loss)(p, xb, yb)  # loss: this device's
       if not check_vma:  # check_vma=True sums the gradient of a P() input already
         g = jax.lax.psum(g, "data")
       if step == spike_step:  # device 3 alone sees a spike
@@ -779,8 +762,8 @@ def test_transform_with_axis_name_under_vmap_and_grad_at_zero():
 
 
 def test_per_example_global_norm_clip_axis_name_under_vmap():
-  params, x, y = _mlp_problem(batch=12)
-  grads = jax.jit(jax.vmap(jax.grad(_loss), in_axes=(None, 0, 0)))(params, x, y)
+  params, x, y = mlp_problem(batch=12)
+  grads = jax.jit(jax.vmap(jax.grad(mlp_loss), in_axes=(None, 0, 0)))(params, x, y)
   ref_sum, ref_count = _reference_per_example(params, x, y, CLIP)
   split = jax.tree.map(lambda g: g.reshape((3, 4) + g.shape[1:]), grads)
   out, count = jax.jit(jax.vmap(
@@ -792,10 +775,10 @@ def test_per_example_global_norm_clip_axis_name_under_vmap():
 
 @pytest.mark.parametrize("microbatch_size", [None, 1, 4, 5, 12, 50])
 def test_per_example_clipped_grad_matches_per_example_clip(microbatch_size):
-  params, x, y = _mlp_problem(batch=12)
+  params, x, y = mlp_problem(batch=12)
   ref_sum, ref_count = _reference_per_example(params, x, y, CLIP)
   assert 0 < int(ref_count) < 12
-  fn = jaxclip.per_example_clipped_grad(_loss, CLIP, microbatch_size=microbatch_size,
+  fn = jaxclip.per_example_clipped_grad(mlp_loss, CLIP, microbatch_size=microbatch_size,
                                         batch_argnums=(1, 2))
   total, count = jax.jit(fn)(params, x, y)
   _assert_trees_close(total, ref_sum, rtol=1e-5, atol=1e-5)
@@ -803,18 +786,18 @@ def test_per_example_clipped_grad_matches_per_example_clip(microbatch_size):
 
 
 def test_per_example_clipped_grad_options():
-  params, x, y = _mlp_problem(batch=6)
+  params, x, y = mlp_problem(batch=6)
   ref_sum, _ = _reference_per_example(params, x, y, 0.5)
   # A shared (non-batch) argument before the batch, and each example seen
   # with a batch axis of one.
-  loss = lambda p, scale, xb, yb: scale * _loss(p, xb[0], yb[0])
+  loss = lambda p, scale, xb, yb: scale * mlp_loss(p, xb[0], yb[0])
   fn = jaxclip.per_example_clipped_grad(loss, 0.5, microbatch_size=4, batch_argnums=(2, 3),
                                         keep_batch_dim=True)
   total, _ = jax.jit(fn)(params, jnp.float32(1.0), x, y)
   _assert_trees_close(total, ref_sum, rtol=1e-5, atol=1e-5)
   # The threshold may be traced.
   traced = jax.jit(lambda c: jaxclip.per_example_clipped_grad(
-      _loss, c, microbatch_size=4, batch_argnums=(1, 2))(params, x, y))(0.5)
+      mlp_loss, c, microbatch_size=4, batch_argnums=(1, 2))(params, x, y))(0.5)
   _assert_trees_close(traced[0], ref_sum, rtol=1e-5, atol=1e-5)
 
 
@@ -831,10 +814,10 @@ def test_per_example_clipped_grad_padding_drops_nonfinite():
 
 
 def test_per_example_clipped_grad_half_precision_params():
-  params, x, y = _mlp_problem(batch=8)
+  params, x, y = mlp_problem(batch=8)
   ref_sum, _ = _reference_per_example(params, x, y, CLIP)
   half = jax.tree.map(lambda p: p.astype(jnp.bfloat16), params)
-  loss = lambda p, xb, yb: _loss(jax.tree.map(lambda a: a.astype(jnp.float32), p), xb, yb)
+  loss = lambda p, xb, yb: mlp_loss(jax.tree.map(lambda a: a.astype(jnp.float32), p), xb, yb)
   total, _ = jax.jit(jaxclip.per_example_clipped_grad(loss, CLIP, microbatch_size=2,
                                                       batch_argnums=(1, 2)))(half, x, y)
   assert all(t.dtype == jnp.bfloat16 for t in jax.tree.leaves(total))

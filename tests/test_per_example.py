@@ -21,23 +21,11 @@ from jax.sharding import PartitionSpec as P
 
 import jaxclip
 from jaxclip import _distributed
-from tests.helpers import device_env
+from tests.helpers import device_env, mlp_loss, mlp_problem
 
 ROOT = Path(__file__).resolve().parents[1]
 N_DEVICES = 8
 CLIP = 30.0  # clips some examples of the test problem, not all
-
-
-def _problem(batch=12, seed=0):
-  rng = np.random.default_rng(seed)
-  params = {
-      "w1": jnp.asarray(rng.normal(size=(5, 8)), jnp.float32),
-      "b1": jnp.asarray(rng.normal(size=(8,)), jnp.float32),
-      "w2": jnp.asarray(rng.normal(size=(8, 3)), jnp.float32),
-  }
-  x = jnp.asarray(rng.normal(size=(batch, 5)), jnp.float32)
-  y = jnp.asarray(rng.normal(size=(batch, 3)), jnp.float32)
-  return params, x, y
 
 
 def _loss_aux(params, x, y):
@@ -47,10 +35,6 @@ def _loss_aux(params, x, y):
   return loss, {"pred": pred, "loss": loss, "argmax": jnp.argmax(pred)}
 
 
-def _loss(params, x, y):
-  return _loss_aux(params, x, y)[0]
-
-
 @jax.jit
 def _vmap_aux(params, x, y):
   return jax.vmap(_loss_aux, in_axes=(None, 0, 0))(params, x, y)[1]
@@ -58,7 +42,7 @@ def _vmap_aux(params, x, y):
 
 @jax.jit
 def _per_example_grads(params, x, y):
-  return jax.vmap(jax.grad(_loss), in_axes=(None, 0, 0))(params, x, y)
+  return jax.vmap(jax.grad(mlp_loss), in_axes=(None, 0, 0))(params, x, y)
 
 
 def _assert_trees_close(actual, expected, rtol=1e-5, atol=1e-5):
@@ -75,19 +59,19 @@ def _assert_trees_close(actual, expected, rtol=1e-5, atol=1e-5):
 
 @pytest.mark.parametrize("microbatch_size", [None, 1, 5, 12, 50])
 def test_has_aux_returns_each_examples_aux_in_batch_order(microbatch_size):
-  params, x, y = _problem()
+  params, x, y = mlp_problem()
   kwargs = {"microbatch_size": microbatch_size, "batch_argnums": (1, 2)}
   total, count, aux = jax.jit(jaxclip.per_example_clipped_grad(
       _loss_aux, CLIP, has_aux=True, **kwargs))(params, x, y)
   ref_total, ref_count = jax.jit(jaxclip.per_example_clipped_grad(
-      _loss, CLIP, **kwargs))(params, x, y)
+      mlp_loss, CLIP, **kwargs))(params, x, y)
   assert 0 < int(ref_count) < 12 and int(count) == int(ref_count)
   _assert_trees_close(total, ref_total, rtol=0, atol=0)
   _assert_trees_close(aux, _vmap_aux(params, x, y), rtol=1e-6, atol=1e-6)
 
 
 def test_has_aux_with_shared_argument_and_keep_batch_dim():
-  params, x, y = _problem(batch=7)
+  params, x, y = mlp_problem(batch=7)
   # The batch after a shared argument; each example seen as a batch of one,
   # so the aux keeps that axis of one.
   def loss(p, scale, xb, yb):
@@ -106,7 +90,7 @@ def test_has_aux_with_shared_argument_and_keep_batch_dim():
 
 def test_has_aux_under_vmap_with_axis_name_keeps_each_devices_examples():
   # vmap with axis_name stands in for a device axis: 3 "devices" of 4 examples.
-  params, x, y = _problem()
+  params, x, y = mlp_problem()
   split = lambda a: a.reshape((3, 4) + a.shape[1:])
   fn = jaxclip.per_example_clipped_grad(_loss_aux, CLIP, microbatch_size=3,
                                         batch_argnums=(1, 2), axis_name="i", has_aux=True)
@@ -133,7 +117,7 @@ def test_has_aux_needs_a_pair():
 
 @pytest.mark.parametrize("uniform", [True, False])
 def test_layer_norm_clip_axis_name_under_vmap(uniform):
-  params, x, y = _problem()
+  params, x, y = mlp_problem()
   grads = _per_example_grads(params, x, y)
   ref_sum, ref_count = jaxclip.per_example_layer_norm_clip(grads, CLIP / 3, uniform)
   assert 0 < sum(int(c) for c in jax.tree.leaves(ref_count))
@@ -152,7 +136,7 @@ def test_layer_norm_clip_axis_name_under_vmap(uniform):
 
 
 def md_layer_norm_clip_in_shard_map():
-  params, x, y = _problem(batch=64, seed=1)
+  params, x, y = mlp_problem(batch=64, seed=1)
   grads = _per_example_grads(params, x, y)
   for mesh_shape, names in (((N_DEVICES,), ("data",)), ((4, 2), ("data", "model"))):
     mesh = jax.make_mesh(mesh_shape, names)
@@ -177,7 +161,7 @@ def md_layer_norm_clip_in_shard_map():
 
 
 def md_has_aux_in_shard_map_and_under_spmd_axis_name():
-  params, x, y = _problem(batch=64, seed=2)
+  params, x, y = mlp_problem(batch=64, seed=2)
   ref_sum, ref_count = jaxclip.per_example_global_norm_clip(
       _per_example_grads(params, x, y), CLIP)
   ref_aux = _vmap_aux(params, x, y)
