@@ -233,16 +233,46 @@ def train(
   initialises with ``key(s)`` and draws its batches from ``key(s + 10_000)``,
   so its run does not depend on which other seeds share the batch.
   """
+  seed_array = jnp.asarray(seed_list(config) if seeds is None else list(seeds))
+
+  def loss_fn(params, inputs, targets):
+    loss = rnn_loss(params, inputs, targets)
+    return loss, loss
+
+  return train_loop(
+    method, optimizer(opt, config), loss_fn,
+    initial_params(seed_array, config.hidden, config.gain),
+    lambda first, steps: batches(seed_array, first, steps, config.batch, config.length),
+    config.steps, config.chunk, progress,
+  )
+
+
+def train_loop(
+  method: Method | optax.GradientTransformation,
+  inner: optax.GradientTransformation,
+  loss_fn: Callable[..., tuple[jax.Array, jax.Array]],
+  params: Any,
+  data: Callable[[int, int], Any],
+  steps: int,
+  chunk: int,
+  progress: Callable[[int], Any] | None = None,
+) -> History:
+  """Trains any model with ``method`` and the optimizer ``inner`` on stacked seeds at once.
+
+  ``params`` are the seeds' initial parameters stacked on a leading axis;
+  ``data(first, n)`` returns the seeds' batches for steps ``first`` to
+  ``first + n`` (leading axes: seed, step); ``loss_fn(params, *batch)``
+  returns the loss to differentiate and the value to record as the loss
+  (the same, or e.g. the error on noise-free targets).
+  """
   if not isinstance(method, Method):
     method = Method(method)
-  inner = optimizer(opt, config)
   tx = method.wrap(inner) if method.wrap is not None else inner
   clip = method.clip if method.clip is not None else optax.identity()
-  seeds = seed_list(config) if seeds is None else list(seeds)
 
   def step(carry, batch):
     params, clip_state, tx_state = carry
-    loss, grads = jax.value_and_grad(rnn_loss)(params, *batch)
+    (loss, recorded), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, *batch)
     clipped, clip_state = clip.update(grads, clip_state, params)
     if method.wrap is not None:
       updates, tx_state = tx.update(clipped, tx_state, params, loss=loss)
@@ -256,24 +286,21 @@ def train(
       )
       post = jaxclip.ops.global_norm(clipped)
     params = optax.apply_updates(params, updates)
-    record = (loss, jaxclip.ops.global_norm(grads), post, changed)
+    record = (recorded, jaxclip.ops.global_norm(grads), post, changed)
     return (params, clip_state, tx_state), record
 
   run_chunk = jax.jit(jax.vmap(lambda carry, data: jax.lax.scan(step, carry, data)))
-  seed_array = jnp.asarray(seeds)
-  params = initial_params(seed_array, config.hidden, config.gain)
   carry = jax.jit(jax.vmap(lambda p: (p, clip.init(p), tx.init(p))))(params)
   records = []
   start = time.perf_counter()
-  for first in range(0, config.steps, config.chunk):
-    data = batches(seed_array, first, config.chunk, config.batch, config.length)
-    carry, record = run_chunk(carry, data)
+  for first in range(0, steps, chunk):
+    carry, record = run_chunk(carry, data(first, chunk))
     records.append(jax.device_get(record))
     if progress is not None:
-      progress(min(config.chunk, config.steps - first))
+      progress(min(chunk, steps - first))
   seconds = time.perf_counter() - start
   loss, pre, post, changed = (
-    np.concatenate(r, axis=1)[:, : config.steps] for r in zip(*records, strict=True)
+    np.concatenate(r, axis=1)[:, :steps] for r in zip(*records, strict=True)
   )
   return History(loss, pre, post, changed, seconds)
 

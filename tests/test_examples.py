@@ -134,3 +134,42 @@ def test_equinox_example_runs(capsys):
   assert 0.0 < results["threshold"] < np.inf
   assert np.isfinite(results["final_loss"])
   assert "max_norm set to" in capsys.readouterr().out
+
+
+def test_clipping_study_tiny_run(tmp_path, capsys):
+  study = load("clipping_study")
+  rows = study.main(["--tiny", "--seeds", "2", "--out", str(tmp_path)])
+  task_names = list(study.tasks(tiny=True))
+  assert task_names == ["adding", "copy", "heavy-tail"]
+  thresholds = study.main.thresholds
+  method_names = list(study.study_methods(thresholds["adding"]))
+  assert len(method_names) == 11
+  # One row per task and method, in order, with sane values.
+  assert [(r["task"], r["method"]) for r in rows] == [
+    (t, m) for t in task_names for m in method_names
+  ]
+  for r in rows:
+    assert r["seeds"] == 2 and 0 <= r["success"] <= 2, r
+    assert 0 < r["q25"] <= r["median"] <= r["q75"], r
+    assert 0.0 <= r["clipped"] <= 1.0 and r["non-finite"] >= 0, r
+    if r["method"] == "no clipping":
+      assert r["clipped"] == 0.0 and r["threshold"] == "–"
+  for name, t in thresholds.items():
+    # The fixed thresholds come from suggest_threshold on the recorded run.
+    assert 0 < t.global_norm[50] <= t.global_norm[90] <= t.global_norm[99] < np.inf, name
+    assert t.per_tensor == pytest.approx(t.global_norm[90] / np.sqrt(t.num_tensors)), name
+    assert 0 < t.value < np.inf and t.recorded_steps == 20, name
+    for p in (50, 90, 99):
+      h = study.main.histories[name][f"clip_by_global_norm(p{p})"]
+      assert h.loss.shape == (2, 40)
+      assert np.all(h.post_clip_norm <= t.global_norm[p] * (1 + 1e-5)), (name, p)
+      np.testing.assert_array_equal(h.clipped, h.pre_clip_norm > t.global_norm[p])
+  # The page holds the table; the figure is a PNG; --replot redraws both from the JSON.
+  page = (tmp_path / "clipping_study.md").read_text()
+  for r in rows:
+    assert f"| {r['task']} | {r['method']} | {r['threshold']} | {r['success']}/2 |" in page
+  assert (tmp_path / "clipping_study.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+  assert "wall time" in capsys.readouterr().out
+  again = tmp_path / "again"
+  study.main(["--tiny", "--replot", str(tmp_path / "clipping_study.json"), "--out", str(again)])
+  assert (again / "clipping_study.md").read_text() == page
