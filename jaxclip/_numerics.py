@@ -293,10 +293,19 @@ def leaf_parts(leaves: list[Any], ord: float, acc: jnp.dtype) -> list[jax.Array]
   ``_FLAT_STACK`` at a time, and each stack is reduced row by row in one
   kernel (one value per leaf); larger leaves, and leaves whose layout is
   not local, keep one reduction each and are never copied. Values are in
-  ``acc``. As for :func:`_grouped_parts`, ``jax.jvp`` and ``jax.grad``
-  differentiate the plain per-leaf sums, so no stack is transposed.
+  ``acc``. The stacking is an XLA:CPU trick (thousands of small leaves
+  compile into a few kernels), chosen by the platform lowered for: other
+  platforms reduce each leaf on its own. As for :func:`_grouped_parts`,
+  ``jax.jvp`` and ``jax.grad`` differentiate the plain per-leaf sums, so no
+  stack is transposed.
   """
-  return list(_stacked_leaf_parts(ord, acc, [as_array(x) for x in leaves]))
+  leaves = [as_array(x) for x in leaves]
+  if not leaves:
+    return []
+  return list(_backends.on_cpu(
+      lambda xs: _stacked_leaf_parts(ord, acc, xs),
+      lambda xs: tuple(_leaf_part(x, ord).astype(acc) for x in xs),
+      leaves))
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1))

@@ -182,6 +182,12 @@ _STEPS = {
     "clip_by_block_rms": jaxclip.clip_by_block_rms(0.5),
     "adaptive_grad_clip": jaxclip.adaptive_grad_clip(0.1),
     "skip_nonfinite(clip_by_norm)": jaxclip.skip_nonfinite(jaxclip.clip_by_norm(1.0)),
+    # Per-leaf norms: stacked rows on CPU, one reduction per leaf elsewhere
+    # (only vectors of norms are joined, so no concatenate check).
+    "record_norms": jaxclip.record_norms(),
+    "adagc": jaxclip.adagc(warmup_steps=1),
+    "adaptive_value_clip": jaxclip.adaptive_value_clip(0.9),
+    "adaptive_norm_scale": jaxclip.adaptive_norm_scale(),
 }
 
 
