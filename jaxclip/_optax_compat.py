@@ -261,12 +261,13 @@ def _check_batch_dim(grads: Any, fn_name: str) -> None:
     )
 
 
-def _per_example_clip(grads, l2_norm_clip, *, mask=None, accumulate=False):
+def _per_example_clip(grads, l2_norm_clip, *, mask=None, accumulate=False, return_norms=False):
   """Clipped sum over axis 0 and the number of clipped examples.
 
   ``mask`` (bool, one per example) drops padding examples from the sum (even
   non-finite ones) and from the count; ``accumulate=True`` returns the sums in
-  float32 (or wider) instead of casting back to each leaf's dtype.
+  float32 (or wider) instead of casting back to each leaf's dtype;
+  ``return_norms=True`` also returns each example's norm.
   """
   leaves = jax.tree.leaves(grads)
   acc = _numerics.tree_accumulation_dtype(grads)
@@ -275,13 +276,7 @@ def _per_example_clip(grads, l2_norm_clip, *, mask=None, accumulate=False):
       for g in leaves)
   norms = _numerics.safe_sqrt(sumsq)
   bound = jnp.asarray(l2_norm_clip, acc)
-  # A non-finite example gets a NaN factor, so the sum shows it (optax's sum
-  # is NaN there too: NaN * 1 or inf * 0).
-  multipliers = _numerics.clip_scale(norms, bound)
-  clipped = multipliers < 1.0
-  if mask is not None:
-    clipped = clipped & mask
-  num_clipped = jnp.sum(clipped)
+  multipliers, num_clipped = clip_multipliers(norms, bound, mask)
 
   def weighted_sum(g):
     g = jnp.asarray(g)
@@ -296,7 +291,22 @@ def _per_example_clip(grads, l2_norm_clip, *, mask=None, accumulate=False):
     out = jnp.sum(terms, axis=0)
     return out if accumulate else out.astype(g.dtype)
 
-  return jax.tree.map(weighted_sum, grads), num_clipped
+  out = jax.tree.map(weighted_sum, grads), num_clipped
+  return out + (norms,) if return_norms else out
+
+
+def clip_multipliers(norms, bound, mask=None):
+  """Each example's clip factor ``min(1, C / norm)`` and how many are below 1.
+
+  A non-finite norm gets a NaN factor, so the sum shows it (optax's sum is NaN
+  there too: NaN * 1 or inf * 0). ``mask`` drops padding examples from the
+  count.
+  """
+  multipliers = _numerics.clip_scale(norms, bound)
+  clipped = multipliers < 1.0
+  if mask is not None:
+    clipped = clipped & mask
+  return multipliers, jnp.sum(clipped)
 
 
 def per_example_global_norm_clip(

@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxclip import _distributed
+from jaxclip import _ghost
 from jaxclip import _optax_compat
 from jaxclip import _validation
 
@@ -57,7 +58,9 @@ def per_example_clipped_grad(
     spmd_axis_name: AxisName | None = None,
     axis_name: AxisName | None = None,
     has_aux: bool = False,
-) -> Callable[..., tuple[PyTree, jax.Array] | tuple[PyTree, jax.Array, PyTree]]:
+    method: str = "vmap",
+    return_norms: bool = False,
+) -> Callable[..., tuple[Any, ...]]:
   r"""Makes a function returning the sum of per-example gradients, each clipped.
 
   .. math::
@@ -173,13 +176,16 @@ def per_example_clipped_grad(
         "batch_argnums must name arguments after params (1, 2, ...), got "
         f"{batch_argnums!r}."
     )
-  grad_fn = jax.grad(loss_fn, has_aux=has_aux)
+  if method not in ("vmap", "ghost"):
+    raise ValueError(f"method must be 'vmap' or 'ghost', got {method!r}.")
 
-  def example_grad(params, *args):
+  def example_loss(params, *args):
     if keep_batch_dim:
       args = [jax.tree.map(lambda x: jnp.expand_dims(x, 0), a) if i + 1 in batch_argnums
               else a for i, a in enumerate(args)]
-    return grad_fn(params, *args)
+    return loss_fn(params, *args)
+
+  example_grad = jax.grad(example_loss, has_aux=has_aux)
 
   def clipped_grad(params, *args):
     if max(batch_argnums) > len(args):
@@ -206,13 +212,16 @@ def per_example_clipped_grad(
       full = list(args)
       for i, a in zip(idx, batch_args, strict=True):
         full[i] = a
+      if method == "ghost":
+        return _ghost_chunk(example_loss, params, full, idx, l2_norm_clip, mask,
+                            spmd_axis_name, has_aux)
       grads, aux = vgrad(params, *full) if has_aux else (vgrad(params, *full), None)
-      total, count = _optax_compat._per_example_clip(
-          grads, l2_norm_clip, mask=mask, accumulate=True)
-      return total, count, aux
+      total, count, norms = _optax_compat._per_example_clip(
+          grads, l2_norm_clip, mask=mask, accumulate=True, return_norms=True)
+      return total, count, norms, aux
 
     if num_chunks == 1:
-      total, num_clipped, aux = clip_chunk([args[i] for i in idx], None)
+      total, num_clipped, norms, aux = clip_chunk([args[i] for i in idx], None)
     else:
       padded = chunk * num_chunks
 
@@ -233,21 +242,63 @@ def per_example_clipped_grad(
 
       def body(carry, chunk_in):
         batch_args, mask = chunk_in
-        part, count, aux = clip_chunk(batch_args, mask)
-        return (jax.tree.map(jnp.add, carry[0], part), carry[1] + count), aux
+        part, count, norms, aux = clip_chunk(batch_args, mask)
+        return (jax.tree.map(jnp.add, carry[0], part), carry[1] + count), (norms, aux)
 
       # Inside shard_map the sums vary over the axes the inputs vary over; the
       # scan carry must have that type from the start.
       vary = frozenset().union(*map(_distributed.varying_axes, jax.tree.leaves((params, args))))
       if vary:
         init = _distributed.cast_varying(init, tuple(sorted(vary, key=str)))
-      (total, num_clipped), aux = jax.lax.scan(body, init, (xs, masks))
+      (total, num_clipped), (norms, aux) = jax.lax.scan(body, init, (xs, masks))
       # The inverse of to_chunks: row i of chunk j is example i * num_chunks + j.
-      aux = jax.tree.map(
-          lambda a: jnp.swapaxes(a, 0, 1).reshape((padded,) + a.shape[2:])[:size], aux)
+      norms, aux = jax.tree.map(
+          lambda a: jnp.swapaxes(a, 0, 1).reshape((padded,) + a.shape[2:])[:size], (norms, aux))
     total = jax.tree.map(lambda t, p: t.astype(jnp.result_type(p)), total, params)
     if axis_name is not None:
       total, num_clipped = jax.lax.psum((total, num_clipped), _distributed.axis_names(axis_name))
-    return (total, num_clipped, aux) if has_aux else (total, num_clipped)
+    out = (total, num_clipped) + ((norms,) if return_norms else ())
+    return out + (aux,) if has_aux else out
 
   return clipped_grad
+
+
+def _ghost_chunk(example_loss, params, args, idx, l2_norm_clip, mask, spmd_axis_name, has_aux):
+  """One chunk of ``method="ghost"``: the clipped sum, count, norms and aux."""
+  leaves, params_tree = jax.tree.flatten(params)
+  arg_leaves, batched = [], []
+  for i, a in enumerate(args):
+    for x in jax.tree.leaves(a):
+      arg_leaves.append(jnp.asarray(x))
+      batched.append(i in idx)
+  args_tree = jax.tree.structure(list(args))
+  if any(jnp.issubdtype(jnp.result_type(x), jnp.complexfloating) for x in leaves):
+    raise ValueError("per_example_clipped_grad(method='ghost') takes real parameters only; "
+                     "use method='vmap' for complex ones.")
+
+  def flat_loss(ls, xs):
+    return example_loss(jax.tree.unflatten(params_tree, ls),
+                        *jax.tree.unflatten(args_tree, xs))
+
+  spec = lambda x, b: jax.ShapeDtypeStruct(x.shape[1:] if b else x.shape, x.dtype,
+                                           weak_type=jax.typeof(x).weak_type)
+  closed, out_shape = jax.make_jaxpr(flat_loss, return_shape=True)(
+      [spec(x, False) for x in leaves], [spec(x, b) for x, b in zip(arg_leaves, batched)])
+  loss_shape = out_shape[0] if has_aux else out_shape
+  if jnp.shape(loss_shape) or not jnp.issubdtype(loss_shape.dtype, jnp.floating):
+    raise ValueError(
+        "per_example_clipped_grad needs loss_fn to return a real scalar for one example, "
+        f"got {loss_shape}.")
+  plan = _ghost.make_plan(_ghost.analyze(closed, _ghost.input_infos(len(leaves), batched)),
+                          len(leaves))
+  bound = jnp.asarray(l2_norm_clip, jnp.float32)
+
+  def weights_fn(norms):
+    multipliers, count = _optax_compat.clip_multipliers(norms, bound, mask)
+    return (multipliers if mask is None else jnp.where(mask, multipliers, 0)), count
+
+  grads, norms, count, aux_leaves = _ghost.clipped_sum(
+      closed, plan, leaves, arg_leaves, batched, weights_fn, mask=mask,
+      spmd_axis_name=spmd_axis_name)
+  aux = jax.tree.unflatten(jax.tree.structure(out_shape[1]), aux_leaves) if has_aux else None
+  return jax.tree.unflatten(params_tree, grads), count, norms, aux
