@@ -17,6 +17,7 @@ from jaxclip._optax_compat import per_example_global_norm_clip as per_example_gl
 from jaxclip._optax_compat import per_example_layer_norm_clip as per_example_layer_norm_clip
 from jaxclip._optax_compat import unitwise_clip as unitwise_clip
 from jaxclip._optax_compat import unitwise_norm as unitwise_norm
+from jaxclip._quantile import quantile_clip_norm_update as quantile_clip_norm_update
 from jaxclip._record import RecordNormsState as RecordNormsState
 from jaxclip._record import record_norms as record_norms
 from jaxclip._robust import SkipAboveState as SkipAboveState
@@ -75,6 +76,7 @@ __all__ = (
     "per_example_clipped_grad",
     "per_example_global_norm_clip",
     "per_example_layer_norm_clip",
+    "quantile_clip_norm_update",
     "record_norms",
     "skip_above",
     "skip_bad_microbatches",

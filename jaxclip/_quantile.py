@@ -1,0 +1,237 @@
+"""Quantile-adaptive clipping: a DP-SGD clip norm that tracks a quantile of the norms."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxclip import _numerics, _validation
+
+ArrayLike = jax.typing.ArrayLike
+
+
+def _check_finite(value: Any, name: str) -> None:
+  """Raises ``ValueError`` for a concrete ``inf`` (``check_threshold`` catches NaN)."""
+  v = _validation.concrete_value(value)
+  if v is not None and not np.all(np.isfinite(v)):
+    raise ValueError(f"{name} must be finite, got {value!r}.")
+
+
+def _check_norms(norms: Any) -> jax.Array:
+  """``norms`` as a 1-D, non-empty array of real numbers (shapes are static, even traced)."""
+  try:
+    dtype = norms.dtype if isinstance(norms, jax.Array) else np.asarray(norms).dtype
+  except (TypeError, ValueError):
+    dtype = None
+  if dtype is None or dtype == np.bool_ or not jnp.issubdtype(dtype, jnp.number) or (
+      jnp.issubdtype(dtype, jnp.complexfloating)):
+    raise TypeError(
+        "norms must be an array of real numbers (the per-example gradient norms), got "
+        f"{norms!r:.100}.")
+  norms = _numerics.as_array(norms)
+  if norms.ndim != 1 or norms.shape[0] == 0:
+    raise ValueError(
+        "norms must be a non-empty 1-D array of the batch's per-example norms, got shape "
+        f"{norms.shape}.")
+  return norms
+
+
+def _check_key(key: Any) -> None:
+  """Raises ``TypeError`` unless ``key`` is one ``jax.random`` key (typed, or legacy uint32)."""
+  dtype = getattr(key, "dtype", None)
+  if dtype is not None and jnp.issubdtype(dtype, jax.dtypes.prng_key):
+    ok = key.shape == ()
+  else:
+    ok = dtype == jnp.uint32 and getattr(key, "ndim", None) == 1
+  if not ok:
+    raise TypeError(
+        "key must be one jax.random key (jax.random.key(seed), or a legacy "
+        f"jax.random.PRNGKey(seed)), got {key!r:.100}.")
+
+
+def _check_flag(value: Any, name: str) -> None:
+  """Raises ``TypeError`` unless a concrete ``value`` is a bool (or a 0/1 number)."""
+  v = _validation.concrete_value(value)
+  if v is None:
+    return
+  if not (v.dtype == np.bool_ or (jnp.issubdtype(v.dtype, jnp.number)
+                                   and not np.iscomplexobj(v) and np.all((v == 0) | (v == 1)))):
+    raise TypeError(f"{name} must be a bool, got {value!r}.")
+
+
+def quantile_clip_norm_update(
+    clip_norm: ArrayLike,
+    norms: ArrayLike,
+    *,
+    target_quantile: ArrayLike = 0.5,
+    learning_rate: ArrayLike = 0.2,
+    count_stddev: ArrayLike = 0.0,
+    key: jax.Array | None = None,
+    geometric: ArrayLike = True,
+) -> jax.Array:
+  r"""Moves a DP-SGD clip norm towards a quantile of the per-example gradient norms.
+
+  One step of the quantile-adaptive clipping of Andrew et al.: with the
+  batch's :math:`B` per-example pre-clip norms :math:`n_i`, the fraction of
+  them at or below the clip norm :math:`C` is counted with Gaussian noise,
+
+  .. math::
+
+    \bar b = \frac{1}{B}\Big(\sum_{i=1}^{B} \mathbb{1}[n_i \le C]
+    + \mathcal{N}(0, \sigma_b^2)\Big),
+
+  and :math:`C` takes a step on the quantile loss, whose gradient is
+  :math:`\bar b - q`:
+
+  .. math::
+
+    C \leftarrow C \, e^{-\eta (\bar b - q)} \ \text{(geometric)}, \qquad
+    C \leftarrow \max\big(0,\ C - \eta (\bar b - q)\big) \ \text{(linear)}.
+
+  When more than a fraction :math:`q` of the norms lie below :math:`C` it
+  shrinks, when fewer it grows, so it settles where a fraction :math:`q` of
+  the examples are left unclipped: near the :math:`q`-quantile of their norms.
+  Call it once per step with the norms of that step's batch, and clip the
+  next batch with the returned value. The geometric update (the paper's
+  choice, with :math:`\eta = 0.2`) moves by a factor of at most
+  :math:`e^{\eta}` per step, whatever the scale of the norms; the linear one by
+  at most :math:`\eta` in absolute terms, and is clamped at ``0`` so the clip
+  norm never goes negative (the paper's linear rule has no clamp).
+  As in the paper, :math:`\bar b` is used as it comes out, noise included
+  (TF Privacy's ``QuantileEstimatorQuery`` clips it to ``[0, 1]`` first).
+
+  **Privacy.** The noisy count :math:`\bar b` is released, so it has a
+  privacy cost of its own, to be accounted for together with that of the
+  noised gradient sum: each example moves the count by at most one, and the
+  paper sets ``count_stddev`` to about :math:`B/20`, raising the gradient
+  noise slightly so that the total budget is unchanged. With
+  ``count_stddev=0`` the update reads the exact count and is not private.
+  Privacy accounting is outside jaxclip's scope: use Google's
+  `dp_accounting <https://github.com/google/differential-privacy/tree/main/python/dp_accounting>`_
+  package (``pip install dp-accounting``). :math:`B` is the length of
+  ``norms``; the paper divides by the *expected* batch size when batches are
+  Poisson-sampled.
+
+  ======================================  ===============================
+  case                                    result
+  ======================================  ===============================
+  a NaN or ``+inf`` norm                  it is not :math:`\le C`, so it
+                                          counts as above the clip norm:
+                                          the result stays finite
+  ``clip_norm = 0``, geometric            stays ``0``: start from a
+                                          positive clip norm
+  ``clip_norm = inf``                     stays ``inf``
+  ``learning_rate = 0``                   ``clip_norm`` is returned
+  a traced negative ``clip_norm``         acts as ``0``
+  ======================================  ===============================
+
+  The update is computed in float32 (float64 for a float64 ``clip_norm``) and
+  cast back to ``clip_norm``'s dtype (an integer one gives float32). In
+  bfloat16 a step smaller than the dtype's spacing rounds away, so keep the
+  clip norm in float32 across steps.
+
+  Args:
+    clip_norm: The current clip norm :math:`C`, a scalar ``>= 0``. May be
+      traced.
+    norms: The 1-D array of the batch's :math:`B` per-example gradient norms
+      before clipping (e.g. ``jax.vmap`` of :func:`jaxclip.ops.global_norm`
+      over per-example gradients).
+    target_quantile: The fraction :math:`q` of examples to leave unclipped, in
+      ``[0, 1]``. May be traced.
+    learning_rate: The step size :math:`\eta`, ``>= 0`` and finite. May be
+      traced.
+    count_stddev: The standard deviation :math:`\sigma_b` of the Gaussian
+      noise added to the count, ``>= 0`` and finite. May be traced (then a
+      ``key`` is required, as it may be positive).
+    key: A ``jax.random`` key: the noise is ``count_stddev *
+      jax.random.normal(key)`` (float32). Required unless ``count_stddev`` is
+      a concrete ``0``; use a fresh key each step.
+    geometric: The geometric update if true, else the linear one. May be
+      traced.
+
+  Returns:
+    The new clip norm, a scalar of ``clip_norm``'s dtype.
+
+  Raises:
+    ValueError: for a concrete ``clip_norm`` that is negative or NaN, a
+      ``target_quantile`` outside ``[0, 1]``, a negative or non-finite
+      ``learning_rate`` or ``count_stddev``, a hyperparameter that is not a
+      scalar, ``norms`` that are not a non-empty 1-D array, or a
+      ``count_stddev`` that is positive or traced without a ``key``.
+    TypeError: for a hyperparameter or ``norms`` that are not real numbers, a
+      ``geometric`` that is not a bool, or a ``key`` that is not one key.
+
+  Examples:
+    >>> import jax, jax.numpy as jnp
+    >>> import jaxclip
+    >>> norms = jnp.array([0.5, 1.5, 2.0, 4.0])  # 1 of 4 at or below 1.0
+    >>> jaxclip.quantile_clip_norm_update(1.0, norms)  # 1.0 * exp(-0.2 * (0.25 - 0.5))
+    Array(1.0512711, dtype=float32)
+    >>> jaxclip.quantile_clip_norm_update(1.0, norms, geometric=False)  # 1.0 + 0.2 * 0.25
+    Array(1.05, dtype=float32)
+
+    With a noisy count, as DP-SGD needs (the paper's :math:`\sigma_b = B/20`):
+
+    >>> new = jaxclip.quantile_clip_norm_update(
+    ...     1.0, norms, count_stddev=len(norms) / 20, key=jax.random.key(0))
+    >>> bool(jnp.exp(-0.2) <= new <= jnp.exp(0.2))
+    True
+
+    Iterated over steps, it settles near the ``target_quantile`` of the norms:
+
+    >>> step = lambda c, n: (jaxclip.quantile_clip_norm_update(c, n), None)
+    >>> batches = jnp.exp(jax.random.normal(jax.random.key(1), (500, 64)))
+    >>> c, _ = jax.lax.scan(step, jnp.float32(0.1), batches)  # median of exp(N(0, 1)) is 1
+    >>> bool(0.8 < c < 1.25)
+    True
+
+  References:
+    Andrew et al., `Differentially Private Learning with Adaptive Clipping
+    <https://arxiv.org/abs/1905.03871>`_, 2021
+  """
+  for value, name in ((clip_norm, "clip_norm"), (learning_rate, "learning_rate"),
+                      (count_stddev, "count_stddev")):
+    _validation.check_scalar(value, name)
+    _validation.check_threshold(value, name)
+  for value, name in ((learning_rate, "learning_rate"), (count_stddev, "count_stddev")):
+    _check_finite(value, name)
+  _validation.check_scalar(target_quantile, "target_quantile")
+  _validation.check_interval(target_quantile, "target_quantile", 0.0, 1.0)
+  _validation.check_scalar(geometric, "geometric")
+  _check_flag(geometric, "geometric")
+  norms = _check_norms(norms)
+  if key is not None:
+    _check_key(key)
+  else:
+    stddev = _validation.concrete_value(count_stddev)
+    if stddev is None:
+      raise ValueError(
+          "count_stddev is traced, so it may be positive, and the noise needs a key: pass "
+          "key=jax.random.key(...) (or a concrete count_stddev=0.0 for no noise).")
+    if stddev > 0:
+      raise ValueError(
+          f"count_stddev={count_stddev!r} > 0 adds noise to the count, which needs a key: "
+          "pass key=jax.random.key(...), a fresh one each step.")
+
+  c = _numerics.as_array(clip_norm)
+  out_dtype = c.dtype if jnp.issubdtype(c.dtype, jnp.inexact) else jnp.dtype(jnp.float32)
+  dtype = _numerics.compute_dtype(out_dtype)
+  c = jnp.maximum(c.astype(dtype), jnp.zeros((), dtype))
+  # Compared in the wider of the two dtypes, so a half-precision side is not rounded.
+  cmp = jnp.promote_types(dtype, _numerics.compute_dtype(
+      norms.dtype if jnp.issubdtype(norms.dtype, jnp.inexact) else jnp.float32))
+  below = norms.astype(cmp) <= c.astype(cmp)  # NaN and +inf norms are not below
+  count = jnp.sum(below.astype(dtype))
+  if key is not None:
+    noise = jax.random.normal(key, (), jnp.float32).astype(dtype)
+    count = count + jnp.asarray(count_stddev).astype(dtype) * noise
+  fraction = count / jnp.asarray(norms.shape[0], dtype)
+  step = jnp.asarray(learning_rate).astype(dtype) * (
+      fraction - jnp.asarray(target_quantile).astype(dtype))
+  geometric_c = c * jnp.exp(-step)
+  linear_c = jnp.maximum(c - step, jnp.zeros((), dtype))
+  new = jnp.where(jnp.asarray(geometric).astype(jnp.bool_), geometric_c, linear_c)
+  return new.astype(out_dtype)
