@@ -137,8 +137,8 @@ def quantile_clip_norm_update(
     clip_norm: The current clip norm :math:`C`, a scalar ``>= 0``. May be
       traced.
     norms: The 1-D array of the batch's :math:`B` per-example gradient norms
-      before clipping (e.g. ``jax.vmap`` of :func:`jaxclip.ops.global_norm`
-      over per-example gradients).
+      before clipping, as returned by
+      ``jaxclip.per_example_clipped_grad(..., return_norms=True)``.
     target_quantile: The fraction :math:`q` of examples to leave unclipped, in
       ``[0, 1]``. May be traced.
     learning_rate: The step size :math:`\eta`, ``>= 0`` and finite. May be
