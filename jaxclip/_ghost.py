@@ -52,6 +52,7 @@ import jax
 import jax.extend.core as jex
 import jax.numpy as jnp
 
+from jaxclip import _distributed
 from jaxclip import _numerics
 
 PARAM, DATA, CONST = "param", "data", "const"
@@ -444,7 +445,13 @@ def clipped_sum(
     loss, rest = jax.vmap(one, spmd_axis_name=spmd_axis_name)(zs, data)
     return jnp.sum(loss), rest
 
-  zs = [tuple(jnp.zeros((n,) + a.shape, a.dtype) for a in s.out_avals) for s in sites]
+  zs = [tuple(_batch_zeros((n,) + a.shape, a.dtype, data[0]) for a in s.out_avals)
+        for s in sites]
+  # Inside shard_map the zeros must vary as the examples do: the gradient with
+  # respect to a value that is the same on every device is summed over them.
+  vary = frozenset().union(*map(_distributed.varying_axes, leaves + arg_leaves))
+  if vary:
+    zs = _distributed.cast_varying(zs, tuple(sorted(vary, key=str)))
   gs, (aux, drecs) = jax.grad(total, has_aux=True)(zs)
   if mask is not None:
     keep = lambda x: (jnp.where(mask.reshape((-1,) + (1,) * (x.ndim - 1)), x, 0)
@@ -487,6 +494,15 @@ def clipped_sum(
   (grads,) = pull(cts)
   grads = [x.astype(jnp.promote_types(x.dtype, jnp.float32)) for x in grads]
   return grads, norms, extra, aux
+
+
+def _batch_zeros(shape: tuple[int, ...], dtype: Any, like: jax.Array) -> jax.Array:
+  """Zeros with a batch axis sharded as ``like``'s (under an Explicit mesh)."""
+  sharding = getattr(jax.typeof(like), "sharding", None)
+  spec = getattr(sharding, "spec", None)
+  if spec and spec[0] is not None and not sharding.mesh.empty:
+    return jnp.zeros(shape, dtype, out_sharding=jax.P(spec[0], *[None] * (len(shape) - 1)))
+  return jnp.zeros(shape, dtype)
 
 
 def _weighted(g: jax.Array, weights: jax.Array) -> jax.Array:

@@ -280,10 +280,17 @@ def _ghost_chunk(example_loss, params, args, idx, l2_norm_clip, mask, spmd_axis_
     return example_loss(jax.tree.unflatten(params_tree, ls),
                         *jax.tree.unflatten(args_tree, xs))
 
-  spec = lambda x, b: jax.ShapeDtypeStruct(x.shape[1:] if b else x.shape, x.dtype,
-                                           weak_type=jax.typeof(x).weak_type)
+  def example(x, batched):
+    # Inside shard_map the jaxpr must keep the axes each value varies over (and
+    # record the casts they need): it is traced on the first example itself.
+    if _distributed.varying_axes(x):
+      return x[0] if batched else x
+    aval = jax.typeof(x)
+    return jax.ShapeDtypeStruct(x.shape[1:] if batched else x.shape, x.dtype,
+                                weak_type=aval.weak_type)
+
   closed, out_shape = jax.make_jaxpr(flat_loss, return_shape=True)(
-      [spec(x, False) for x in leaves], [spec(x, b) for x, b in zip(arg_leaves, batched)])
+      leaves, [example(x, b) for x, b in zip(arg_leaves, batched)])
   loss_shape = out_shape[0] if has_aux else out_shape
   if jnp.shape(loss_shape) or not jnp.issubdtype(loss_shape.dtype, jnp.floating):
     raise ValueError(
