@@ -24,4 +24,10 @@ those, e.g. ``python -m benchmarks --only full-step --out /tmp/bench`` for the
 full train step alone (``--out`` keeps the committed ``results.md``, written
 by a run of every section, as it is). ``--quick`` makes every section a smoke
 test (tiny sizes, a tiny model, few repetitions).
+
+``python -m benchmarks.ghost`` is a separate benchmark of per-example clipping
+(DP-SGD): the compiled memory and step time of
+``jaxclip.per_example_clipped_grad`` with ``method="vmap"`` and, once it
+exists, ``method="ghost"`` against a plain gradient, on a 0.85M-parameter
+GPT with a tied output head; it writes ``ghost.md`` and ``ghost.png``.
 """

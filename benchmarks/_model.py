@@ -1,8 +1,11 @@
 """A small GPT-like language model in pure JAX, for the full train step benchmark.
 
 Token and position embeddings, pre-LayerNorm transformer blocks (causal
-multi-head self-attention, then a GELU MLP), a final LayerNorm and an untied
-output head. The parameters are a flat dict of arrays, one leaf per weight
+multi-head self-attention, then a GELU MLP), a final LayerNorm and an output
+head, untied by default or tied to the token embedding (``logits = h @ wte.T``,
+as in GPT-2; the per-example clipping benchmark :mod:`benchmarks.ghost` uses
+it). The loss takes one sequence or a batch of them, so it also serves as a
+per-example loss. The parameters are a flat dict of arrays, one leaf per weight
 and bias as in most JAX models (no stacking of the layers), so that a
 gradient transformation sees a realistic number of leaves.
 """
@@ -29,6 +32,8 @@ class GPTConfig:
     n_layers: number of transformer blocks.
     n_heads: attention heads per block (``d_model`` must be a multiple).
     batch: sequences per train step.
+    tied: whether the output head is the transposed token embedding (no
+      ``head.kernel`` parameter).
   """
 
   vocab: int = 8192
@@ -37,12 +42,13 @@ class GPTConfig:
   n_layers: int = 8
   n_heads: int = 6
   batch: int = 4
+  tied: bool = False
 
   def describe(self) -> str:
     """A one-line summary of the sizes."""
     return (f"vocab {self.vocab}, seq len {self.seq_len}, d_model {self.d_model}, "
             f"{self.n_layers} layers of {self.n_heads} heads, MLP {4 * self.d_model}, "
-            f"untied head, batch {self.batch}")
+            f"{'tied' if self.tied else 'untied'} head, batch {self.batch}")
 
 
 # About 20.5M parameters: 14.2M in the blocks, 3.1M in each of the token
@@ -66,7 +72,9 @@ def param_shapes(cfg: GPTConfig) -> dict[str, tuple[int, ...]]:
         p + "mlp.fc.kernel": (d, 4 * d), p + "mlp.fc.bias": (4 * d,),
         p + "mlp.proj.kernel": (4 * d, d), p + "mlp.proj.bias": (d,),
     })
-  shapes.update({"ln_f.scale": (d,), "ln_f.bias": (d,), "head.kernel": (d, v)})
+  shapes.update({"ln_f.scale": (d,), "ln_f.bias": (d,)})
+  if not cfg.tied:
+    shapes["head.kernel"] = (d, v)
   return shapes
 
 
@@ -106,13 +114,15 @@ def _layer_norm(x: jax.Array, scale: jax.Array, bias: jax.Array) -> jax.Array:
 
 
 def _attention(params: dict, p: str, x: jax.Array, n_heads: int) -> jax.Array:
-  b, t, d = x.shape
+  # x is (..., t, d): one sequence or a batch of them.
+  t, d = x.shape[-2:]
   qkv = x @ params[p + "attn.qkv.kernel"] + params[p + "attn.qkv.bias"]
-  q, k, v = (y.reshape(b, t, n_heads, d // n_heads) for y in jnp.split(qkv, 3, axis=-1))
-  logits = jnp.einsum("bqhc,bkhc->bhqk", q, k) / math.sqrt(d // n_heads)
+  q, k, v = (y.reshape(x.shape[:-1] + (n_heads, d // n_heads))
+             for y in jnp.split(qkv, 3, axis=-1))
+  logits = jnp.einsum("...qhc,...khc->...hqk", q, k) / math.sqrt(d // n_heads)
   causal = np.tril(np.ones((t, t), bool))
   logits = jnp.where(causal, logits, jnp.finfo(logits.dtype).min)
-  y = jnp.einsum("bhqk,bkhc->bqhc", jax.nn.softmax(logits, axis=-1), v).reshape(b, t, d)
+  y = jnp.einsum("...hqk,...khc->...qhc", jax.nn.softmax(logits, axis=-1), v).reshape(x.shape)
   return y @ params[p + "attn.proj.kernel"] + params[p + "attn.proj.bias"]
 
 
@@ -122,14 +132,18 @@ def _mlp(params: dict, p: str, x: jax.Array) -> jax.Array:
 
 
 def loss_fn(params: dict, tokens: jax.Array, cfg: GPTConfig) -> jax.Array:
-  """Mean next-token cross-entropy of ``tokens`` (``(batch, seq_len + 1)``)."""
-  inputs, targets = tokens[:, :-1], tokens[:, 1:]
-  x = params["wte"][inputs] + params["wpe"][: inputs.shape[1]]
+  """Mean next-token cross-entropy of ``tokens``, ``(batch, seq_len + 1)`` or ``(seq_len + 1,)``.
+
+  With one sequence of ``seq_len + 1`` tokens it is a per-example loss: the
+  mean over its ``seq_len`` positions.
+  """
+  inputs, targets = tokens[..., :-1], tokens[..., 1:]
+  x = params["wte"][inputs] + params["wpe"][: inputs.shape[-1]]
   for i in range(cfg.n_layers):
     p = f"h{i:02d}."
     x = x + _attention(params, p, _layer_norm(x, params[p + "ln_1.scale"],
                                               params[p + "ln_1.bias"]), cfg.n_heads)
     x = x + _mlp(params, p, _layer_norm(x, params[p + "ln_2.scale"], params[p + "ln_2.bias"]))
   x = _layer_norm(x, params["ln_f.scale"], params["ln_f.bias"])
-  logits = x @ params["head.kernel"]
+  logits = x @ (params["wte"].T if cfg.tied else params["head.kernel"])
   return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()

@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import collections
 import math
+import os
 import re
+import subprocess
+import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -13,7 +17,7 @@ import optax
 import pytest
 
 import jaxclip
-from benchmarks import _cases, _main, _model, _trees
+from benchmarks import _cases, _main, _model, _trees, ghost
 from jaxclip import _numerics
 
 # Gradient-sized leaves (one above the kernel's small-leaf size, the others
@@ -72,6 +76,64 @@ def test_full_train_step_model_is_about_20m_params():
   loss = _model.loss_fn(params, _model.make_tokens(cfg), cfg)
   # At initialisation the predictions are nearly uniform over the vocabulary.
   assert abs(float(loss) - math.log(cfg.vocab)) < 0.5
+
+
+def test_ghost_benchmark_quick_run_writes_table_and_plot(tmp_path):
+  # In a fresh process, as `python -m benchmarks.ghost` runs: it is compile-bound, and
+  # XLA compiles about twice as fast without its backend optimisations.
+  root = Path(__file__).resolve().parents[1]
+  env = {**os.environ,
+         "PYTHONPATH": os.pathsep.join([str(root), *filter(None, [os.environ.get("PYTHONPATH")])]),
+         "XLA_FLAGS": "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"}
+  done = subprocess.run([sys.executable, "-m", "benchmarks.ghost", "--quick", "--out",
+                         str(tmp_path)], cwd=root, env=env, capture_output=True, text=True,
+                        timeout=300, check=False)
+  assert done.returncode == 0, done.stderr[-3000:]
+  text = (tmp_path / "ghost.md").read_text()
+  assert "- machine: " in text and f"jax {jax.__version__}" in text
+  lines = [line for line in text.splitlines() if line.startswith("| ")]
+  header = [c.strip() for c in lines[0].strip("|").split("|")]
+  assert header == ghost.HEADER
+  rows = [dict(zip(header, (c.strip() for c in line.strip("|").split("|")), strict=True))
+          for line in lines[1:]]
+  assert [(int(r["B"]), int(r["T"])) for r in rows] == [
+      (b, t) for t in ghost.QUICK_SEQ_LENS for b in ghost.QUICK_BATCHES]
+  has_ghost = ghost.ghost_available()
+  for r in rows:
+    numeric = ["B x P x 4 MiB", "grad MiB", "vmap MiB", "grad ms", "vmap ms", "vmap/grad mem",
+               "vmap/grad time"]
+    ghost_cols = [c for c in header if "ghost" in c]
+    if has_ghost:
+      numeric += ghost_cols
+    else:
+      assert all(r[c] == "n/a" for c in ghost_cols), r
+    for c in numeric:
+      assert float(r[c]) >= 0 and (float(r[c]) > 0 or "MiB" in c), (c, r)
+    assert float(r["vmap ms"]) > 0 and float(r["vmap MiB"]) > 0, r
+  # The default clip, the median norm of a sample, clips some of the examples.
+  clipped = re.findall(r"examples clipped.*?(\d+) of (\d+)", text)
+  assert len(clipped) == len(rows) and any(0 < int(k) < int(n) for k, n in clipped), clipped
+  if has_ghost:  # ghost and vmap clip the same examples to the same sum
+    assert "ghost's clipped sum differs from vmap's" in text
+  png = (tmp_path / "ghost.png").read_bytes()
+  assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+
+
+def test_ghost_benchmark_model_is_a_tied_gpt_of_about_085m_params():
+  assert 0.8e6 < _model.num_params(_model.GPTConfig(seq_len=128, tied=True, **ghost.MODEL)) < 0.9e6
+  cfg = _model.GPTConfig(seq_len=8, batch=3, tied=True, **ghost.QUICK_MODEL)
+  params = _model.init_params(cfg)
+  assert "head.kernel" not in params and set(params) == set(_model.param_shapes(cfg))
+  tokens = _model.make_tokens(cfg)
+  # The loss of one sequence is a per-example loss: their mean is the batch's loss.
+  loss = jax.jit(_model.loss_fn, static_argnums=2)
+  per_example = jax.jit(jax.vmap(loss, (None, 0, None)), static_argnums=2)(params, tokens, cfg)
+  np.testing.assert_allclose(per_example.mean(), loss(params, tokens, cfg), rtol=1e-5)
+  assert abs(float(per_example.mean()) - math.log(cfg.vocab)) < 0.5
+  # The tied head: the token embedding gets gradient from the output layer too.
+  grad = jax.jit(jax.grad(loss), static_argnums=2)(params, tokens[0], cfg)["wte"]
+  unused = np.setdiff1d(np.arange(cfg.vocab), np.asarray(tokens[0, :-1]))
+  assert np.all(np.abs(np.asarray(grad)[unused]).sum(axis=1) > 0)
 
 
 @pytest.mark.hlo
