@@ -75,6 +75,7 @@ class _Info:
   kind: str
   deps: frozenset[int] = frozenset()  # the parameter leaves it depends on
   view: int | None = None  # the leaf it is a rearrangement of, if any
+  axes: tuple[int, ...] | None = None  # for such a view, the leaf axis of each of its axes
 
 
 _CONST = _Info(CONST)
@@ -132,18 +133,24 @@ def _body(eqn: Any) -> tuple[Any, list[Any]] | None:
   return None
 
 
-def _view_of(eqn: Any, infos: list[_Info]) -> int | None:
-  """The leaf an equation's single output rearranges, if it does."""
+def _view_of(eqn: Any, infos: list[_Info]) -> _Info:
+  """What an equation's output depends on, when its inputs depend on params only."""
+  deps = frozenset().union(*(i.deps for i in infos))
   name = eqn.primitive.name
   params = [i for i in infos if i.kind == PARAM]
   if name not in _VIEWS or len(params) != 1 or params[0].view is None or len(eqn.outvars) != 1:
-    return None
+    return _Info(PARAM, deps)
   src, out = eqn.invars[0].aval, eqn.outvars[0].aval
   if not (_is_float(src) and _is_float(out)) or infos[0].kind != PARAM:
-    return None
+    return _Info(PARAM, deps)
   if math.prod(src.shape) != math.prod(out.shape):
-    return None  # broadcast_in_dim that repeats values
-  return params[0].view
+    return _Info(PARAM, deps)  # broadcast_in_dim that repeats values
+  axes = params[0].axes
+  if axes is not None and name == "transpose":
+    axes = tuple(axes[p] for p in eqn.params["permutation"])
+  elif tuple(src.shape) != tuple(out.shape):
+    axes = None  # still the leaf's values, but not axis by axis
+  return _Info(PARAM, deps, params[0].view, axes)
 
 
 def _gather_is_lookup(eqn: Any) -> bool:
@@ -245,7 +252,7 @@ class _Walker:
         if DATA in kinds:
           info = _DATA
         elif PARAM in kinds:
-          info = _Info(PARAM, frozenset().union(*(i.deps for i in infos)), _view_of(eqn, infos))
+          info = _view_of(eqn, infos)
         else:
           info = _CONST
         skip = self.mode == "analyze" or (self.mode == "params" and info.kind == DATA)
@@ -277,8 +284,16 @@ def _f32(x: jax.Array) -> jax.Array:
   return x.astype(_numerics.accumulation_dtype(x.dtype))
 
 
-def dot_sumsq(site: Site, pos: int, a: jax.Array, g: jax.Array) -> jax.Array:
-  """Each example's ``||grad of the dot_general's param operand||^2``.
+def _dot_operands(site: Site, pos: int, a: jax.Array, g: jax.Array
+                  ) -> tuple[jax.Array, jax.Array]:
+  """A ``dot_general`` site's data operand and output gradient, canonicalised.
+
+  Returns ``A`` of shape ``(examples, n, T, C)`` and ``G`` of shape
+  ``(examples, n, T, F)`` (float32) such that each example's gradient of the
+  param operand is ``A[b, i].T @ G[b, i]`` for each of its ``n`` dot batch
+  indices: ``T`` runs over the data operand's free dims, ``C`` over the
+  contracting dims (in the data operand's order) and ``F`` over the param
+  operand's free dims.
 
   Args:
     site: A ``dot_general`` site whose operand ``pos`` is the parameter.
@@ -290,21 +305,26 @@ def dot_sumsq(site: Site, pos: int, a: jax.Array, g: jax.Array) -> jax.Array:
   (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
   contract, batch = (lc, lb) if pos == 1 else (rc, rb)
   d_aval = eqn.invars[1 - pos].aval
-  p_aval = eqn.invars[pos].aval
+  size = lambda dims: math.prod(d_aval.shape[i] for i in dims)
   free = [i for i in range(d_aval.ndim) if i not in contract and i not in batch]
-  size = lambda dims, shape: math.prod(shape[i] for i in dims)
-  nb = size(batch, d_aval.shape)
-  t = size(free, d_aval.shape)
-  c = size(contract, d_aval.shape)
-  f = math.prod(p_aval.shape) // max(nb * c, 1) if nb * c else 0
+  nb, t, c = size(batch), size(free), size(contract)
+  f = math.prod(eqn.invars[pos].aval.shape) // max(nb * c, 1)
   n = a.shape[0]
   perm = [0] + [1 + i for i in (*batch, *free, *contract)]
   a = _f32(jnp.transpose(a, perm).reshape(n, nb, t, c))
   g = _f32(g)
   if pos == 1:  # output dims: batch, data free, param free
-    g = g.reshape(n, nb, t, f)
-  else:  # output dims: batch, param free, data free
-    g = jnp.swapaxes(g.reshape(n, nb, f, t), 2, 3)
+    return a, g.reshape(n, nb, t, f)
+  return a, jnp.swapaxes(g.reshape(n, nb, f, t), 2, 3)  # batch, param free, data free
+
+
+def dot_sumsq(site: Site, pos: int, a: jax.Array, g: jax.Array) -> jax.Array:
+  """Each example's ``||grad of the dot_general's param operand||^2``.
+
+  Args as :func:`_dot_operands`.
+  """
+  a, g = _dot_operands(site, pos, a, g)
+  t, c, f = a.shape[2], a.shape[3], g.shape[3]
   if t == 1:
     return jnp.sum(jnp.sum(a * a, axis=(2, 3)) * jnp.sum(g * g, axis=(2, 3)), axis=1)
   if t * t <= c * f:  # ghost: <A A^T, G G^T>
@@ -315,23 +335,73 @@ def dot_sumsq(site: Site, pos: int, a: jax.Array, g: jax.Array) -> jax.Array:
   return jnp.sum(grad * grad, axis=(1, 2, 3))
 
 
-def gather_sumsq(site: Site, ids: jax.Array, g: jax.Array) -> jax.Array:
-  """Each example's ``||grad of the looked-up table||^2``, repeated rows included."""
+def _lookup_operands(site: Site, ids: jax.Array, g: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """An embedding lookup's ids ``(examples, T)``, in range, and row gradients ``(examples, T, R)``.
+
+  Rows read out of range in ``FILL_OR_DROP`` mode get a zero gradient, as in
+  JAX's own transpose of the gather.
+  """
   eqn = site.eqn
   rows = eqn.invars[0].aval.shape[0]
   n = ids.shape[0]
   ids = ids.reshape(n, -1)
-  t = ids.shape[1]
-  g = _f32(g).reshape(n, t, -1)
+  g = _f32(g).reshape(n, ids.shape[1], -1)
   mode = getattr(eqn.params["mode"], "name", str(eqn.params["mode"]))
   if "FILL" in mode:  # out-of-range rows read the fill value: no gradient
     g = jnp.where(((ids >= 0) & (ids < rows))[..., None], g, 0)
-  ids = jnp.clip(ids, 0, rows - 1)
+  return jnp.clip(ids, 0, rows - 1), g
+
+
+def gather_sumsq(site: Site, ids: jax.Array, g: jax.Array) -> jax.Array:
+  """Each example's ``||grad of the looked-up table||^2``, repeated rows included."""
+  rows = site.eqn.invars[0].aval.shape[0]
+  ids, g = _lookup_operands(site, ids, g)
+  t = ids.shape[1]
   if t * t <= rows * g.shape[2]:
     gg = jnp.einsum("btr,bsr->bts", g, g, precision=_HIGHEST)
     return jnp.sum(jnp.where(ids[:, :, None] == ids[:, None, :], gg, 0), axis=(1, 2))
   table = jax.vmap(lambda i, x: jnp.zeros((rows, x.shape[1]), x.dtype).at[i].add(x))(ids, g)
   return jnp.sum(table * table, axis=(1, 2))
+
+
+def tied_cross(lookup: Site, ids: jax.Array, g_rows: jax.Array, dot: Site, pos: int,
+               a: jax.Array, g: jax.Array) -> jax.Array:
+  """Each example's ``<grad through the lookup, grad through the dot>`` of one table.
+
+  For a table ``E`` (``rows x R``) read by ``E[ids]`` and used by a
+  ``dot_general`` that contracts its axis 1 and keeps its axis 0 (a tied
+  output head, ``h @ E.T``), the dot's gradient of row ``r`` is
+  ``sum_s G[s, r] a_s``, so the inner product is
+  ``sum_{t,s} G[s, id_t] <g_t, a_s>``: cost ``T_lookup * T_dot`` per example.
+  """
+  ids, g_rows = _lookup_operands(lookup, ids, g_rows)
+  a, g = _dot_operands(dot, pos, a, g)  # (b, 1, T, R) and (b, 1, T, rows)
+  a, g = a[:, 0], g[:, 0]
+  m = jnp.einsum("btr,bsr->bts", g_rows, a, precision=_HIGHEST)
+  picked = jnp.take_along_axis(g, jnp.broadcast_to(ids[:, None, :], g.shape[:2] + ids.shape[1:]),
+                               axis=2)  # (b, s, t): G[s, id_t]
+  return jnp.sum(m * jnp.swapaxes(picked, 1, 2), axis=(1, 2))
+
+
+def _tied_pair(sites: Sequence[Site], leaf: int, bounds: Sequence[tuple[int, int]]
+               ) -> tuple[tuple[int, int], tuple[int, int]] | None:
+  """``(lookup, dot)`` boundaries if a 2-D leaf is an embedding table tied to a head."""
+  if len(bounds) != 2:
+    return None
+  by_rule = {sites[u].rules[k]: (u, k) for u, k in bounds}
+  if set(by_rule) != {"gather", "dot"}:
+    return None
+  (gu, gk), (du, dk) = by_rule["gather"], by_rule["dot"]
+  g_info, d_info = sites[gu].infos[gk], sites[du].infos[dk]
+  if g_info.view != leaf or d_info.view != leaf or g_info.axes != (0, 1) or d_info.axes is None:
+    return None
+  eqn = sites[du].eqn
+  pos = sites[du].param_positions()[dk]
+  (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+  contract, batch = (rc, rb) if pos == 1 else (lc, lb)
+  if batch or len(contract) != 1 or d_info.axes[contract[0]] != 1:
+    return None
+  return (gu, gk), (du, dk)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -341,12 +411,16 @@ class Plan:
   Attributes:
     sites: The sites of the program, in order.
     ghost: ``(site, position, rule)`` for leaves handled by a ghost rule.
+    tied: ``((site, position), (site, position))`` of the lookup and the
+      ``dot_general`` of each embedding table tied to an output head: both
+      rules, plus their cross term.
     groups: Lists of ``(leaves, boundaries)`` whose per-example gradients are
       instantiated; a boundary is ``(site, position among its params)``.
   """
 
   sites: tuple[Site, ...]
   ghost: tuple[tuple[int, int, str], ...]
+  tied: tuple[tuple[tuple[int, int], tuple[int, int]], ...]
   groups: tuple[tuple[tuple[int, ...], tuple[tuple[int, int], ...]], ...]
 
 
@@ -373,7 +447,7 @@ def make_plan(sites: Sequence[Site], num_leaves: int) -> Plan:
     deps = sites[u].infos[k].deps
     if deps:
       owned.setdefault(find(min(deps)), []).append((u, k))
-  ghost, groups = [], []
+  ghost, tied, groups = [], [], []
   for root, bounds in owned.items():
     leaves = tuple(members[root])
     if len(leaves) == 1 and len(bounds) == 1:
@@ -381,13 +455,17 @@ def make_plan(sites: Sequence[Site], num_leaves: int) -> Plan:
       if sites[u].infos[k].view == leaves[0] and sites[u].rules[k] != "generic":
         ghost.append((u, k, sites[u].rules[k]))
         continue
+    pair = _tied_pair(sites, leaves[0], bounds) if len(leaves) == 1 else None
+    if pair is not None:
+      tied.append(pair)
+      continue
     groups.append((leaves, tuple(bounds)))
-  return Plan(tuple(sites), tuple(ghost), tuple(groups))
+  return Plan(tuple(sites), tuple(ghost), tuple(tied), tuple(groups))
 
 
-def input_infos(num_leaves: int, batched: Sequence[bool]) -> list[_Info]:
+def input_infos(ndims: Sequence[int], batched: Sequence[bool]) -> list[_Info]:
   """The classes of the loss's inputs: the parameter leaves, then the arguments."""
-  return ([_Info(PARAM, frozenset({i}), i) for i in range(num_leaves)]
+  return ([_Info(PARAM, frozenset({i}), i, tuple(range(ndim))) for i, ndim in enumerate(ndims)]
           + [_DATA if b else _CONST for b in batched])
 
 
@@ -428,7 +506,7 @@ def clipped_sum(
     in float32 (or wider).
   """
   sites = plan.sites
-  in_infos = input_infos(len(leaves), batched)
+  in_infos = input_infos([jnp.ndim(x) for x in leaves], batched)
   data = [x for x, b in zip(arg_leaves, batched) if b]
   n = data[0].shape[0]
 
@@ -473,6 +551,12 @@ def clipped_sum(
       part = dot_sumsq(site, site.param_positions()[k], drecs[u][0], gs[u][0])
     else:
       part = gather_sumsq(site, drecs[u][0], gs[u][0])
+    sumsq = sumsq + part.astype(jnp.float32)
+  for (gu, _), (du, dk) in plan.tied:
+    pos = sites[du].param_positions()[dk]
+    ids, rows, a, g = drecs[gu][0], gs[gu][0], drecs[du][0], gs[du][0]
+    part = (gather_sumsq(sites[gu], ids, rows) + dot_sumsq(sites[du], pos, a, g)
+            + 2 * tied_cross(sites[gu], ids, rows, sites[du], pos, a, g))
     sumsq = sumsq + part.astype(jnp.float32)
   for group in plan.groups:
     sumsq = sumsq + _group_sumsq(group, sites, leaves, params_pass, pvals, cvals, drecs, gs,

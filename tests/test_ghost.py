@@ -64,7 +64,7 @@ def _plan(loss_fn, params, *example):
   leaves, tree = jax.tree.flatten(params)
   closed = jax.make_jaxpr(lambda ls, *xs: loss_fn(jax.tree.unflatten(tree, ls), *xs))(
       leaves, *example)
-  sites = _ghost.analyze(closed, _ghost.input_infos(len(leaves), [True] * len(example)))
+  sites = _ghost.analyze(closed, _ghost.input_infos([x.ndim for x in leaves], [True] * len(example)))
   return _ghost.make_plan(sites, len(leaves))
 
 
@@ -130,10 +130,36 @@ def test_gpt_with_tied_head_matches_vmap():
   plan = _plan(gpt_loss, params, tokens[0])
   ghost_dots = sum(r == "dot" for _, _, r in plan.ghost)
   assert ghost_dots == 4 * L  # qkv, proj, fc, out of each block
-  grouped = {i for leaves, _ in plan.groups for i in leaves}
   names = [jax.tree_util.keystr(k) for k, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
-  # The tied embedding is used twice (lookup and head): instantiated, exactly.
-  assert names.index("['wte']") in grouped
+  # The tied embedding is used twice (lookup and head): both rules and their cross term.
+  (((u, k), _),) = plan.tied
+  assert plan.sites[u].infos[k].deps == {names.index("['wte']")}
+  assert names.index("['wte']") not in {i for leaves, _ in plan.groups for i in leaves}
+
+
+@pytest.mark.parametrize("head", ["transposed", "einsum", "contract_rows"])
+@pytest.mark.parametrize("lookup", ["index", "take_fill"])
+def test_tied_table_cross_term_or_exact_fallback(head, lookup):
+  table = jax.random.normal(jax.random.key(0), (11, 6))
+  proj = jax.random.normal(jax.random.key(1), (6, 6))
+
+  def loss(p, ids):
+    e = p["e"][ids] if lookup == "index" else jnp.take(p["e"], ids, axis=0, fill_value=0)
+    h = jnp.tanh(e @ p["w"])
+    if head == "transposed":
+      logits = h @ p["e"].T
+    elif head == "einsum":
+      logits = jnp.einsum("td,nd->tn", h, p["e"])
+    else:  # contracts the table's rows: not a tied head, instantiated instead
+      logits = jnp.einsum("tn,nd->td", jax.nn.one_hot(ids, 11), p["e"]) @ h.T
+    return jnp.sum(jax.nn.log_softmax(logits)[:, 0])
+
+  hi = 13 if lookup == "take_fill" else 11
+  ids = jax.random.randint(jax.random.key(2), (12, 7), 0, hi).at[:, 1].set(3)
+  params = {"e": table, "w": proj}
+  _compare(loss, params, ids)
+  plan = _plan(loss, params, ids[0])
+  assert len(plan.tied) == (head != "contract_rows")
 
 
 def test_gpt_with_microbatches_padding_and_aux():
