@@ -190,3 +190,45 @@ def test_clipping_study_tiny_run(tmp_path):
   again = tmp_path / "again"
   study.main(["--tiny", "--replot", str(tmp_path / "clipping_study.json"), "--out", str(again)])
   assert (again / "clipping_study.md").read_text() == page
+
+
+def test_dp_sgd_tiny_run(tmp_path, capsys):
+  example = load("dp_sgd")
+  out = tmp_path / "dp.png"
+  results = example.main(["--tiny", "--out", str(out)])
+  assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+  printed = capsys.readouterr().out
+  assert f"plot written to {out}" in printed
+  assert "drawn without replacement (fixed size, not Poisson)" in printed
+  assert list(results) == ["non-private", "DP-SGD"]
+  plain, dp = results["non-private"], results["DP-SGD"]
+  for name, h in results.items():
+    assert h.loss.shape == h.clip_norm.shape == h.median_norm.shape == (60,), name
+    assert np.all(np.isfinite(h.loss)), name
+    assert 0.0 <= h.test_accuracy <= 1.0 and 0.0 <= h.train_accuracy <= 1.0, name
+    assert f"\n{name} " in printed, name  # a table row
+  assert np.all(np.isnan(plain.clip_norm))
+  # C starts at --initial-clip, far below the per-example norms, and moves up to them:
+  # it ends within a factor 3 of the median norm, from a factor of over 10 below.
+  assert dp.clip_norm[0] == pytest.approx(0.1)
+  assert np.all(np.isfinite(dp.clip_norm)) and np.all(dp.clip_norm > 0)
+  assert dp.median_norm[0] > 10 * dp.clip_norm[0]
+  late_norm = np.median(dp.median_norm[-10:])
+  assert late_norm / 3 < dp.clip_norm[-1] < 3 * late_norm
+  assert np.all((dp.clipped >= 0) & (dp.clipped <= 1))
+  assert dp.clipped[0] == 1.0  # C = 0.1 clips every example of the first batch
+  # Both runs learn, the private one too.
+  for name, h in results.items():
+    assert np.mean(h.loss[-10:]) < 0.8 * np.mean(h.loss[:10]), name
+
+
+def test_dp_sgd_without_noise_or_clipping_is_the_plain_run():
+  # No noise and a C far above every norm: DP-SGD's step is the mean gradient,
+  # so with the same initialisation, batches and optimizer it retraces the plain run.
+  example = load("dp_sgd")
+  config = example.Config(steps=20, train_size=256, test_size=64, hidden=8, batch=32, chunk=20,
+                          noise_multiplier=0.0, initial_clip=1e6)
+  plain, _ = example.train(config, private=False)
+  dp, _ = example.train(config, private=True)
+  assert np.all(dp.clipped == 0) and np.all(dp.clip_norm > 1e5)
+  np.testing.assert_allclose(dp.loss, plain.loss, rtol=1e-4)
