@@ -573,11 +573,26 @@ def clipped_sum(
     wg = [_weighted(g, weights) for g in gs[u]]
     fn = lambda pv, site=site, c=cvals[u], d=drecs[u]: jax.vmap(
         lambda db: site_outputs(site, pv, c, db), spmd_axis_name=spmd_axis_name)(d)
-    _, vjp = jax.vjp(fn, pvals[u])
+    vjp = _site_vjp(site, fn, pvals[u])
     cts.append(vjp(wg)[0])
   (grads,) = pull(cts)
   grads = [x.astype(jnp.promote_types(x.dtype, jnp.float32)) for x in grads]
   return grads, norms, extra, aux
+
+
+def _site_vjp(site: Site, fn: Callable[[Any], Any], primals: Any) -> Callable[[Any], Any]:
+  """``jax.vjp(fn, primals)[1]``, with errors naming the site's primitive."""
+
+  def named(call, *args):
+    try:
+      return call(*args)
+    except Exception as exc:  # re-raised with the primitive's name
+      raise ValueError(
+          "per_example_clipped_grad(method='ghost') cannot differentiate the loss with respect "
+          f"to the parameters through `{site.name}`: {exc}") from exc
+
+  vjp = named(lambda: jax.vjp(fn, primals)[1])
+  return lambda cts: named(vjp, cts)
 
 
 def _batch_zeros(shape: tuple[int, ...], dtype: Any, like: jax.Array) -> jax.Array:
@@ -624,7 +639,7 @@ def _group_sumsq(group, sites, leaves, params_pass, pvals, cvals, drecs, gs, spm
           pv[k] = x
         return site_outputs(site, pv, cvals[u], d)
 
-      _, vjp = jax.vjp(fn, [pvals[u][k] for k in ks])
+      vjp = _site_vjp(site, fn, [pvals[u][k] for k in ks])
       cts.extend(vjp(list(gg[u]))[0])
     (grads,) = pull(cts)
     return sum(jnp.sum(_numerics.abs_sq(_f32(x))) for x in grads)

@@ -214,6 +214,34 @@ def test_equinox_conv_model_matches_vmap():
   _compare(loss, params, images, labels, batch_argnums=(1, 2), rtol=1e-4)
 
 
+def test_flax_linen_model_with_remat_mixed_precision_and_dropout_keys():
+  import flax.linen as linen
+
+  class Block(linen.Module):
+
+    @linen.compact
+    def __call__(self, x, key):
+      h = linen.LayerNorm()(x)
+      h = linen.Dense(12, dtype=jnp.bfloat16)(h).astype(jnp.float32)  # bf16 compute
+      keep = jax.random.bernoulli(key, 0.8, h.shape)
+      h = jnp.where(keep, jax.nn.relu(h) / 0.8, 0)
+      return linen.Dense(3)(h)
+
+  model = linen.remat(Block)()
+  x = jax.random.normal(jax.random.key(0), (12, 5, 7))
+  keys = jax.random.split(jax.random.key(1), 12)
+  variables = model.init(jax.random.key(2), x[0], keys[0])
+
+  def loss(params, xb, key, label):
+    return -jax.nn.log_softmax(model.apply({"params": params}, xb, key).mean(0))[label]
+
+  labels = jnp.arange(12) % 3
+  _compare(loss, variables["params"], x, keys, labels, batch_argnums=(1, 2, 3), rtol=2e-2,
+           atol=1e-3)
+  plan = _plan(loss, variables["params"], x[0], keys[0], labels[0])
+  assert sorted(r for _, _, r in plan.ghost) == ["dot", "dot"]
+
+
 # ----------------------------------------------------------------------------
 # Each rule and each fallback
 # ----------------------------------------------------------------------------
@@ -322,6 +350,17 @@ def test_non_finite_example_shows_in_the_sum_as_with_vmap():
     assert all(np.isnan(np.asarray(t)).any() for t in jax.tree.leaves(total)), method
 
 
+def test_a_parameter_in_a_loop_jax_cannot_differentiate_names_the_primitive():
+  def loss(w, x):
+    n = x[0].astype(jnp.int32) % 3 + 1  # a data-dependent trip count
+    body = lambda c: (jnp.tanh(c[0] @ w), c[1] + 1)
+    return jnp.sum(jax.lax.while_loop(lambda c: c[1] < n, body, (x, 0))[0])
+
+  fn = jaxclip.per_example_clipped_grad(loss, 1.0, method="ghost")
+  with pytest.raises(ValueError, match="through `while`"):
+    fn(jnp.eye(3), jnp.ones((4, 3)))
+
+
 def test_bad_method_and_complex_parameters_are_refused():
   with pytest.raises(ValueError, match="method must be 'vmap' or 'ghost'"):
     jaxclip.per_example_clipped_grad(mlp_loss, 1.0, method="ghosts")
@@ -331,6 +370,17 @@ def test_bad_method_and_complex_parameters_are_refused():
   fn = jaxclip.per_example_clipped_grad(lambda w, x: w * x, 1.0, method="ghost")
   with pytest.raises(ValueError, match="real scalar"):
     fn(jnp.ones(2), jnp.ones((3, 2)))
+
+
+@pytest.mark.hlo
+@pytest.mark.parametrize("platform", ["cuda", "tpu"])
+def test_ghost_lowers_for_gpu_and_tpu_without_cpu_workarounds(platform):
+  params, tokens = _gpt_params(), _tokens(12)
+  fn = jaxclip.per_example_clipped_grad(gpt_loss, 1.0, microbatch_size=8, method="ghost",
+                                        return_norms=True)
+  text = jax.export.export(jax.jit(fn), platforms=(platform,))(params, tokens).mlir_module()
+  assert "stablehlo.optimization_barrier" not in text
+  assert "stablehlo.dot_general" in text
 
 
 # ----------------------------------------------------------------------------
