@@ -57,8 +57,9 @@ from jaxclip import _numerics
 
 PARAM, DATA, CONST = "param", "data", "const"
 # Call primitives whose body is walked when a parameter goes in (so that the
-# uses inside a jitted layer are seen one by one).
-_CALLS = frozenset({"jit", "pjit", "closed_call", "core_call", "checkpoint", "remat"})
+# uses inside a jitted or rematerialised layer are seen one by one; the ghost
+# pass then stores that layer's activations rather than recomputing them).
+_CALLS = frozenset({"jit", "pjit", "closed_call", "core_call", "checkpoint", "remat", "remat2"})
 # Primitives that rearrange a parameter without changing its values: the
 # gradient of the result has the norm of the parameter's gradient.
 _VIEWS = frozenset({"reshape", "transpose", "squeeze", "expand_dims", "copy", "copy_p",
