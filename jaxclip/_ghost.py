@@ -63,7 +63,7 @@ _CALLS = frozenset({"jit", "pjit", "closed_call", "core_call", "checkpoint", "re
 # Primitives that rearrange a parameter without changing its values: the
 # gradient of the result has the norm of the parameter's gradient.
 _VIEWS = frozenset({"reshape", "transpose", "squeeze", "expand_dims", "copy", "copy_p",
-                    "pvary", "pcast", "convert_element_type", "broadcast_in_dim"})
+                    "convert_element_type", "broadcast_in_dim"})
 # Elements of per-example gradients one chunk of a group may hold at once.
 _CHUNK_ELEMENTS = 1 << 24
 _HIGHEST = jax.lax.Precision.HIGHEST
@@ -567,10 +567,7 @@ def clipped_sum(
 
   # Book-keeping: sum_b w_b g_b pulled back through each site, then through h.
   cts = []
-  for u, site in enumerate(sites):
-    if not site.outs:
-      cts.append([jnp.zeros_like(p) for p in pvals[u]])
-      continue
+  for u, site in enumerate(sites):  # every site has a float output
     wg = [_weighted(g, weights) for g in gs[u]]
     fn = lambda pv, site=site, c=cvals[u], d=drecs[u]: jax.vmap(
         lambda db: site_outputs(site, pv, c, db), spmd_axis_name=spmd_axis_name)(d)

@@ -349,8 +349,8 @@ def _ghost_chunk(example_loss, params, args, idx, l2_norm_clip, mask, spmd_axis_
     raise ValueError(
         "per_example_clipped_grad needs loss_fn to return a real scalar for one example, "
         f"got {loss_shape}.")
-  plan = _ghost.make_plan(_ghost.analyze(closed, _ghost.input_infos([x.ndim for x in leaves], batched)),
-                          len(leaves))
+  infos = _ghost.input_infos([jnp.ndim(x) for x in leaves], batched)
+  plan = _ghost.make_plan(_ghost.analyze(closed, infos), len(leaves))
   bound = jnp.asarray(l2_norm_clip, jnp.float32)
 
   def weights_fn(norms):

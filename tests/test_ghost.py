@@ -64,7 +64,8 @@ def _plan(loss_fn, params, *example):
   leaves, tree = jax.tree.flatten(params)
   closed = jax.make_jaxpr(lambda ls, *xs: loss_fn(jax.tree.unflatten(tree, ls), *xs))(
       leaves, *example)
-  sites = _ghost.analyze(closed, _ghost.input_infos([x.ndim for x in leaves], [True] * len(example)))
+  infos = _ghost.input_infos([x.ndim for x in leaves], [True] * len(example))
+  sites = _ghost.analyze(closed, infos)
   return _ghost.make_plan(sites, len(leaves))
 
 
