@@ -30,8 +30,11 @@ Then, for each example:
 * a parameter whose only use is an embedding lookup (``E[ids]``,
   ``jnp.take``) gets it from the rows' gradients and the ids:
   ``sum_{t,s} [id_t = id_s] <g_t, g_s>``, repeated tokens included;
-* every other parameter (layer-norm scales and biases, convolutions, tied
-  weights used twice, anything used through a ``custom_jvp`` or a loop) is
+* an embedding table also used, transposed, by an output head (tied
+  weights) gets both of these plus their cross term,
+  ``sum_{t,s} G[s, id_t] <g_t, a_s>``;
+* every other parameter (layer-norm scales and biases, convolutions, weights
+  used twice otherwise, anything used through a ``custom_jvp`` or a loop) is
   grouped with the parameters it shares a use with, and its per-example
   gradient is instantiated exactly, for that group only, in chunks of
   examples: for scales and biases this is a cheap per-example reduction.
