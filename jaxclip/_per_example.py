@@ -112,10 +112,11 @@ def per_example_clipped_grad(
     exceeds the weight's size (the mixed ghost norm rule);
   * a table used once, by an embedding lookup (``E[ids]``, ``jnp.take``),
     gets :math:`\sum_{t,s} [\mathrm{id}_t = \mathrm{id}_s]\,
-    \langle g_t, g_s\rangle`, repeated ids included;
+    \langle g_t, g_s\rangle`, repeated ids included; a table tied to the
+    output head (``h @ E.T``) adds the exact cross term of its two uses;
   * every other parameter (layer-norm scales, biases, convolution kernels,
-    weights used twice such as a tied embedding, anything used inside a
-    ``custom_jvp``, ``lax.scan`` or ``cond``) gets its per-example gradient
+    other weights used twice, anything used inside a ``custom_jvp``,
+    ``lax.scan`` or ``cond``) gets its per-example gradient
     formed exactly, for that parameter (and those it shares a use with) only,
     in chunks of examples; for scales and biases that is a cheap reduction.
 
