@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
+import subprocess
+import sys
+import traceback
+from collections.abc import Callable
 from pathlib import Path
 
 import jax
@@ -95,6 +100,31 @@ def device_env(n_devices: int) -> dict[str, str]:
   env["JAX_PLATFORMS"] = "cpu"
   env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
   return env
+
+
+def run_checks(checks: dict[str, Callable[[], None]], n_devices: int) -> None:
+  """Runs each check here, printing ``{name: "ok" or its traceback}`` as one JSON line.
+
+  The body of a test file run as a script in :func:`checks_in_subprocess`.
+  """
+  assert jax.device_count() == n_devices, jax.devices()
+  results = {}
+  for name, check in checks.items():
+    try:
+      check()
+      results[name] = "ok"
+    except Exception:  # reported to the parent test, one case per check
+      results[name] = traceback.format_exc()
+  print(json.dumps(results))
+
+
+def checks_in_subprocess(script: str, n_devices: int) -> dict[str, str]:
+  """Runs ``script`` (which calls :func:`run_checks`) on ``n_devices`` virtual CPU devices."""
+  proc = subprocess.run([sys.executable, script], env=device_env(n_devices), cwd=ROOT, text=True,
+                        capture_output=True, timeout=600)
+  lines = proc.stdout.strip().splitlines()
+  assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-3000:]
+  return json.loads(lines[-1])
 
 
 def mlp_loss(params, x, y):

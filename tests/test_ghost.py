@@ -15,12 +15,6 @@ devices, as in ``test_per_example.py``.
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-import traceback
-from pathlib import Path
-
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -32,9 +26,8 @@ from jax.sharding import PartitionSpec as P
 
 import jaxclip
 from jaxclip import _ghost
-from tests.helpers import device_env, mlp_loss, mlp_problem
+from tests.helpers import checks_in_subprocess, mlp_loss, mlp_problem, run_checks
 
-ROOT = Path(__file__).resolve().parents[1]
 N_DEVICES = 8
 
 
@@ -447,11 +440,7 @@ MD_CHECKS = sorted(name for name in dict(globals()) if name.startswith("md_"))
 
 @pytest.fixture(scope="module")
 def multi_device_results():
-  proc = subprocess.run([sys.executable, __file__], env=device_env(N_DEVICES), cwd=ROOT, text=True,
-                        capture_output=True, timeout=600)
-  lines = proc.stdout.strip().splitlines()
-  assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-3000:]
-  return json.loads(lines[-1])
+  return checks_in_subprocess(__file__, N_DEVICES)
 
 
 @pytest.mark.parametrize("name", MD_CHECKS)
@@ -460,12 +449,4 @@ def test_multi_device(multi_device_results, name):
 
 
 if __name__ == "__main__":
-  assert jax.device_count() == N_DEVICES, jax.devices()
-  results = {}
-  for check in MD_CHECKS:
-    try:
-      globals()[check]()
-      results[check] = "ok"
-    except Exception:  # reported to the parent test, one case per check
-      results[check] = traceback.format_exc()
-  print(json.dumps(results))
+  run_checks({name: globals()[name] for name in MD_CHECKS}, N_DEVICES)
