@@ -548,23 +548,24 @@ def clipped_sum(
 
   pvals, pull, cvals = jax.vjp(params_pass, leaves, has_aux=True)
 
-  sumsq = jnp.zeros((n,), jnp.float32)
+  acc = _numerics.tree_accumulation_dtype(leaves)  # as method="vmap" sums squares
+  sumsq = jnp.zeros((n,), acc)
   for u, k, rule in plan.ghost:
     site = sites[u]
     if rule == "dot":
       part = dot_sumsq(site, site.param_positions()[k], drecs[u][0], gs[u][0])
     else:
       part = gather_sumsq(site, drecs[u][0], gs[u][0])
-    sumsq = sumsq + part.astype(jnp.float32)
+    sumsq = sumsq + part.astype(acc)
   for (gu, _), (du, dk) in plan.tied:
     pos = sites[du].param_positions()[dk]
     ids, rows, a, g = drecs[gu][0], gs[gu][0], drecs[du][0], gs[du][0]
     part = (gather_sumsq(sites[gu], ids, rows) + dot_sumsq(sites[du], pos, a, g)
             + 2 * tied_cross(sites[gu], ids, rows, sites[du], pos, a, g))
-    sumsq = sumsq + part.astype(jnp.float32)
+    sumsq = sumsq + part.astype(acc)
   for group in plan.groups:
     sumsq = sumsq + _group_sumsq(group, sites, leaves, params_pass, pvals, cvals, drecs, gs,
-                                 spmd_axis_name).astype(jnp.float32)
+                                 spmd_axis_name).astype(acc)
   norms = _numerics.safe_sqrt(sumsq)
   weights, extra = weights_fn(norms)
 

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 
 from jaxclip import _distributed
 from jaxclip import _ghost
+from jaxclip import _numerics
 from jaxclip import _optax_compat
 from jaxclip import _validation
 
@@ -352,7 +353,7 @@ def _ghost_chunk(example_loss, params, args, idx, l2_norm_clip, mask, spmd_axis_
         f"got {loss_shape}.")
   infos = _ghost.input_infos([jnp.ndim(x) for x in leaves], batched)
   plan = _ghost.make_plan(_ghost.analyze(closed, infos), len(leaves))
-  bound = jnp.asarray(l2_norm_clip, jnp.float32)
+  bound = jnp.asarray(l2_norm_clip, _numerics.tree_accumulation_dtype(leaves))
 
   def weights_fn(norms):
     multipliers, count = _optax_compat.clip_multipliers(norms, bound, mask)

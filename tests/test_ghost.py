@@ -324,6 +324,14 @@ def test_bfloat16_parameters_keep_their_dtype():
   _compare(mlp_loss, params, x, y, batch_argnums=(1, 2), rtol=3e-2, atol=1e-2)
 
 
+def test_float64_parameters_accumulate_in_float64_as_vmap_does():
+  with jax.enable_x64(True):
+    params, x, y = mlp_problem(batch=12, seed=9)
+    params, x, y = jax.tree.map(lambda a: a.astype(jnp.float64), (params, x, y))
+    got, _ = _compare(mlp_loss, params, x, y, batch_argnums=(1, 2), rtol=1e-12, atol=1e-12)
+    assert got[2].dtype == jnp.float64
+
+
 def test_return_norms_are_the_pre_clip_norms_in_batch_order():
   params, x, y = mlp_problem(batch=11, seed=6)
   grads = jax.vmap(jax.grad(mlp_loss), (None, 0, 0))(params, x, y)
