@@ -190,15 +190,13 @@ def test_the_installed_wheel_imports_every_public_name_and_runs_the_quick_exampl
   )
   # The running environment's packages, as plain paths after the venv's own
   # site-packages: a .pth line that is a path adds that folder and runs none of
-  # the .pth files in it (the editable install's finder among them). The
-  # checkout is left out; the asserts below check where jaxclip came from.
+  # the .pth files in it (the editable install's finder among them). Source
+  # checkouts (this one) are left out, not a .venv inside it (CI's); the
+  # asserts below check where jaxclip came from.
   deps = [
     p
     for p in map(Path, sys.path)
-    if p.is_absolute()
-    and p.is_dir()
-    and ROOT not in (p, *p.parents)
-    and not (p / "pyproject.toml").exists()
+    if p.is_absolute() and p.is_dir() and not (p / "pyproject.toml").exists()
   ]
   (site / "_jaxclip_test_deps.pth").write_text("".join(f"{p}\n" for p in deps))
 
