@@ -32,22 +32,16 @@ from packaging.requirements import Requirement
 import jaxclip
 
 ROOT = Path(__file__).resolve().parents[1]
-# What a clean checkout holds besides the sources (see .gitignore).
-_NOT_SOURCES = shutil.ignore_patterns(
-  ".git",
-  ".venv",
-  "venv",
-  "build",
-  "dist",
-  "site",
-  "*.egg-info",
-  "__pycache__",
-  ".pytest_cache",
-  ".hypothesis",
-  ".ipynb_checkpoints",
-  ".ruff_cache",
-  "output",
-)
+# What a checkout holds besides the sources (.gitignore): build outputs, caches, venvs.
+_OUTPUTS = {
+  ROOT: {".git", ".venv", "venv", "build", "dist", "site", ".pytest_cache", ".hypothesis"},
+  ROOT / "examples": {"output"},
+}
+_CACHES = shutil.ignore_patterns("__pycache__", "*.egg-info", ".ipynb_checkpoints", ".ruff_cache")
+
+
+def _not_sources(folder, names):
+  return set(_CACHES(folder, names)) | (_OUTPUTS.get(Path(folder), set()) & set(names))
 
 
 def _run(cmd, **kwargs):
@@ -92,7 +86,7 @@ def dists(tmp_path_factory):
   """``(sdist, wheel)`` paths, built once from a copy of the checkout."""
   tmp = tmp_path_factory.mktemp("dists")
   src = tmp / "src"
-  shutil.copytree(ROOT, src, ignore=_NOT_SOURCES)
+  shutil.copytree(ROOT, src, ignore=_not_sources)
   out = tmp / "dist"
   # Without isolation nothing is downloaded: the build backend (setuptools>=77)
   # and build come from the test extra (`pip install -e ".[test]"`).
