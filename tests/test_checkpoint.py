@@ -108,7 +108,7 @@ def test_every_stateful_transform_resumes_bit_for_bit(tmp_path):
 
   params, state = _run(step, params0, tx.init(params0), xs, ys, range(SAVE_AFTER))
   # The counters the schedule is meant to move did move.
-  get = lambda name: int(optax.tree.get(state, name))
+  get = lambda name, state=state: int(optax.tree.get(state, name))
   assert get("num_nonfinite_skipped") == 1
   assert get("num_steps_with_nonfinite") == 1
   assert get("num_spike_skipped") == 1

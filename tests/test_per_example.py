@@ -108,6 +108,11 @@ def test_has_aux_needs_a_pair():
 # ----------------------------------------------------------------------------
 
 
+def _row(tree, i):
+  """Row ``i`` (one device's result) of every leaf."""
+  return jax.tree.map(lambda a: a[i], tree)
+
+
 @pytest.mark.parametrize("uniform", [True, False])
 def test_layer_norm_clip_axis_name_under_vmap(uniform):
   params, x, y = mlp_problem()
@@ -119,8 +124,8 @@ def test_layer_norm_clip_axis_name_under_vmap(uniform):
       lambda g: jaxclip.per_example_layer_norm_clip(g, CLIP / 3, uniform, axis_name="i"),
       axis_name="i"))(split)
   for device in range(3):
-    _assert_trees_close(jax.tree.map(lambda a: a[device], out), ref_sum)
-    assert jax.tree.map(lambda c: int(c[device]), count) == jax.tree.map(int, ref_count)
+    _assert_trees_close(_row(out, device), ref_sum)
+    assert jax.tree.map(int, _row(count, device)) == jax.tree.map(int, ref_count)
 
 
 # ----------------------------------------------------------------------------
