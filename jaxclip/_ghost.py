@@ -182,6 +182,8 @@ def _rule(eqn: Any, roles: tuple[str, ...], pos: int) -> str:
     return "dot"
   if name == "gather" and pos == 0 and roles[1] == DATA and _gather_is_lookup(eqn):
     return "gather"
+  if name == "conv_general_dilated" and pos == 1 and roles[0] == DATA and _conv_is_ghostable(eqn):
+    return "conv"
   return "generic"
 
 
@@ -432,7 +434,16 @@ def dot_sumsq(site: Site, pos: int, a: jax.Array, g: jax.Array) -> jax.Array:
 
   Args as :func:`_dot_operands`.
   """
-  a, g = _dot_operands(site, pos, a, g)
+  return _mixed_sumsq(*_dot_operands(site, pos, a, g))
+
+
+def _mixed_sumsq(a: jax.Array, g: jax.Array) -> jax.Array:
+  """``sum_i ||A[b, i].T @ G[b, i]||^2`` for each ``b``, the cheaper way.
+
+  Args:
+    a: ``(examples, n, T, C)``.
+    g: ``(examples, n, T, F)``.
+  """
   t, c, f = a.shape[2], a.shape[3], g.shape[3]
   if t == 1:
     return jnp.sum(jnp.sum(a * a, axis=(2, 3)) * jnp.sum(g * g, axis=(2, 3)), axis=1)
@@ -442,6 +453,57 @@ def dot_sumsq(site: Site, pos: int, a: jax.Array, g: jax.Array) -> jax.Array:
     return jnp.sum(aa * gg, axis=(1, 2, 3))
   grad = jnp.einsum("bntc,bntf->bncf", a, g, precision=_HIGHEST)  # instantiated
   return jnp.sum(grad * grad, axis=(1, 2, 3))
+
+
+def _conv_is_ghostable(eqn: Any) -> bool:
+  return eqn.params["batch_group_count"] == 1 and eqn.params["dimension_numbers"] is not None
+
+
+def conv_sumsq(site: Site, kernel: jax.Array, a: jax.Array, g: jax.Array) -> jax.Array:
+  """Each example's ``||grad of a convolution's kernel||^2``.
+
+  The kernel's gradient is ``A^T G`` per feature group, ``A`` the input's
+  patches (one row per output position, one column per kernel tap) and ``G``
+  the output gradient: the ``dot_general`` rule over positions, through the
+  Gram matrices ``<A A^T, G G^T>`` when the positions are few; otherwise the
+  per-example kernel gradient, formed without the patches.
+
+  Args:
+    site: A ``conv_general_dilated`` site whose kernel (operand 1) is the parameter.
+    kernel: The kernel's value at the site, repeated for every example.
+    a: The input, for every example (leading batch axis).
+    g: The gradient with respect to the output, for every example.
+  """
+  eqn = site.eqn
+  params = eqn.params
+  dn = params["dimension_numbers"]
+  groups = params["feature_group_count"]
+  lhs_aval, rhs_aval, out_aval = eqn.invars[0].aval, eqn.invars[1].aval, eqn.outvars[0].aval
+  positions = math.prod(out_aval.shape[d] for d in (dn.out_spec[0], *dn.out_spec[2:]))
+  taps = math.prod(rhs_aval.shape[d] for d in dn.rhs_spec[1:])  # per group: C / groups * K
+  outs = rhs_aval.shape[dn.rhs_spec[0]] // groups
+  if positions * positions > taps * outs:  # the per-example kernel gradient costs less
+
+    def one(k_b, a_b, g_b):
+      _, vjp = jax.vjp(lambda k: _bind(eqn, [a_b, k])[0], k_b)
+      (grad,) = vjp(g_b.astype(out_aval.dtype))
+      return jnp.sum(_numerics.abs_sq(_f32(grad)))
+
+    return jax.vmap(one)(kernel, a, g)
+  filt = [rhs_aval.shape[d] for d in dn.rhs_spec[2:]]
+
+  def patches(a_b):  # (positions, C * K), columns channel-major
+    x = jnp.transpose(a_b, dn.lhs_spec)  # N, C, spatial...
+    p = jax.lax.conv_general_dilated_patches(
+        x, filt, params["window_strides"], params["padding"], params["lhs_dilation"],
+        params["rhs_dilation"], precision=_HIGHEST)  # N, C * K, out spatial...
+    return jnp.moveaxis(p, 1, -1).reshape(positions, -1)
+
+  n = a.shape[0]
+  pa = jax.vmap(patches)(_f32(a)).reshape(n, positions, groups, taps)
+  pg = jnp.moveaxis(jnp.transpose(_f32(g), (0, *(1 + d for d in dn.out_spec))), 2, -1)
+  pg = pg.reshape(n, positions, groups, outs)
+  return _mixed_sumsq(jnp.swapaxes(pa, 1, 2), jnp.swapaxes(pg, 1, 2))
 
 
 def _lookup_operands(site: Site, ids: jax.Array, g: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -773,6 +835,9 @@ def clipped_sum(
       pos = site.param_positions()[k]
       part = per_iteration(site, lambda a, g, site=site, pos=pos: dot_sumsq(site, pos, a, g),
                            drecs[u][0], gs[u][0])
+    elif rule == "conv":
+      part = per_iteration(site, lambda k, a, g, site=site: conv_sumsq(site, k, a, g),
+                           _broadcast_batch(pvals[u][k], n), drecs[u][0], gs[u][0])
     else:
       part = per_iteration(site, lambda i, g, site=site: gather_sumsq(site, i, g),
                            drecs[u][0], gs[u][0])
@@ -800,6 +865,11 @@ def clipped_sum(
   (grads,) = pull(cts)
   grads = [x.astype(jnp.promote_types(x.dtype, jnp.float32)) for x in grads]
   return grads, norms, extra, aux
+
+
+def _broadcast_batch(x: jax.Array, n: int) -> jax.Array:
+  """A site's param value repeated over a batch axis (after which its scan axes come)."""
+  return jnp.broadcast_to(x, (n,) + jnp.shape(x))
 
 
 def _batched_outputs(site: Site, pvals: Sequence[Any], cvals: Sequence[Any],

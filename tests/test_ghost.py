@@ -350,6 +350,44 @@ def test_flax_linen_scan_over_remat_blocks_gets_the_dot_rule_per_layer():
   assert rules["['ScanCheckpointBlock_0']['LayerNorm_0']['scale']"] == "instantiate"
 
 
+def test_conv_rule_with_stride_padding_dilation_and_feature_groups():
+  import flax.linen as linen
+
+  ks = jax.random.split(jax.random.key(0), 6)
+  convs = [eqx.nn.Conv2d(4, 6, 3, stride=2, padding=1, groups=2, key=ks[0]),  # kernel gradient
+           eqx.nn.Conv2d(6, 8, (3, 2), dilation=(2, 1), padding=((2, 1), (0, 1)), key=ks[1]),
+           eqx.nn.Conv2d(8, 8, 3, stride=2, key=ks[2])]  # 4 positions: the Gram form
+  params, static = eqx.partition(convs, eqx.is_inexact_array)
+
+  def loss(p, image):
+    h = image
+    for conv in eqx.combine(p, static):
+      h = jnp.tanh(conv(h))
+    return jnp.sum(jnp.sin(h))
+
+  images = jax.random.normal(ks[3], (8, 4, 9, 9))
+  _compare(loss, params, images, batch_argnums=1, rtol=1e-4)
+  plan = jaxclip.ghost_plan(loss, params, images, batch_argnums=1)
+  assert [leaf.rule for leaf in plan.leaves] == ["conv", "instantiate"] * 3
+
+  class Net(linen.Module):  # NHWC, "SAME" padding, kernel dilation, depthwise-style groups
+
+    @linen.compact
+    def __call__(self, x):
+      x = linen.GroupNorm(num_groups=2)(linen.Conv(8, (3, 3), strides=2, padding="SAME")(x))
+      x = linen.Conv(8, (3, 3), feature_group_count=4, kernel_dilation=2, padding="VALID")(
+          jax.nn.relu(x))
+      return jnp.sum(x ** 2)
+
+  net = Net()
+  xs = jax.random.normal(ks[4], (8, 12, 12, 4))
+  params = net.init(ks[5], xs[0])["params"]
+  loss = lambda p, x: net.apply({"params": p}, x)
+  _compare(loss, params, xs, batch_argnums=1, rtol=1e-4)
+  rules = jaxclip.ghost_plan(loss, params, xs, batch_argnums=1).rules
+  assert rules["['Conv_0']['kernel']"] == rules["['Conv_1']['kernel']"] == "conv"
+
+
 def test_loss_that_depends_on_the_parameters_only_for_some_examples():
   loss = lambda w, x: jnp.where(x[0] > 0, jnp.sum(w ** 2), jnp.sum(w * x))
   w = jnp.arange(3.0)
