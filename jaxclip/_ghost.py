@@ -713,7 +713,7 @@ def make_plan(sites: Sequence[Site], num_leaves: int) -> Plan:
   ghost_cost += sum(_site_cost(sites[u], k, "generic")[1] for _, bounds in groups
                     for u, k in bounds)
   per_example = sum(_site_cost(sites[u], k, sites[u].rules[k])[1] for u, k in boundaries)
-  return Plan(tuple(sites), tuple(ghost), tuple(tied), _merge_by_site(groups),
+  return Plan(tuple(sites), tuple(ghost), tuple(tied), _merge_groups(groups),
               (ghost_cost, per_example))
 
 
@@ -763,27 +763,22 @@ def _disjoint_uses(sites: Sequence[Site], leaf: int, bounds: Sequence[tuple[int,
   return all(_disjoint(a, b) for j, a in enumerate(infos) for b in infos[j + 1:])
 
 
-def _merge_by_site(groups: list[tuple[tuple[int, ...], tuple[tuple[int, int], ...]]]
-                   ) -> tuple[tuple[tuple[int, ...], tuple[tuple[int, int], ...]], ...]:
-  """Groups instantiated at a common site, merged: one per-example pass through each site."""
-  parent = list(range(len(groups)))
+def _disjoint_views(sites: Sequence[Site], leaf: int, bounds: Sequence[tuple[int, int]]) -> bool:
+  """Whether every use of the leaf is a view of its own part of it, in the same scans."""
+  infos = [sites[u].infos[k] for u, k in bounds]
+  return (bool(infos) and all(i.view == leaf and i.deps == {leaf} for i in infos)
+          and len({sites[u].stack for u, _ in bounds}) == 1
+          and all(_disjoint(a, b) for j, a in enumerate(infos) for b in infos[j + 1:]))
 
-  def find(i):
-    while parent[i] != i:
-      parent[i] = parent[parent[i]]
-      i = parent[i]
-    return i
 
-  first: dict[int, int] = {}
-  for j, (_, bounds) in enumerate(groups):
-    for u, _ in bounds:
-      parent[find(j)] = find(first.setdefault(u, j))
-  merged: dict[int, tuple[list[int], list[tuple[int, int]]]] = {}
-  for j, (leaves, bounds) in enumerate(groups):
-    ls, bs = merged.setdefault(find(j), ([], []))
-    ls.extend(leaves)
-    bs.extend(bounds)
-  return tuple((tuple(sorted(ls)), tuple(sorted(bs))) for ls, bs in merged.values())
+def _merge_groups(groups: list[tuple[tuple[int, ...], tuple[tuple[int, int], ...]]]
+                  ) -> tuple[tuple[tuple[int, ...], tuple[tuple[int, int], ...]], ...]:
+  """The instantiated groups as one: a single per-example pass, through each site once."""
+  if not groups:
+    return ()
+  leaves = sorted(i for ls, _ in groups for i in ls)
+  bounds = sorted(b for _, bs in groups for b in bs)
+  return ((tuple(leaves), tuple(bounds)),)
 
 
 _RULE_NAMES = {"dot": "dot", "gather": "lookup", "conv": "conv"}
@@ -1075,33 +1070,46 @@ def _group_sumsq(group, sites, leaves, params_pass, pvals, cvals, drecs, gs, spm
   by_site: dict[int, list[int]] = {}
   for u, k in bounds:
     by_site.setdefault(u, []).append(k)
-  order = [(u, k) for u in by_site for k in by_site[u]]
+  # A leaf whose uses are views of disjoint parts of it (a bias, a scale, a
+  # slice per scan iteration) has the squared norm of its uses' gradients
+  # summed: no pull-back to the leaf is needed.
+  direct = {i for i in members if _disjoint_views(
+      sites, i, [(u, k) for u, k in bounds if i in sites[u].infos[k].deps])}
+  pulled = [i for i in members if i not in direct]
+  order = [(u, k) for u in by_site for k in by_site[u]
+           if not sites[u].infos[k].deps <= direct]
 
   def boundary_values(sub):
     full = list(leaves)
-    for i, x in zip(members, sub):
+    for i, x in zip(pulled, sub, strict=True):
       full[i] = x
     ps, _ = params_pass(full)
     return [ps[u][k] for u, k in order]
 
-  _, pull = jax.vjp(boundary_values, [leaves[i] for i in members])
+  pull = jax.vjp(boundary_values, [leaves[i] for i in pulled])[1] if pulled else None
 
   def per_example(xs):
     ds, gg = xs
-    cts = []
+    cts, total = [], jnp.zeros((), jnp.float32)
     for u, ks in by_site.items():
       site = sites[u]
 
       def fn(sub, site=site, u=u, ks=ks, d=ds[u]):
         pv = list(pvals[u])
-        for k, x in zip(ks, sub):
+        for k, x in zip(ks, sub, strict=True):
           pv[k] = x
         return site_outputs(site, pv, cvals[u], d)
 
       vjp = _site_vjp(site, fn, [pvals[u][k] for k in ks])
-      cts.extend(vjp(list(gg[u]))[0])
-    (grads,) = pull(cts)
-    return sum(jnp.sum(_numerics.abs_sq(_f32(x))) for x in grads)
+      for k, ct in zip(ks, vjp(list(gg[u]))[0], strict=True):
+        if sites[u].infos[k].deps <= direct:
+          total = total + jnp.sum(_numerics.abs_sq(_f32(ct)))
+        else:
+          cts.append(ct)
+    if pull is not None:
+      (grads,) = pull(cts)
+      total = total + sum(jnp.sum(_numerics.abs_sq(_f32(x))) for x in grads)
+    return total
 
   ds = {u: drecs[u] for u in by_site}
   gg = {u: gs[u] for u in by_site}
