@@ -75,6 +75,7 @@ PARAM, DATA, CONST = "param", "data", "const"
 # uses inside a jitted or rematerialised layer are seen one by one; the ghost
 # pass then stores that layer's activations rather than recomputing them).
 _CALLS = frozenset({"jit", "pjit", "closed_call", "core_call", "checkpoint", "remat", "remat2"})
+_REMATS = frozenset({"checkpoint", "remat", "remat2"})
 # Primitives that rearrange a parameter without changing its values: the
 # gradient of the result has the norm of the parameter's gradient.
 _VIEWS = frozenset({"reshape", "transpose", "squeeze", "expand_dims", "copy", "copy_p",
@@ -309,6 +310,8 @@ class _Walker:
                  else None)
       if scanned is not None:
         outs = scanned
+      elif body is not None and self.mode == "forward" and eqn.primitive.name in _REMATS:
+        outs = self.remat(eqn, body, ins_e)
       elif body is not None:
         outs = self.walk(body[0], body[1], ins_e)
       elif DATA in kinds and any(i.kind == PARAM and _is_float(v.aval)
@@ -398,6 +401,33 @@ class _Walker:
     self.scans = scans[0]
     self.records.extend(records)
     return list(zip(list(carry) + list(ys), k_infos + ys_infos, strict=True))
+
+  def remat(self, eqn: Any, body: tuple[Any, list[Any]], ins: list[tuple[Any, _Info]]
+            ) -> list[tuple[Any, _Info]]:
+    """Walks a rematerialised layer's body under ``jax.checkpoint`` with the layer's policy.
+
+    Only what the sites record (their data inputs) and the layer's outputs
+    are kept for the backward pass; the rest is recomputed, as the model asks.
+    """
+    probe = _Walker("analyze", stack=self.stack)
+    probe.walk(body[0], body[1], [(None, i) for _, i in ins])
+    count = len(probe.sites)
+    u0 = len(self.records)
+    zs = list(self.zs[u0:u0 + count])
+    infos, found = [i for _, i in ins], {}
+
+    def inner(vals, zs):
+      sub = _Walker("forward", zs, self.sites, base=self.base + u0, stack=self.stack,
+                    scans=self.scans)
+      outs = sub.walk(body[0], body[1], list(zip(vals, infos, strict=True)))
+      found.update(infos=[i for _, i in outs], scans=sub.scans)
+      return [x for x, _ in outs], sub.records
+
+    outs, records = jax.checkpoint(inner, prevent_cse=eqn.params.get("prevent_cse", True),
+                                   policy=eqn.params.get("policy"))([x for x, _ in ins], zs)
+    self.scans = found["scans"]
+    self.records.extend(records)
+    return list(zip(outs, found["infos"], strict=True))
 
   def run(self, closed: Any, ins: Sequence[tuple[Any, _Info]]) -> list[Any]:
     outs = self.walk(closed.jaxpr, closed.consts, ins)
