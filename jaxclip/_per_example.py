@@ -115,16 +115,26 @@ def per_example_clipped_grad(
     gets :math:`\sum_{t,s} [\mathrm{id}_t = \mathrm{id}_s]\,
     \langle g_t, g_s\rangle`, repeated ids included; a table tied to the
     output head (``h @ E.T``) adds the exact cross term of its two uses;
-  * every other parameter (layer-norm scales, biases, convolution kernels,
-    other weights used twice, anything used inside a ``custom_jvp``,
-    ``lax.scan`` or ``cond``) gets its per-example gradient
-    formed exactly, for that parameter (and those it shares a use with) only,
-    in chunks of examples; for scales and biases that is a cheap reduction.
+  * a convolution kernel gets the first rule over the input's patches, or its
+    per-example gradient from that layer alone, whichever costs less;
+  * every other parameter (layer-norm scales, biases, other weights used
+    twice, anything used inside a ``custom_jvp`` or ``cond``) gets its
+    per-example gradient formed exactly, for those parameters only, in
+    chunks of examples; for scales and biases that is a cheap reduction.
 
-  The clipped sum is then book-kept from the same ``a`` and ``g`` (one matmul
-  per dense layer), with no second pass over the model. Results equal
+  The rules apply per iteration of a ``lax.scan`` over stacked layers (flax
+  ``nn.scan``, ``nnx.scan``, equinox) and per static slice of a stacked
+  weight, the squared norms added. The clipped sum is then book-kept from the
+  same ``a`` and ``g`` (one matmul per dense layer), with no second pass over
+  the model. Where these norms would cost more than per-example gradients
+  (long sequences through narrow layers), ``"vmap"``'s way is taken;
+  :func:`jaxclip.ghost_plan` shows the rule of each parameter. Results equal
   ``method="vmap"`` up to float rounding; memory stays close to the
-  non-private gradient's (see the README's benchmark).
+  non-private gradient's (see the README's benchmark). Under bfloat16
+  compute the reference is the non-private ``jax.grad``: ghost's clipped sum,
+  book-kept through the model's own bfloat16 operations, matches it bit for
+  bit where nothing is clipped, while ``vmap``'s float32 sum of per-example gradients
+  differs from both by bfloat16 rounding.
 
   Args:
     loss_fn: ``loss_fn(params, *args) -> scalar`` for one example (or, with
@@ -268,8 +278,10 @@ def per_example_clipped_grad(
       for i, a in zip(idx, batch_args, strict=True):
         full[i] = a
       if method == "ghost":
-        return _ghost_chunk(example_loss, params, full, idx, l2_norm_clip, mask,
-                            spmd_axis_name, has_aux)
+        out = _ghost_chunk(example_loss, params, full, idx, l2_norm_clip, mask,
+                           spmd_axis_name, has_aux)
+        if out is not None:  # None: per-example gradients cost less than ghost norms
+          return out
       grads, aux = vgrad(params, *full) if has_aux else (vgrad(params, *full), None)
       total, count, norms = _optax_compat._per_example_clip(
           grads, l2_norm_clip, mask=mask, accumulate=True, return_norms=True)
@@ -319,40 +331,14 @@ def per_example_clipped_grad(
 
 
 def _ghost_chunk(example_loss, params, args, idx, l2_norm_clip, mask, spmd_axis_name, has_aux):
-  """One chunk of ``method="ghost"``: the clipped sum, count, norms and aux."""
-  leaves, params_tree = jax.tree.flatten(params)
-  arg_leaves, batched = [], []
-  for i, a in enumerate(args):
-    for x in jax.tree.leaves(a):
-      arg_leaves.append(jnp.asarray(x))
-      batched.append(i in idx)
-  args_tree = jax.tree.structure(list(args))
-  if any(jnp.issubdtype(jnp.result_type(x), jnp.complexfloating) for x in leaves):
-    raise ValueError("per_example_clipped_grad(method='ghost') takes real parameters only; "
-                     "use method='vmap' for complex ones.")
+  """One chunk of ``method="ghost"``: the clipped sum, count, norms and aux.
 
-  def flat_loss(ls, xs):
-    return example_loss(jax.tree.unflatten(params_tree, ls),
-                        *jax.tree.unflatten(args_tree, xs))
-
-  def example(x, batched):
-    # Inside shard_map the jaxpr must keep the axes each value varies over (and
-    # record the casts they need): it is traced on the first example itself.
-    if _distributed.varying_axes(x):
-      return x[0] if batched else x
-    aval = jax.typeof(x)
-    return jax.ShapeDtypeStruct(x.shape[1:] if batched else x.shape, x.dtype,
-                                weak_type=aval.weak_type)
-
-  closed, out_shape = jax.make_jaxpr(flat_loss, return_shape=True)(
-      leaves, [example(x, b) for x, b in zip(arg_leaves, batched)])
-  loss_shape = out_shape[0] if has_aux else out_shape
-  if jnp.shape(loss_shape) or not jnp.issubdtype(loss_shape.dtype, jnp.floating):
-    raise ValueError(
-        "per_example_clipped_grad needs loss_fn to return a real scalar for one example, "
-        f"got {loss_shape}.")
-  infos = _ghost.input_infos([jnp.ndim(x) for x in leaves], batched)
-  plan = _ghost.make_plan(_ghost.analyze(closed, infos), len(leaves))
+  ``None`` where the plan costs more than forming per-example gradients.
+  """
+  traced = _ghost.trace(example_loss, params, args, idx, has_aux=has_aux)
+  if traced.plan.vmap_cheaper:
+    return None
+  leaves = traced.leaves
   bound = jnp.asarray(l2_norm_clip, _numerics.tree_accumulation_dtype(leaves))
 
   def weights_fn(norms):
@@ -360,7 +346,8 @@ def _ghost_chunk(example_loss, params, args, idx, l2_norm_clip, mask, spmd_axis_
     return (multipliers if mask is None else jnp.where(mask, multipliers, 0)), count
 
   grads, norms, count, aux_leaves = _ghost.clipped_sum(
-      closed, plan, leaves, arg_leaves, batched, weights_fn, mask=mask,
-      spmd_axis_name=spmd_axis_name)
-  aux = jax.tree.unflatten(jax.tree.structure(out_shape[1]), aux_leaves) if has_aux else None
-  return jax.tree.unflatten(params_tree, grads), count, norms, aux
+      traced.closed, traced.plan, leaves, traced.arg_leaves, traced.batched, weights_fn,
+      mask=mask, spmd_axis_name=spmd_axis_name)
+  aux = (jax.tree.unflatten(jax.tree.structure(traced.out_shape[1]), aux_leaves) if has_aux
+         else None)
+  return jax.tree.unflatten(traced.params_tree, grads), count, norms, aux
