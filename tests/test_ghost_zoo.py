@@ -110,7 +110,8 @@ def test_every_leaf_gets_the_rule_the_issue_asks_for(name, size):
   assert [leaf.floats for leaf in plan.leaves] == sizes
   for leaf in plan.leaves:
     assert (leaf.reason is None) == (leaf.rule != "instantiate"), leaf
-  fallback = sum(n for leaf, n in zip(plan.leaves, sizes, strict=True) if leaf.rule == "instantiate")
+  fallback = sum(n for leaf, n in zip(plan.leaves, sizes, strict=True)
+                 if leaf.rule == "instantiate")
   assert plan.fallback_share == pytest.approx(fallback / sum(sizes))
   text = str(plan)
   assert all(leaf.path in text for leaf in plan.leaves), text
