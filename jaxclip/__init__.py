@@ -10,6 +10,9 @@ from jaxclip._accumulation import skip_bad_microbatches as skip_bad_microbatches
 from jaxclip._autoclip import AutoClipState as AutoClipState
 from jaxclip._autoclip import autoclip as autoclip
 from jaxclip._per_example import per_example_clipped_grad as per_example_clipped_grad
+from jaxclip._ghost_plan import GhostLeafPlan as GhostLeafPlan
+from jaxclip._ghost_plan import GhostPlan as GhostPlan
+from jaxclip._ghost_plan import ghost_plan as ghost_plan
 from jaxclip._keras import clipped as clipped
 from jaxclip._optax_compat import adaptive_grad_clip as adaptive_grad_clip
 from jaxclip._optax_compat import clip_by_block_rms as clip_by_block_rms
@@ -53,6 +56,8 @@ __all__ = (
     "AdaptiveValueClipState",
     "AutoClipState",
     "ClipByGlobalNormState",
+    "GhostLeafPlan",
+    "GhostPlan",
     "RecordNormsState",
     "SkipAboveState",
     "SkipNonfiniteState",
@@ -72,6 +77,7 @@ __all__ = (
     "clip_by_norm",
     "clip_by_value",
     "clipped",
+    "ghost_plan",
     "ops",
     "per_example_clipped_grad",
     "per_example_global_norm_clip",

@@ -54,6 +54,7 @@ from typing import Any
 import jax
 import jax.extend.core as jex
 import jax.numpy as jnp
+import numpy as np
 
 from jaxclip import _distributed
 from jaxclip import _numerics
@@ -99,6 +100,9 @@ class Site:
     outs: The floating-point outputs (the others carry no gradient).
     out_avals: Their per-example abstract values.
     rules: For each ``PARAM`` input, ``"dot"``, ``"gather"`` or ``"generic"``.
+    stack: ``(scan id, length)`` of each ``lax.scan`` the site is in,
+      outermost first: its records then carry one leading axis per scan (one
+      entry per iteration).
   """
 
   eqn: Any
@@ -107,6 +111,7 @@ class Site:
   outs: tuple[int, ...]
   out_avals: tuple[Any, ...]
   rules: tuple[str, ...]
+  stack: tuple[tuple[int, int], ...] = ()
 
   @property
   def name(self) -> str:
@@ -190,11 +195,16 @@ class _Walker:
     records the param and const inputs of every site (``records``).
   """
 
-  def __init__(self, mode: str, zs: Sequence[Sequence[Any]] | None = None):
+  def __init__(self, mode: str, zs: Sequence[Sequence[Any]] | None = None,
+               sites: Sequence[Site] = (), *, base: int = 0,
+               stack: tuple[tuple[int, int], ...] = (), scans: int = 0):
     self.mode = mode
-    self.zs = zs
-    self.sites: list[Site] = []
-    self.records: list[Any] = []
+    self.zs = zs  # indexed from ``base``
+    self.sites: list[Site] = list(sites)  # analyze: found; otherwise: from the analysis
+    self.records: list[Any] = []  # the records of sites base, base + 1, ...
+    self.base = base
+    self.stack = stack  # the scans being walked, outermost first
+    self.scans = scans  # the scans entered so far (their ids)
 
   def site(self, eqn: Any, vals: list[Any], infos: list[_Info], aval: Any = None) -> list[Any]:
     index = len(self.records)
@@ -210,7 +220,7 @@ class _Walker:
       self.sites.append(Site(
           eqn, roles, tuple(i for i, r in zip(infos, roles) if r == PARAM), outs,
           tuple(avals[j] for j in outs),
-          tuple(_rule(eqn, roles, p) for p, r in enumerate(roles) if r == PARAM)))
+          tuple(_rule(eqn, roles, p) for p, r in enumerate(roles) if r == PARAM), self.stack))
       self.records.append(None)
       return [None] * len(avals)
     if self.mode == "params":
@@ -246,7 +256,11 @@ class _Walker:
       infos = [i for _, i in ins_e]
       kinds = {i.kind for i in infos}
       body = _body(eqn) if PARAM in kinds else None
-      if body is not None:
+      scanned = (self.scan(eqn, ins_e) if eqn.primitive.name == "scan" and PARAM in kinds
+                 else None)
+      if scanned is not None:
+        outs = scanned
+      elif body is not None:
         outs = self.walk(body[0], body[1], ins_e)
       elif DATA in kinds and any(i.kind == PARAM and _is_float(v.aval)
                                  for i, v in zip(infos, eqn.invars)) and any(
@@ -266,6 +280,76 @@ class _Walker:
         write(v, x)
     return [read(v) for v in jaxpr.outvars]
 
+  def scan(self, eqn: Any, ins: list[tuple[Any, _Info]]) -> list[tuple[Any, _Info]] | None:
+    """Walks a ``lax.scan``'s body once per iteration, or ``None`` to treat it as one site.
+
+    Parameters stacked over the scan (its ``xs``) are sliced per iteration:
+    each iteration uses its own slice, so a rule applied per iteration, its
+    squared norms summed, is exact. Parameters it closes over (``consts``)
+    are used by every iteration and lose their view of the leaf (they are
+    instantiated). A carry that depends on the parameters alone is not
+    handled: the whole scan is then one site.
+    """
+    p = eqn.params
+    nc, nk, length = p["num_consts"], p["num_carry"], p["length"]
+    closed = p["jaxpr"]
+    infos = [i for _, i in ins]
+    if any(i.kind == PARAM for i in infos[nc:nc + nk]):
+      return None
+    c_infos = [_Info(PARAM, i.deps) if i.kind == PARAM else i for i in infos[:nc]]
+    x_infos = [_Info(PARAM, i.deps, i.view, None if i.axes is None else i.axes[1:])
+               if i.kind == PARAM else i for i in infos[nc + nk:]]
+    k_infos = [_DATA if i.kind == DATA else _CONST for i in infos[nc:nc + nk]]
+    for _ in range(nk + 1):  # a carry becomes data once an iteration makes it so
+      probe = _Walker("analyze").walk(closed.jaxpr, closed.consts,
+                                      [(None, i) for i in c_infos + k_infos + x_infos])
+      if any(i.kind == PARAM for _, i in probe[:nk]):
+        return None
+      new = [_DATA if DATA in (a.kind, b.kind) else _CONST
+             for a, (_, b) in zip(k_infos, probe[:nk], strict=True)]
+      if new == k_infos:
+        break
+      k_infos = new
+    ys_infos = [_Info(PARAM, i.deps) if i.kind == PARAM else i for _, i in probe[nk:]]
+    scan_id, self.scans = self.scans, self.scans + 1
+    stack = self.stack + ((scan_id, length),)
+    body_infos = c_infos + k_infos + x_infos
+    if self.mode == "analyze":
+      saved, self.stack = self.stack, stack
+      self.walk(closed.jaxpr, closed.consts, [(None, i) for i in body_infos])
+      self.stack = saved
+      return [(None, i) for i in k_infos + ys_infos]
+    u0 = self.base + len(self.records)
+    u1 = u0
+    while u1 < len(self.sites) and self.sites[u1].stack[:len(stack)] == stack:
+      u1 += 1
+    vals = [x for x, _ in ins]
+    skip = self.mode == "params"  # data values are not computed in this mode
+    consts = vals[:nc]
+    carry = [None if skip and i.kind == DATA else x
+             for x, i in zip(vals[nc:nc + nk], k_infos, strict=True)]
+    xs = [None if skip and i.kind == DATA else x
+          for x, i in zip(vals[nc + nk:], x_infos, strict=True)]
+    zs = None if self.zs is None else list(self.zs[u0 - self.base:u1 - self.base])
+    scans = [self.scans]
+
+    def step(carry, x):
+      xv, zv = x
+      sub = _Walker(self.mode, zv, self.sites, base=u0, stack=stack, scans=self.scans)
+      outs = sub.walk(closed.jaxpr, closed.consts,
+                      list(zip(consts + list(carry) + list(xv), body_infos, strict=True)))
+      assert len(sub.records) == u1 - u0, (len(sub.records), u1 - u0)
+      scans[0] = sub.scans
+      outs = [None if skip and i.kind == DATA else x
+              for (x, _), i in zip(outs, k_infos + ys_infos, strict=True)]
+      return outs[:nk], (outs[nk:], sub.records)
+
+    carry, (ys, records) = jax.lax.scan(step, carry, (xs, zs), length=length,
+                                        reverse=p["reverse"], unroll=p["unroll"])
+    self.scans = scans[0]
+    self.records.extend(records)
+    return list(zip(list(carry) + list(ys), k_infos + ys_infos, strict=True))
+
   def run(self, closed: Any, ins: Sequence[tuple[Any, _Info]]) -> list[Any]:
     outs = self.walk(closed.jaxpr, closed.consts, ins)
     loss, info = outs[0]
@@ -276,12 +360,33 @@ class _Walker:
 
 def site_outputs(site: Site, pvals: Sequence[Any], cvals: Sequence[Any], dvals: Sequence[Any]
                  ) -> list[Any]:
-  """The floating-point outputs of ``site`` for the given inputs."""
-  if site.eqn is None:
-    return list(pvals)
-  its = {PARAM: iter(pvals), CONST: iter(cvals), DATA: iter(dvals)}
-  out = _bind(site.eqn, [next(its[r]) for r in site.roles])
-  return [out[j] for j in site.outs]
+  """The floating-point outputs of ``site`` for the given inputs (of one example).
+
+  Inside scans, every input and output has one leading axis per scan.
+  """
+
+  def once(pvals, cvals, dvals):
+    if site.eqn is None:
+      return list(pvals)
+    its = {PARAM: iter(pvals), CONST: iter(cvals), DATA: iter(dvals)}
+    out = _bind(site.eqn, [next(its[r]) for r in site.roles])
+    return [out[j] for j in site.outs]
+
+  for _ in site.stack:
+    once = jax.vmap(once)
+  return once(pvals, cvals, dvals)
+
+
+def per_iteration(site: Site, fn: Callable[..., jax.Array], *xs: jax.Array) -> jax.Array:
+  """``fn(*xs)`` (each ``x`` with a leading batch axis), summed over the site's scan iterations.
+
+  ``fn`` maps per-example records to a value per example; inside scans the
+  records have one more axis per scan after the batch axis.
+  """
+  for _ in site.stack:
+    fn = jax.vmap(fn, in_axes=1, out_axes=1)
+  out = fn(*xs)
+  return jnp.sum(out.reshape(out.shape[0], -1), axis=1)
 
 
 def _f32(x: jax.Array) -> jax.Array:
@@ -390,7 +495,7 @@ def tied_cross(lookup: Site, ids: jax.Array, g_rows: jax.Array, dot: Site, pos: 
 def _tied_pair(sites: Sequence[Site], leaf: int, bounds: Sequence[tuple[int, int]]
                ) -> tuple[tuple[int, int], tuple[int, int]] | None:
   """``(lookup, dot)`` boundaries if a 2-D leaf is an embedding table tied to a head."""
-  if len(bounds) != 2:
+  if len(bounds) != 2 or any(sites[u].stack for u, _ in bounds):
     return None
   by_rule = {sites[u].rules[k]: (u, k) for u, k in bounds}
   if set(by_rule) != {"gather", "dot"}:
@@ -467,6 +572,39 @@ def make_plan(sites: Sequence[Site], num_leaves: int) -> Plan:
   return Plan(tuple(sites), tuple(ghost), tuple(tied), tuple(groups))
 
 
+_RULE_NAMES = {"dot": "dot", "gather": "lookup", "conv": "conv"}
+
+
+def leaf_rules(plan: Plan, num_leaves: int) -> list[tuple[str, str | None]]:
+  """``(rule, reason)`` of each parameter leaf, as :func:`jaxclip.ghost_plan` reports them."""
+  out: list[tuple[str, str | None]] = [("unused", None)] * num_leaves
+  for u, k, rule in plan.ghost:
+    out[plan.sites[u].infos[k].view] = (_RULE_NAMES[rule], None)
+  for (gu, gk), _ in plan.tied:
+    out[plan.sites[gu].infos[gk].view] = ("tied", None)
+  for leaves, bounds in plan.groups:
+    for i in leaves:
+      out[i] = ("instantiate", _fallback_reason(plan.sites, i, leaves, bounds))
+  return out
+
+
+def _fallback_reason(sites: Sequence[Site], leaf: int, leaves: Sequence[int],
+                     bounds: Sequence[tuple[int, int]]) -> str:
+  """Why a leaf's per-example gradient is instantiated, in a few words."""
+  mine = [(u, k) for u, k in bounds if leaf in sites[u].infos[k].deps]
+  if len(mine) > 1:
+    return "used twice" if len(mine) == 2 else f"used {len(mine)} times"
+  (u, k), = mine
+  site, info = sites[u], sites[u].infos[k]
+  if len(info.deps) > 1:
+    return f"combined with another parameter before `{site.name}`"
+  if info.view != leaf:
+    return f"transformed before `{site.name}`"
+  if site.eqn is None:
+    return "the loss depends on it without the example"
+  return f"used by `{site.name}`, not a dot/lookup/conv"
+
+
 def input_infos(ndims: Sequence[int], batched: Sequence[bool]) -> list[_Info]:
   """The classes of the loss's inputs: the parameter leaves, then the arguments."""
   return ([_Info(PARAM, frozenset({i}), i, tuple(range(ndim))) for i, ndim in enumerate(ndims)]
@@ -478,6 +616,85 @@ def analyze(closed: Any, in_infos: Sequence[_Info]) -> list[Site]:
   walker = _Walker("analyze")
   walker.run(closed, [(None, i) for i in in_infos])
   return walker.sites
+
+
+def _is_static(x: Any) -> bool:
+  """Whether a shared argument leaf is not an array (``True``, a string): passed as is."""
+  return not isinstance(x, (jax.Array, np.ndarray, np.generic))
+
+
+@dataclasses.dataclass(frozen=True)
+class Traced:
+  """One example's loss, traced for the ghost pass.
+
+  Attributes:
+    closed: The ``ClosedJaxpr`` over ``leaves + arg_leaves`` (the loss first,
+      then any aux leaves).
+    out_shape: What the loss returns, as shapes.
+    leaves: The parameter leaves.
+    params_tree: Their tree structure.
+    arg_leaves: The argument leaves that are arrays (the others, shared
+      non-arrays such as ``True`` or a string, are baked into ``closed``).
+    batched: Which of ``arg_leaves`` carry the examples on axis 0.
+    plan: From :func:`make_plan`.
+  """
+
+  closed: Any
+  out_shape: Any
+  leaves: list[jax.Array]
+  params_tree: Any
+  arg_leaves: list[Any]
+  batched: list[bool]
+  plan: Plan
+
+
+def trace(example_loss: Callable[..., Any], params: Any, args: Sequence[Any],
+          batch_idx: Sequence[int], *, has_aux: bool) -> Traced:
+  """Traces one example's loss and plans each parameter's rule.
+
+  Args:
+    example_loss: ``example_loss(params, *args)`` for one example.
+    params: The parameters (a pytree of real arrays).
+    args: The arguments, those at ``batch_idx`` with a leading batch axis.
+    batch_idx: Positions in ``args`` of the batched arguments.
+    has_aux: Whether ``example_loss`` returns ``(loss, aux)``.
+  """
+  leaves, params_tree = jax.tree.flatten(params)
+  if any(jnp.issubdtype(jnp.result_type(x), jnp.complexfloating) for x in leaves):
+    raise ValueError("per_example_clipped_grad(method='ghost') takes real parameters only; "
+                     "use method='vmap' for complex ones.")
+  flat, args_tree = jax.tree.flatten(list(args))
+  which = [i for i, a in enumerate(args) for _ in jax.tree.leaves(a)]
+  static = {j: x for j, (x, i) in enumerate(zip(flat, which, strict=True))
+            if i not in batch_idx and _is_static(x)}
+  arg_leaves = [jnp.asarray(x) for j, x in enumerate(flat) if j not in static]
+  batched = [i in batch_idx for j, i in enumerate(which) if j not in static]
+
+  def flat_loss(ls, xs):
+    it = iter(xs)
+    full = [static[j] if j in static else next(it) for j in range(len(flat))]
+    return example_loss(jax.tree.unflatten(params_tree, ls),
+                        *jax.tree.unflatten(args_tree, full))
+
+  def example(x, batched):
+    # Inside shard_map the jaxpr must keep the axes each value varies over (and
+    # record the casts they need): it is traced on the first example itself.
+    if _distributed.varying_axes(x):
+      return x[0] if batched else x
+    aval = jax.typeof(x)
+    return jax.ShapeDtypeStruct(x.shape[1:] if batched else x.shape, x.dtype,
+                                weak_type=aval.weak_type)
+
+  closed, out_shape = jax.make_jaxpr(flat_loss, return_shape=True)(
+      leaves, [example(x, b) for x, b in zip(arg_leaves, batched, strict=True)])
+  loss_shape = out_shape[0] if has_aux else out_shape
+  if jnp.shape(loss_shape) or not jnp.issubdtype(loss_shape.dtype, jnp.floating):
+    raise ValueError(
+        "per_example_clipped_grad needs loss_fn to return a real scalar for one example, "
+        f"got {loss_shape}.")
+  infos = input_infos([jnp.ndim(x) for x in leaves], batched)
+  plan = make_plan(analyze(closed, infos), len(leaves))
+  return Traced(closed, out_shape, leaves, params_tree, arg_leaves, batched, plan)
 
 
 def clipped_sum(
@@ -519,7 +736,7 @@ def clipped_sum(
     return [next(it) if b else x for x, b in zip(arg_leaves, batched)]
 
   def one(zs_b, data_b):
-    walker = _Walker("forward", zs_b)
+    walker = _Walker("forward", zs_b, sites)
     outs = walker.run(closed, list(zip(leaves + merge(data_b), in_infos)))
     return outs[0], (outs[1:], walker.records)
 
@@ -527,8 +744,8 @@ def clipped_sum(
     loss, rest = jax.vmap(one, spmd_axis_name=spmd_axis_name)(zs, data)
     return jnp.sum(loss), rest
 
-  zs = [tuple(_batch_zeros((n,) + a.shape, a.dtype, data[0]) for a in s.out_avals)
-        for s in sites]
+  zs = [tuple(_batch_zeros((n,) + tuple(length for _, length in s.stack) + a.shape, a.dtype,
+                           data[0]) for a in s.out_avals) for s in sites]
   # Inside shard_map the zeros must vary as the examples do: the gradient with
   # respect to a value that is the same on every device is summed over them.
   vary = frozenset().union(*map(_distributed.varying_axes, leaves + arg_leaves))
@@ -541,7 +758,7 @@ def clipped_sum(
     gs, drecs = jax.tree.map(keep, (gs, drecs))
 
   def params_pass(ls):
-    walker = _Walker("params")
+    walker = _Walker("params", None, sites)
     walker.run(closed, list(zip(list(ls) + [None if b else x for x, b in zip(arg_leaves, batched)],
                                 in_infos)))
     return [p for p, _ in walker.records], [c for _, c in walker.records]
@@ -553,9 +770,12 @@ def clipped_sum(
   for u, k, rule in plan.ghost:
     site = sites[u]
     if rule == "dot":
-      part = dot_sumsq(site, site.param_positions()[k], drecs[u][0], gs[u][0])
+      pos = site.param_positions()[k]
+      part = per_iteration(site, lambda a, g, site=site, pos=pos: dot_sumsq(site, pos, a, g),
+                           drecs[u][0], gs[u][0])
     else:
-      part = gather_sumsq(site, drecs[u][0], gs[u][0])
+      part = per_iteration(site, lambda i, g, site=site: gather_sumsq(site, i, g),
+                           drecs[u][0], gs[u][0])
     sumsq = sumsq + part.astype(acc)
   for (gu, _), (du, dk) in plan.tied:
     pos = sites[du].param_positions()[dk]
@@ -573,13 +793,22 @@ def clipped_sum(
   cts = []
   for u, site in enumerate(sites):  # every site has a float output
     wg = [_weighted(g, weights) for g in gs[u]]
-    fn = lambda pv, site=site, c=cvals[u], d=drecs[u]: jax.vmap(
-        lambda db: site_outputs(site, pv, c, db), spmd_axis_name=spmd_axis_name)(d)
+    fn = lambda pv, site=site, c=cvals[u], d=drecs[u]: _batched_outputs(
+        site, pv, c, d, n, spmd_axis_name)
     vjp = _site_vjp(site, fn, pvals[u])
     cts.append(vjp(wg)[0])
   (grads,) = pull(cts)
   grads = [x.astype(jnp.promote_types(x.dtype, jnp.float32)) for x in grads]
   return grads, norms, extra, aux
+
+
+def _batched_outputs(site: Site, pvals: Sequence[Any], cvals: Sequence[Any],
+                     dvals: Sequence[Any], n: int, spmd_axis_name: Any) -> list[Any]:
+  """The site's outputs for every example (``dvals`` with a leading batch axis)."""
+  if not dvals:  # the site does not see the example: the same outputs for all
+    return [jnp.broadcast_to(x, (n,) + jnp.shape(x)) for x in site_outputs(site, pvals, cvals, [])]
+  return jax.vmap(lambda db: site_outputs(site, pvals, cvals, db),
+                  spmd_axis_name=spmd_axis_name)(dvals)
 
 
 def _site_vjp(site: Site, fn: Callable[[Any], Any], primals: Any) -> Callable[[Any], Any]:
@@ -648,10 +877,12 @@ def _group_sumsq(group, sites, leaves, params_pass, pvals, cvals, drecs, gs, spm
 
   ds = {u: drecs[u] for u in by_site}
   gg = {u: gs[u] for u in by_site}
-  if spmd_axis_name is not None:
-    return jax.vmap(per_example, spmd_axis_name=spmd_axis_name)((ds, gg))
   n = next(iter(gg.values()))[0].shape[0]
   size = sum(math.prod(jnp.shape(leaves[i])) for i in members) + sum(
       math.prod(jnp.shape(pvals[u][k])) for u, k in order)
   chunk = max(1, min(n, _CHUNK_ELEMENTS // max(size, 1)))
+  if spmd_axis_name is not None or chunk >= n:
+    # One chunk: a plain vmap (lax.map would compile the per-example gradient
+    # in another layout, many times slower for convolutions on XLA:CPU).
+    return jax.vmap(per_example, spmd_axis_name=spmd_axis_name)((ds, gg))
   return jax.lax.map(per_example, (ds, gg), batch_size=chunk)

@@ -320,39 +320,8 @@ def per_example_clipped_grad(
 
 def _ghost_chunk(example_loss, params, args, idx, l2_norm_clip, mask, spmd_axis_name, has_aux):
   """One chunk of ``method="ghost"``: the clipped sum, count, norms and aux."""
-  leaves, params_tree = jax.tree.flatten(params)
-  arg_leaves, batched = [], []
-  for i, a in enumerate(args):
-    for x in jax.tree.leaves(a):
-      arg_leaves.append(jnp.asarray(x))
-      batched.append(i in idx)
-  args_tree = jax.tree.structure(list(args))
-  if any(jnp.issubdtype(jnp.result_type(x), jnp.complexfloating) for x in leaves):
-    raise ValueError("per_example_clipped_grad(method='ghost') takes real parameters only; "
-                     "use method='vmap' for complex ones.")
-
-  def flat_loss(ls, xs):
-    return example_loss(jax.tree.unflatten(params_tree, ls),
-                        *jax.tree.unflatten(args_tree, xs))
-
-  def example(x, batched):
-    # Inside shard_map the jaxpr must keep the axes each value varies over (and
-    # record the casts they need): it is traced on the first example itself.
-    if _distributed.varying_axes(x):
-      return x[0] if batched else x
-    aval = jax.typeof(x)
-    return jax.ShapeDtypeStruct(x.shape[1:] if batched else x.shape, x.dtype,
-                                weak_type=aval.weak_type)
-
-  closed, out_shape = jax.make_jaxpr(flat_loss, return_shape=True)(
-      leaves, [example(x, b) for x, b in zip(arg_leaves, batched)])
-  loss_shape = out_shape[0] if has_aux else out_shape
-  if jnp.shape(loss_shape) or not jnp.issubdtype(loss_shape.dtype, jnp.floating):
-    raise ValueError(
-        "per_example_clipped_grad needs loss_fn to return a real scalar for one example, "
-        f"got {loss_shape}.")
-  infos = _ghost.input_infos([jnp.ndim(x) for x in leaves], batched)
-  plan = _ghost.make_plan(_ghost.analyze(closed, infos), len(leaves))
+  traced = _ghost.trace(example_loss, params, args, idx, has_aux=has_aux)
+  leaves = traced.leaves
   bound = jnp.asarray(l2_norm_clip, _numerics.tree_accumulation_dtype(leaves))
 
   def weights_fn(norms):
@@ -360,7 +329,8 @@ def _ghost_chunk(example_loss, params, args, idx, l2_norm_clip, mask, spmd_axis_
     return (multipliers if mask is None else jnp.where(mask, multipliers, 0)), count
 
   grads, norms, count, aux_leaves = _ghost.clipped_sum(
-      closed, plan, leaves, arg_leaves, batched, weights_fn, mask=mask,
-      spmd_axis_name=spmd_axis_name)
-  aux = jax.tree.unflatten(jax.tree.structure(out_shape[1]), aux_leaves) if has_aux else None
-  return jax.tree.unflatten(params_tree, grads), count, norms, aux
+      traced.closed, traced.plan, leaves, traced.arg_leaves, traced.batched, weights_fn,
+      mask=mask, spmd_axis_name=spmd_axis_name)
+  aux = (jax.tree.unflatten(jax.tree.structure(traced.out_shape[1]), aux_leaves) if has_aux
+         else None)
+  return jax.tree.unflatten(traced.params_tree, grads), count, norms, aux

@@ -293,7 +293,61 @@ def test_weight_sharing_custom_jvp_scan_and_param_only_terms_are_exact():
   xs = jax.random.normal(ks[3], (10, 4))
   got, _ = _compare(loss, params, xs)
   assert not np.any(np.asarray(got[0]["unused"]))
-  assert _plan(loss, params, xs[0]).ghost == ()  # everything here is instantiated
+  plan = jaxclip.ghost_plan(loss, params, xs, batch_argnums=1)
+  assert plan.rules == {"['s']": "instantiate", "['stack']": "dot", "['unused']": "unused",
+                        "['w']": "instantiate"}  # the stack: the dot rule in each iteration
+
+
+def test_plain_scan_over_stacked_layers_gets_the_rules_per_iteration():
+  ks = jax.random.split(jax.random.key(0), 6)
+  n = lambda k, *s: 0.5 * jax.random.normal(k, s)
+  params = {"w": n(ks[0], 3, 4, 4), "b": n(ks[1], 3, 4), "table": n(ks[2], 3, 9, 4),
+            "shared": n(ks[3], 4, 4), "head": n(ks[4], 2, 4, 4)}
+
+  def loss(p, x, ids):
+    def step(carry, layer):
+      h, i = carry
+      h = jnp.tanh(h @ layer["w"] + layer["b"]) + layer["table"][ids] * i  # a counter carry
+      return (h @ p["shared"], i + 1), jnp.sum(h)  # a weight closed over: every iteration
+
+    (h, _), ys = jax.lax.scan(step, (x, 0), {k: p[k] for k in ("w", "b", "table")})
+    h, _ = jax.lax.scan(lambda h, w: (jnp.sin(h @ w), None), h, p["head"], reverse=True)
+    return jnp.sum(h ** 2) + jnp.sum(ys * jnp.arange(3.0))
+
+  xs = jax.random.normal(ks[5], (10, 5, 4))
+  ids = jax.random.randint(ks[5], (10, 5), 0, 9).at[:, 1].set(2)
+  _compare(loss, params, xs, ids, batch_argnums=(1, 2))
+  plan = jaxclip.ghost_plan(loss, params, xs, ids, batch_argnums=(1, 2))
+  assert plan.rules == {"['b']": "instantiate", "['head']": "dot", "['shared']": "instantiate",
+                        "['table']": "lookup", "['w']": "dot"}
+
+
+def test_flax_linen_scan_over_remat_blocks_gets_the_dot_rule_per_layer():
+  import flax.linen as linen
+
+  class Block(linen.Module):
+
+    @linen.compact
+    def __call__(self, h, _):
+      return h + linen.Dense(6)(jnp.tanh(linen.LayerNorm()(h))), None
+
+  class Model(linen.Module):
+
+    @linen.compact
+    def __call__(self, x):
+      stack = linen.scan(linen.remat(Block), variable_axes={"params": 0},
+                         split_rngs={"params": True}, length=3)
+      h, _ = stack()(linen.Dense(6)(x), None)
+      return jnp.sum(linen.Dense(2)(h) ** 2)
+
+  model = Model()
+  xs = jax.random.normal(jax.random.key(0), (10, 4, 5))
+  params = model.init(jax.random.key(1), xs[0])["params"]
+  loss = lambda p, x: model.apply({"params": p}, x)
+  _compare(loss, params, xs, batch_argnums=1, rtol=1e-4)
+  rules = jaxclip.ghost_plan(loss, params, xs, batch_argnums=1).rules
+  assert rules["['ScanCheckpointBlock_0']['Dense_0']['kernel']"] == "dot"
+  assert rules["['ScanCheckpointBlock_0']['LayerNorm_0']['scale']"] == "instantiate"
 
 
 def test_loss_that_depends_on_the_parameters_only_for_some_examples():
@@ -383,6 +437,55 @@ def test_ghost_lowers_for_gpu_and_tpu_without_cpu_workarounds(platform):
   text = jax.export.export(jax.jit(fn), platforms=(platform,))(params, tokens).mlir_module()
   assert "stablehlo.optimization_barrier" not in text
   assert "stablehlo.dot_general" in text
+
+
+def test_ghost_plan_names_each_leaf_rule_reason_and_floats():
+  params, tokens = _gpt_params(), _tokens(4)
+  plan = jaxclip.ghost_plan(gpt_loss, params, tokens, batch_argnums=1)
+  paths = [jax.tree_util.keystr(k) for k, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
+  assert [leaf.path for leaf in plan.leaves] == paths
+  rules = plan.rules
+  assert rules["['wte']"] == "tied"
+  assert all(rules[f"['{i}']['{n}']"] == "dot" for i in range(L)
+             for n in ("qkv", "proj", "fc", "out"))
+  leaf = plan.leaves[paths.index("['0']['ln1_s']")]
+  assert (leaf.rule, leaf.floats, leaf.shape) == ("instantiate", D, (D,))
+  assert "mul" in leaf.reason
+  assert all((leaf.reason is None) == (leaf.rule != "instantiate") for leaf in plan.leaves)
+  sizes = {leaf.path: leaf.floats for leaf in plan.leaves}
+  fallen = sum(sizes[p] for p, r in rules.items() if r == "instantiate")
+  assert plan.fallback_share == pytest.approx(fallen / sum(sizes.values()))
+  assert 0 < plan.fallback_share < 0.2
+  text = str(plan)
+  assert "['0']['qkv']" in text and "instantiated" in text.splitlines()[-1]
+  # Unused leaves, keep_batch_dim and has_aux are taken as per_example_clipped_grad takes them.
+  loss = lambda p, x: (jnp.sum(x[0] @ p["w"]), x)
+  plan = jaxclip.ghost_plan(loss, {"w": jnp.ones((3, 2)), "v": jnp.ones(4)}, jnp.ones((5, 3)),
+                            batch_argnums=1, keep_batch_dim=True, has_aux=True)
+  assert plan.rules == {"['v']": "unused", "['w']": "dot"} and plan.fallback_share == 0
+
+
+def test_static_shared_arguments_and_a_loss_that_ignores_the_batch_as_with_vmap():
+  def loss(w, flag, name, x):
+    assert isinstance(flag, bool) and name == "tanh"
+    return jnp.sum(jnp.tanh(x @ w)) if flag else jnp.sum(x @ w)
+
+  w = jax.random.normal(jax.random.key(0), (3, 2))
+  xs = jax.random.normal(jax.random.key(1), (6, 3))
+  fns = {m: jaxclip.per_example_clipped_grad(loss, 1.0, method=m, return_norms=True,
+                                              batch_argnums=3) for m in ("vmap", "ghost")}
+  ref, got = (fns[m](w, True, "tanh", xs) for m in ("vmap", "ghost"))  # not jitted: str args
+  np.testing.assert_allclose(got[2], ref[2], rtol=1e-5)
+  np.testing.assert_allclose(got[0], ref[0], rtol=1e-5, atol=1e-6)
+  assert int(got[1]) == int(ref[1]) > 0
+  # A loss without the example: every example has the same gradient.
+  ignore = lambda w, x: jnp.sum(w ** 2)
+  for method in ("vmap", "ghost"):
+    total, count, norms = jaxclip.per_example_clipped_grad(
+        ignore, 1.0, method=method, return_norms=True, batch_argnums=1)(w, xs)
+    np.testing.assert_allclose(norms, np.full(6, 2 * np.linalg.norm(w)), rtol=1e-6)
+    np.testing.assert_allclose(total, 6 * 2 * w / norms[0], rtol=1e-5)
+    assert int(count) == 6
 
 
 # ----------------------------------------------------------------------------

@@ -1,0 +1,161 @@
+"""What ``per_example_clipped_grad(method="ghost")`` does with each parameter."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jaxclip import _ghost, _validation
+
+
+@dataclasses.dataclass(frozen=True)
+class GhostLeafPlan:
+  """How one parameter leaf's per-example norm is computed.
+
+  Attributes:
+    path: The leaf's path, ``jax.tree_util.keystr`` of its key path.
+    rule: ``"dot"`` (mixed ghost rule of a ``dot_general``), ``"lookup"``
+      (embedding lookup), ``"tied"`` (a table read by a lookup and by an
+      output head, with their cross term), ``"conv"`` (ghost rule of a
+      convolution's kernel), ``"instantiate"`` (the per-example gradient is
+      formed exactly) or ``"unused"`` (the loss does not depend on it).
+    reason: Why the leaf is instantiated, or ``None`` for a ghost rule.
+    floats: The leaf's size.
+    shape: The leaf's shape.
+  """
+
+  path: str
+  rule: str
+  reason: str | None
+  floats: int
+  shape: tuple[int, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class GhostPlan:
+  """The rule each parameter leaf gets under ``method="ghost"``.
+
+  Attributes:
+    leaves: One :class:`GhostLeafPlan` per parameter leaf, in
+      ``jax.tree_util.tree_flatten_with_path`` order.
+  """
+
+  leaves: tuple[GhostLeafPlan, ...]
+
+  @property
+  def rules(self) -> dict[str, str]:
+    """Each leaf's path mapped to its rule."""
+    return {leaf.path: leaf.rule for leaf in self.leaves}
+
+  @property
+  def fallback_share(self) -> float:
+    """The share of the parameters' floats whose per-example gradient is instantiated."""
+    total = sum(leaf.floats for leaf in self.leaves)
+    fallen = sum(leaf.floats for leaf in self.leaves if leaf.rule == "instantiate")
+    return fallen / total if total else 0.0
+
+  def __str__(self) -> str:
+    rows = [("path", "shape", "rule", "floats", "reason")] + [
+        (leaf.path, str(leaf.shape), leaf.rule, str(leaf.floats), leaf.reason or "")
+        for leaf in self.leaves]
+    widths = [max(len(r[j]) for r in rows) for j in range(4)]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r[:4], widths, strict=True)) + "  " + r[4]
+             for r in rows]
+    lines = [line.rstrip() for line in lines]
+    lines.append(f"{len(self.leaves)} leaves; {self.fallback_share:.1%} of the floats "
+                 "instantiated")
+    return "\n".join(lines)
+
+
+def ghost_plan(
+    loss_fn: Callable[..., Any],
+    params: Any,
+    *args: Any,
+    batch_argnums: int | Sequence[int] | None = None,
+    keep_batch_dim: bool = False,
+    has_aux: bool = False,
+) -> GhostPlan:
+  r"""The rule ``per_example_clipped_grad(method="ghost")`` gives each parameter.
+
+  Traces ``loss_fn`` on one example (nothing is compiled or run) and reports,
+  for each parameter leaf, how its per-example gradient norm is computed:
+
+  ===============  ==========================================================
+  rule             per-example norm
+  ===============  ==========================================================
+  ``dot``          :math:`\langle A A^\top, G G^\top\rangle` or
+                   :math:`\|A^\top G\|^2`, whichever costs less
+  ``lookup``       :math:`\sum_{t,s} [\mathrm{id}_t = \mathrm{id}_s]
+                   \langle g_t, g_s\rangle`
+  ``tied``         both of these and their cross term
+  ``conv``         the ``dot`` rule over the convolution's patches
+  ``instantiate``  the per-example gradient formed exactly (``reason`` says
+                   why)
+  ``unused``       zero: the loss does not depend on the leaf
+  ===============  ==========================================================
+
+  The rules also apply per iteration of a ``lax.scan`` over stacked layers.
+  A large ``instantiate`` share (:attr:`GhostPlan.fallback_share`) means
+  ghost norms cost about what ``method="vmap"`` costs.
+
+  Args:
+    loss_fn: As for :func:`jaxclip.per_example_clipped_grad`.
+    params: The parameters.
+    *args: The arguments after ``params``, as the clipped-gradient function
+      takes them (the batched ones with the examples on axis 0).
+    batch_argnums: Which arguments carry the batch, counted as in
+      ``loss_fn`` (``1`` is the first after ``params``); ``None`` for all of
+      them.
+    keep_batch_dim: As for :func:`jaxclip.per_example_clipped_grad`.
+    has_aux: As for :func:`jaxclip.per_example_clipped_grad`.
+
+  Returns:
+    A :class:`GhostPlan`; ``print`` it for a table.
+
+  Raises:
+    ValueError: for ``batch_argnums`` naming ``params`` or missing arguments,
+      complex parameters, or a loss that is not a real scalar.
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> import jaxclip
+    >>> def loss(p, x, y):
+    ...   h = jnp.tanh(x @ p["w"] + p["b"])
+    ...   return jnp.sum((h - y) ** 2)
+    >>> params = {"w": jnp.ones((3, 2)), "b": jnp.zeros(2)}
+    >>> plan = jaxclip.ghost_plan(loss, params, jnp.ones((8, 3)), jnp.ones((8, 2)),
+    ...                           batch_argnums=(1, 2))
+    >>> plan.rules
+    {"['b']": 'instantiate', "['w']": 'dot'}
+    >>> print(plan)  # doctest: +NORMALIZE_WHITESPACE
+    path   shape   rule         floats  reason
+    ['b']  (2,)    instantiate  2       used by `add`, not a dot/lookup/conv
+    ['w']  (3, 2)  dot          6
+    2 leaves; 25.0% of the floats instantiated
+  """
+  if batch_argnums is None:
+    batch_argnums = tuple(range(1, len(args) + 1))
+  batch_argnums = (batch_argnums,) if isinstance(batch_argnums, int) else tuple(batch_argnums)
+  if not batch_argnums or any(i < 1 for i in batch_argnums) or max(batch_argnums) > len(args):
+    raise ValueError(
+        f"batch_argnums must name some of the {len(args)} arguments after params (1, 2, ...), "
+        f"got {batch_argnums!r}.")
+  _validation.check_inexact_leaves(params, "ghost_plan")
+  idx = [i - 1 for i in batch_argnums]
+
+  def example_loss(p, *xs):
+    if keep_batch_dim:
+      xs = [jax.tree.map(lambda x: jnp.expand_dims(x, 0), a) if i in idx else a
+            for i, a in enumerate(xs)]
+    return loss_fn(p, *xs)
+
+  traced = _ghost.trace(example_loss, params, args, idx, has_aux=has_aux)
+  rules = _ghost.leaf_rules(traced.plan, len(traced.leaves))
+  paths = [jax.tree_util.keystr(k) for k, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
+  return GhostPlan(tuple(
+      GhostLeafPlan(path, rule, reason, int(jnp.size(x)), tuple(jnp.shape(x)))
+      for path, (rule, reason), x in zip(paths, rules, traced.leaves, strict=True)))
