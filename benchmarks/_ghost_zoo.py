@@ -191,7 +191,10 @@ def markdown(meta: dict, rows: list[dict], plans: dict[str, dict],
     if p["share"] is None:
       out.append(f"- `{name}`: n/a ({p['why']})")
       continue
-    leaves = "; ".join(f"`{path}` ({n:,}: {why})" for path, n, why in p["fallback"])
+    big = sorted(p["fallback"], key=lambda leaf: -leaf[1])
+    leaves = "; ".join(f"`{path}` ({n:,}: {why})" for path, n, why in big[:8])
+    if big[8:]:
+      leaves += f"; and {len(big) - 8} more of {sum(n for _, n, _ in big[8:]):,} floats"
     out.append(f"- `{name}` ({p['share']:.1%} of the floats; rules used: "
                f"{', '.join(p['rules'])}): {leaves or 'none'}")
   notes = [f"- {r['model']} B={r['B']} {m}: {r[m]['status']}: {r[m]['why']}"
