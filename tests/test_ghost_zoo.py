@@ -20,7 +20,11 @@ The benchmark (``python -m benchmarks.ghost --zoo``) builds the same models.
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+import sys
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -117,3 +121,32 @@ def test_every_leaf_gets_the_rule_the_issue_asks_for(name, size):
   assert all(leaf.path in text for leaf in plan.leaves), text
   if size == "bench":
     assert plan.fallback_share <= MAX_FALLBACK_SHARE, f"{name}: {plan.fallback_share:.1%}\n{plan}"
+
+
+def test_zoo_benchmark_quick_run_writes_its_table(tmp_path):
+  # In a fresh process, as `python -m benchmarks.ghost --zoo` runs, compile-bound: XLA's
+  # backend optimisations off, one tiny model at batch 4.
+  from benchmarks import _ghost_zoo
+
+  root = Path(__file__).resolve().parents[1]
+  env = {**os.environ,
+         "PYTHONPATH": os.pathsep.join([str(root), *filter(None, [os.environ.get("PYTHONPATH")])]),
+         "XLA_FLAGS": "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"}
+  done = subprocess.run([sys.executable, "-m", "benchmarks.ghost", "--zoo", "--quick", "--models",
+                         "jax_scan_mlp", "--out", str(tmp_path)], cwd=root, env=env,
+                        capture_output=True, text=True, timeout=300, check=False)
+  assert done.returncode == 0, done.stderr[-3000:]
+  text = (tmp_path / "ghost_zoo.md").read_text()
+  assert "- machine: " in text and f"jax {jax.__version__}" in text and "load average" in text
+  lines = [line for line in text.splitlines() if line.startswith("| ")]
+  header = [c.strip() for c in lines[0].strip("|").split("|")]
+  assert header == _ghost_zoo.HEADER
+  rows = [dict(zip(header, (c.strip() for c in line.strip("|").split("|")), strict=True))
+          for line in lines[1:]]
+  assert [(r["model"], int(r["B"])) for r in rows] == [("jax_scan_mlp", 4)]
+  for c in header[3:12]:
+    assert float(rows[0][c]) > 0, (c, rows[0])
+  assert rows[0]["fallback share"].endswith("%")
+  clipped = re.findall(r"examples clipped: vmap (\d+), ghost (\d+) of 4", text)
+  assert len(clipped) == 1 and clipped[0][0] == clipped[0][1] and 0 < int(clipped[0][0]) < 4
+  assert "`jax_scan_mlp` (" in text  # the model and the leaves that fall back are listed
