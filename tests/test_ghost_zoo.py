@@ -150,3 +150,25 @@ def test_zoo_benchmark_quick_run_writes_its_table(tmp_path):
   clipped = re.findall(r"examples clipped: vmap (\d+), ghost (\d+) of 4", text)
   assert len(clipped) == 1 and clipped[0][0] == clipped[0][1] and 0 < int(clipped[0][0]) < 4
   assert "`jax_scan_mlp` (" in text  # the model and the leaves that fall back are listed
+
+
+def test_ghost_equals_vmap_in_padded_microbatches_through_a_scan():
+  # The per-iteration rules and the book-keeping inside the chunks' scan, with a
+  # padded last chunk (8 examples in chunks of 3).
+  model = _zoo.build("jax_scan_mlp", "tiny")
+  x, y = model.make_batch(BATCH, 2)
+
+  def fn(method):
+    def clipped(clip, params, x, y):
+      return jaxclip.per_example_clipped_grad(model.loss_fn, clip, batch_argnums=(1, 2),
+                                              method=method, microbatch_size=3,
+                                              return_norms=True)(params, x, y)
+    return jax.jit(clipped).lower(1.0, model.params, x, y).compile(_zoo.CHEAP_COMPILE)
+
+  vmap = fn("vmap")
+  clip = float(np.median(np.asarray(vmap(1.0, model.params, x, y)[2])))
+  ref, got = vmap(clip, model.params, x, y), fn("ghost")(clip, model.params, x, y)
+  assert 0 < int(ref[1]) < BATCH and int(got[1]) == int(ref[1])
+  np.testing.assert_allclose(np.asarray(got[2]), np.asarray(ref[2]), rtol=1e-4)
+  for a, e in zip(jax.tree.leaves(got[0]), jax.tree.leaves(ref[0]), strict=True):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(e), rtol=1e-4, atol=1e-6)
