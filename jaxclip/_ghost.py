@@ -24,9 +24,10 @@ Then, for each example:
 
 * a parameter whose only use is one ``dot_general`` (dense layers, einsums,
   attention projections) gets its norm from ``a`` and ``g`` alone:
-  ``||A^T G||^2`` is ``<A A^T, G G^T>`` (cost ``T^2`` per example for ``T``
-  rows) or, when ``T^2`` exceeds the weight's size, ``A^T G`` formed once
-  per example (the *mixed ghost norm* rule);
+  ``||A^T G||^2`` is ``<A A^T, G G^T>`` (``T^2 (C + F)`` flops per example
+  for ``T`` rows of ``C`` inputs and ``F`` outputs) or, when that costs more
+  than ``A^T G`` (``T C F``), ``A^T G`` formed once per example (the *mixed
+  ghost norm* rule);
 * a parameter whose only use is an embedding lookup (``E[ids]``,
   ``jnp.take``) gets it from the rows' gradients and the ids:
   ``sum_{t,s} [id_t = id_s] <g_t, g_s>``, repeated tokens included;
@@ -67,10 +68,14 @@ _CALLS = frozenset({"jit", "pjit", "closed_call", "core_call", "checkpoint", "re
 # Primitives that rearrange a parameter without changing its values: the
 # gradient of the result has the norm of the parameter's gradient.
 _VIEWS = frozenset({"reshape", "transpose", "squeeze", "expand_dims", "copy", "copy_p",
-                    "convert_element_type", "broadcast_in_dim"})
+                    "convert_element_type", "broadcast_in_dim", "slice"})
 # Elements of per-example gradients one chunk of a group may hold at once.
 _CHUNK_ELEMENTS = 1 << 24
 _HIGHEST = jax.lax.Precision.HIGHEST
+# The ghost pass is used when its norms cost at most this share of the flops
+# of every per-example gradient (it also pays a book-keeping pass that vmap
+# does not); above it, the per-example gradients are formed (method="vmap").
+_VMAP_RATIO = 0.8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,8 +84,11 @@ class _Info:
 
   kind: str
   deps: frozenset[int] = frozenset()  # the parameter leaves it depends on
-  view: int | None = None  # the leaf it is a rearrangement of, if any
+  view: int | None = None  # the leaf it is a rearrangement of (of a part of), if any
   axes: tuple[int, ...] | None = None  # for such a view, the leaf axis of each of its axes
+  # For a view of a static slice of the leaf, ``(leaf axis, start, stop)`` of
+  # each sliced axis; ``()`` for the whole leaf.
+  region: tuple[tuple[int, int, int], ...] = ()
 
 
 _CONST = _Info(CONST)
@@ -152,14 +160,43 @@ def _view_of(eqn: Any, infos: list[_Info]) -> _Info:
   src, out = eqn.invars[0].aval, eqn.outvars[0].aval
   if not (_is_float(src) and _is_float(out)) or infos[0].kind != PARAM:
     return _Info(PARAM, deps)
+  info = params[0]
+  if name == "slice":
+    return _slice_of(eqn, info, deps)
   if math.prod(src.shape) != math.prod(out.shape):
     return _Info(PARAM, deps)  # broadcast_in_dim that repeats values
-  axes = params[0].axes
+  axes = info.axes
   if axes is not None and name == "transpose":
     axes = tuple(axes[p] for p in eqn.params["permutation"])
+  elif axes is not None and name == "squeeze":
+    gone = {d % src.ndim for d in eqn.params["dimensions"]}
+    axes = tuple(a for j, a in enumerate(axes) if j not in gone)
   elif tuple(src.shape) != tuple(out.shape):
     axes = None  # still the leaf's values, but not axis by axis
-  return _Info(PARAM, deps, params[0].view, axes)
+  return _Info(PARAM, deps, info.view, axes, info.region)
+
+
+def _slice_of(eqn: Any, info: _Info, deps: frozenset[int]) -> _Info:
+  """A static slice of a view: a view of a region of the leaf (or of nothing known)."""
+  strides = eqn.params["strides"]
+  if info.axes is None or (strides is not None and any(s != 1 for s in strides)):
+    return _Info(PARAM, deps)
+  region = dict((a, (lo, hi)) for a, lo, hi in info.region)
+  shape = eqn.invars[0].aval.shape
+  for j, (lo, hi) in enumerate(zip(eqn.params["start_indices"], eqn.params["limit_indices"],
+                                   strict=True)):
+    if (lo, hi) != (0, shape[j]):
+      base = region.get(info.axes[j], (0, None))[0]
+      region[info.axes[j]] = (base + lo, base + hi)
+  return _Info(PARAM, deps, info.view, info.axes,
+               tuple(sorted((a, lo, hi) for a, (lo, hi) in region.items())))
+
+
+def _disjoint(a: _Info, b: _Info) -> bool:
+  """Whether two views of regions of one leaf share no element."""
+  ra, rb = dict((x, (lo, hi)) for x, lo, hi in a.region), dict(
+      (x, (lo, hi)) for x, lo, hi in b.region)
+  return any(ax in rb and (ra[ax][1] <= rb[ax][0] or rb[ax][1] <= ra[ax][0]) for ax in ra)
 
 
 def _gather_is_lookup(eqn: Any) -> bool:
@@ -182,6 +219,8 @@ def _rule(eqn: Any, roles: tuple[str, ...], pos: int) -> str:
     return "dot"
   if name == "gather" and pos == 0 and roles[1] == DATA and _gather_is_lookup(eqn):
     return "gather"
+  if name == "conv_general_dilated" and pos == 1 and roles[0] == DATA and _conv_is_ghostable(eqn):
+    return "conv"
   return "generic"
 
 
@@ -297,7 +336,7 @@ class _Walker:
     if any(i.kind == PARAM for i in infos[nc:nc + nk]):
       return None
     c_infos = [_Info(PARAM, i.deps) if i.kind == PARAM else i for i in infos[:nc]]
-    x_infos = [_Info(PARAM, i.deps, i.view, None if i.axes is None else i.axes[1:])
+    x_infos = [_Info(PARAM, i.deps, i.view, None if i.axes is None else i.axes[1:], i.region)
                if i.kind == PARAM else i for i in infos[nc + nk:]]
     k_infos = [_DATA if i.kind == DATA else _CONST for i in infos[nc:nc + nk]]
     for _ in range(nk + 1):  # a carry becomes data once an iteration makes it so
@@ -393,6 +432,20 @@ def _f32(x: jax.Array) -> jax.Array:
   return x.astype(_numerics.accumulation_dtype(x.dtype))
 
 
+def _dot_dims(site: Site, pos: int) -> tuple[tuple[int, int, int, int], tuple[list[int], ...]]:
+  """``(n, T, C, F)`` of :func:`_dot_operands`, and the data operand's batch, free and
+  contracting dims."""
+  eqn = site.eqn
+  (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+  contract, batch = (lc, lb) if pos == 1 else (rc, rb)
+  d_aval = eqn.invars[1 - pos].aval
+  size = lambda dims: math.prod(d_aval.shape[i] for i in dims)
+  free = [i for i in range(d_aval.ndim) if i not in contract and i not in batch]
+  nb, t, c = size(batch), size(free), size(contract)
+  f = math.prod(eqn.invars[pos].aval.shape) // max(nb * c, 1)
+  return (nb, t, c, f), (list(batch), free, list(contract))
+
+
 def _dot_operands(site: Site, pos: int, a: jax.Array, g: jax.Array
                   ) -> tuple[jax.Array, jax.Array]:
   """A ``dot_general`` site's data operand and output gradient, canonicalised.
@@ -410,14 +463,7 @@ def _dot_operands(site: Site, pos: int, a: jax.Array, g: jax.Array
     a: The other operand, for every example (leading batch axis).
     g: The gradient with respect to the output, for every example.
   """
-  eqn = site.eqn
-  (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
-  contract, batch = (lc, lb) if pos == 1 else (rc, rb)
-  d_aval = eqn.invars[1 - pos].aval
-  size = lambda dims: math.prod(d_aval.shape[i] for i in dims)
-  free = [i for i in range(d_aval.ndim) if i not in contract and i not in batch]
-  nb, t, c = size(batch), size(free), size(contract)
-  f = math.prod(eqn.invars[pos].aval.shape) // max(nb * c, 1)
+  (nb, t, c, f), (batch, free, contract) = _dot_dims(site, pos)
   n = a.shape[0]
   perm = [0] + [1 + i for i in (*batch, *free, *contract)]
   a = _f32(jnp.transpose(a, perm).reshape(n, nb, t, c))
@@ -432,16 +478,89 @@ def dot_sumsq(site: Site, pos: int, a: jax.Array, g: jax.Array) -> jax.Array:
 
   Args as :func:`_dot_operands`.
   """
-  a, g = _dot_operands(site, pos, a, g)
+  return _mixed_sumsq(*_dot_operands(site, pos, a, g))
+
+
+def _gram_is_cheaper(t: int, c: int, f: int) -> bool:
+  """Whether ``<A A^T, G G^T>`` (``t^2 (c + f)`` flops) costs less than ``A^T G`` (``t c f``)."""
+  return t * (c + f) <= c * f
+
+
+def _mixed_sumsq(a: jax.Array, g: jax.Array) -> jax.Array:
+  """``sum_i ||A[b, i].T @ G[b, i]||^2`` for each ``b``, the cheaper way.
+
+  Args:
+    a: ``(examples, n, T, C)``.
+    g: ``(examples, n, T, F)``.
+  """
   t, c, f = a.shape[2], a.shape[3], g.shape[3]
   if t == 1:
     return jnp.sum(jnp.sum(a * a, axis=(2, 3)) * jnp.sum(g * g, axis=(2, 3)), axis=1)
-  if t * t <= c * f:  # ghost: <A A^T, G G^T>
+  if _gram_is_cheaper(t, c, f):  # ghost: <A A^T, G G^T>
     aa = jnp.einsum("bntc,bnsc->bnts", a, a, precision=_HIGHEST)
     gg = jnp.einsum("bntf,bnsf->bnts", g, g, precision=_HIGHEST)
     return jnp.sum(aa * gg, axis=(1, 2, 3))
   grad = jnp.einsum("bntc,bntf->bncf", a, g, precision=_HIGHEST)  # instantiated
   return jnp.sum(grad * grad, axis=(1, 2, 3))
+
+
+def _conv_is_ghostable(eqn: Any) -> bool:
+  return eqn.params["batch_group_count"] == 1 and eqn.params["dimension_numbers"] is not None
+
+
+def _conv_dims(site: Site) -> tuple[int, int, int, int]:
+  """A convolution's feature groups, output positions, taps and outputs per group."""
+  eqn = site.eqn
+  dn = eqn.params["dimension_numbers"]
+  groups = eqn.params["feature_group_count"]
+  rhs, out = eqn.invars[1].aval, eqn.outvars[0].aval
+  positions = math.prod(out.shape[d] for d in (dn.out_spec[0], *dn.out_spec[2:]))
+  taps = math.prod(rhs.shape[d] for d in dn.rhs_spec[1:])  # per group: C / groups * K
+  return groups, positions, taps, rhs.shape[dn.rhs_spec[0]] // groups
+
+
+def conv_sumsq(site: Site, kernel: jax.Array, a: jax.Array, g: jax.Array) -> jax.Array:
+  """Each example's ``||grad of a convolution's kernel||^2``.
+
+  The kernel's gradient is ``A^T G`` per feature group, ``A`` the input's
+  patches (one row per output position, one column per kernel tap) and ``G``
+  the output gradient: the ``dot_general`` rule over positions, through the
+  Gram matrices ``<A A^T, G G^T>`` when the positions are few; otherwise the
+  per-example kernel gradient, formed without the patches.
+
+  Args:
+    site: A ``conv_general_dilated`` site whose kernel (operand 1) is the parameter.
+    kernel: The kernel's value at the site, repeated for every example.
+    a: The input, for every example (leading batch axis).
+    g: The gradient with respect to the output, for every example.
+  """
+  eqn = site.eqn
+  params = eqn.params
+  dn = params["dimension_numbers"]
+  rhs_aval, out_aval = eqn.invars[1].aval, eqn.outvars[0].aval
+  groups, positions, taps, outs = _conv_dims(site)
+  if not _gram_is_cheaper(positions, taps, outs):  # the per-example kernel gradient costs less
+
+    def one(k_b, a_b, g_b):
+      _, vjp = jax.vjp(lambda k: _bind(eqn, [a_b, k])[0], k_b)
+      (grad,) = vjp(g_b.astype(out_aval.dtype))
+      return jnp.sum(_numerics.abs_sq(_f32(grad)))
+
+    return jax.vmap(one)(kernel, a, g)
+  filt = [rhs_aval.shape[d] for d in dn.rhs_spec[2:]]
+
+  def patches(a_b):  # (positions, C * K), columns channel-major
+    x = jnp.transpose(a_b, dn.lhs_spec)  # N, C, spatial...
+    p = jax.lax.conv_general_dilated_patches(
+        x, filt, params["window_strides"], params["padding"], params["lhs_dilation"],
+        params["rhs_dilation"], precision=_HIGHEST)  # N, C * K, out spatial...
+    return jnp.moveaxis(p, 1, -1).reshape(positions, -1)
+
+  n = a.shape[0]
+  pa = jax.vmap(patches)(_f32(a)).reshape(n, positions, groups, taps)
+  pg = jnp.moveaxis(jnp.transpose(_f32(g), (0, *(1 + d for d in dn.out_spec))), 2, -1)
+  pg = pg.reshape(n, positions, groups, outs)
+  return _mixed_sumsq(jnp.swapaxes(pa, 1, 2), jnp.swapaxes(pg, 1, 2))
 
 
 def _lookup_operands(site: Site, ids: jax.Array, g: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -461,12 +580,16 @@ def _lookup_operands(site: Site, ids: jax.Array, g: jax.Array) -> tuple[jax.Arra
   return jnp.clip(ids, 0, rows - 1), g
 
 
+def _lookup_gram_is_cheaper(t: int, rows: int) -> bool:
+  return t * t <= rows + t
+
+
 def gather_sumsq(site: Site, ids: jax.Array, g: jax.Array) -> jax.Array:
   """Each example's ``||grad of the looked-up table||^2``, repeated rows included."""
   rows = site.eqn.invars[0].aval.shape[0]
   ids, g = _lookup_operands(site, ids, g)
   t = ids.shape[1]
-  if t * t <= rows * g.shape[2]:
+  if _lookup_gram_is_cheaper(t, rows):  # t^2 R flops against (rows + t) R for the table
     gg = jnp.einsum("btr,bsr->bts", g, g, precision=_HIGHEST)
     return jnp.sum(jnp.where(ids[:, :, None] == ids[:, None, :], gg, 0), axis=(1, 2))
   table = jax.vmap(lambda i, x: jnp.zeros((rows, x.shape[1]), x.dtype).at[i].add(x))(ids, g)
@@ -504,6 +627,8 @@ def _tied_pair(sites: Sequence[Site], leaf: int, bounds: Sequence[tuple[int, int
   g_info, d_info = sites[gu].infos[gk], sites[du].infos[dk]
   if g_info.view != leaf or d_info.view != leaf or g_info.axes != (0, 1) or d_info.axes is None:
     return None
+  if g_info.region or d_info.region:
+    return None
   eqn = sites[du].eqn
   pos = sites[du].param_positions()[dk]
   (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
@@ -531,6 +656,19 @@ class Plan:
   ghost: tuple[tuple[int, int, str], ...]
   tied: tuple[tuple[tuple[int, int], tuple[int, int]], ...]
   groups: tuple[tuple[tuple[int, ...], tuple[tuple[int, int], ...]], ...]
+  cost: tuple[int, int] = (0, 0)
+
+  @property
+  def vmap_cheaper(self) -> bool:
+    """Whether per-example gradients (``method="vmap"``) cost less than this plan.
+
+    ``cost`` is the work per example of this plan's norms and that of forming
+    every per-example gradient; the ghost pass also pays a book-keeping pass
+    about as costly as the non-private gradient's weight gradients, which
+    ``vmap`` does not, so it wins only well below ``_VMAP_RATIO``.
+    """
+    ghost, per_example = self.cost
+    return ghost > _VMAP_RATIO * per_example
 
 
 def make_plan(sites: Sequence[Site], num_leaves: int) -> Plan:
@@ -559,17 +697,88 @@ def make_plan(sites: Sequence[Site], num_leaves: int) -> Plan:
   ghost, tied, groups = [], [], []
   for root, bounds in owned.items():
     leaves = tuple(members[root])
-    if len(leaves) == 1 and len(bounds) == 1:
-      u, k = bounds[0]
-      if sites[u].infos[k].view == leaves[0] and sites[u].rules[k] != "generic":
-        ghost.append((u, k, sites[u].rules[k]))
-        continue
+    if len(leaves) == 1 and _disjoint_uses(sites, leaves[0], bounds):
+      ghost.extend((u, k, sites[u].rules[k]) for u, k in bounds)
+      continue
     pair = _tied_pair(sites, leaves[0], bounds) if len(leaves) == 1 else None
     if pair is not None:
       tied.append(pair)
       continue
     groups.append((leaves, tuple(bounds)))
-  return Plan(tuple(sites), tuple(ghost), tuple(tied), tuple(groups))
+  ghost_cost = sum(_site_cost(sites[u], k, rule)[0] for u, k, rule in ghost)
+  for pair in tied:
+    (gu, gk), (du, dk) = pair
+    ghost_cost += (_site_cost(sites[gu], gk, "gather")[0] + _site_cost(sites[du], dk, "dot")[0]
+                   + _tied_cross_cost(sites, pair))
+  ghost_cost += sum(_site_cost(sites[u], k, "generic")[1] for _, bounds in groups
+                    for u, k in bounds)
+  per_example = sum(_site_cost(sites[u], k, sites[u].rules[k])[1] for u, k in boundaries)
+  return Plan(tuple(sites), tuple(ghost), tuple(tied), _merge_groups(groups),
+              (ghost_cost, per_example))
+
+
+def _site_cost(site: Site, k: int, rule: str) -> tuple[int, int]:
+  """Per example, the flops of a boundary's ghost rule and of its per-example gradient."""
+  reps = math.prod(length for _, length in site.stack)
+  if rule == "dot":
+    nb, t, c, f = _dot_dims(site, site.param_positions()[k])[0]
+    grad = nb * t * c * f
+    ghost = nb * t * t * (c + f) if _gram_is_cheaper(t, c, f) else grad
+  elif rule == "gather":
+    rows, width = site.eqn.invars[0].aval.shape[0], math.prod(site.eqn.invars[0].aval.shape[1:])
+    t = math.prod(site.eqn.invars[1].aval.shape[:-1])
+    grad = (rows + t) * width
+    ghost = t * t * width if _lookup_gram_is_cheaper(t, rows) else grad
+  elif rule == "conv":
+    groups, positions, taps, outs = _conv_dims(site)
+    grad = groups * positions * taps * outs
+    ghost = (groups * positions * positions * (taps + outs)
+             if _gram_is_cheaper(positions, taps, outs) else grad)
+  else:  # an elementwise or small operation: about its outputs' size
+    grad = ghost = sum(math.prod(a.shape) for a in site.out_avals)
+  return ghost * reps, grad * reps
+
+
+def _tied_cross_cost(sites: Sequence[Site], pair: tuple[tuple[int, int], tuple[int, int]]
+                     ) -> int:
+  (gu, _), (du, dk) = pair
+  t_lookup = math.prod(sites[gu].eqn.invars[1].aval.shape[:-1])
+  _, t, c, f = _dot_dims(sites[du], sites[du].param_positions()[dk])[0]
+  return t_lookup * t * (c + f)
+
+
+def _disjoint_uses(sites: Sequence[Site], leaf: int, bounds: Sequence[tuple[int, int]]) -> bool:
+  """Whether each use of the leaf has a ghost rule and reads its own part of the leaf.
+
+  The leaf's gradient is then the sum of the uses' gradients, each on its own
+  elements, so its squared norm is the sum of theirs: one use, or static
+  disjoint slices (a Python loop over ``W[l]``), in the same scans.
+  """
+  infos = [sites[u].infos[k] for u, k in bounds]
+  if any(i.view != leaf or sites[u].rules[k] == "generic"
+         for i, (u, k) in zip(infos, bounds, strict=True)):
+    return False
+  if len({sites[u].stack for u, _ in bounds}) != 1:
+    return False
+  return all(_disjoint(a, b) for j, a in enumerate(infos) for b in infos[j + 1:])
+
+
+def _disjoint_views(sites: Sequence[Site], leaf: int, bounds: Sequence[tuple[int, int]]) -> bool:
+  """Whether every use of the leaf is a view of its own part of it, in the same scans."""
+  infos = [sites[u].infos[k] for u, k in bounds]
+  return (bool(infos) and all(i.view == leaf and i.deps == {leaf} for i in infos)
+          and len({sites[u].stack for u, _ in bounds}) == 1
+          and all(_disjoint(a, b) for j, a in enumerate(infos) for b in infos[j + 1:]))
+
+
+def _merge_groups(groups: list[tuple[tuple[int, ...], tuple[tuple[int, int], ...]]]
+                  ) -> tuple[tuple[tuple[int, ...], tuple[tuple[int, int], ...]], ...]:
+  """The instantiated groups as one: a single per-example pass, through each site once."""
+  if not groups:
+    return ()
+  leaves = sorted(i for ls, _ in groups for i in ls)
+  bounds = sorted(b for _, bs in groups for b in bs)
+  return ((tuple(leaves), tuple(bounds)),)
 
 
 _RULE_NAMES = {"dot": "dot", "gather": "lookup", "conv": "conv"}
@@ -578,6 +787,12 @@ _RULE_NAMES = {"dot": "dot", "gather": "lookup", "conv": "conv"}
 def leaf_rules(plan: Plan, num_leaves: int) -> list[tuple[str, str | None]]:
   """``(rule, reason)`` of each parameter leaf, as :func:`jaxclip.ghost_plan` reports them."""
   out: list[tuple[str, str | None]] = [("unused", None)] * num_leaves
+  if plan.vmap_cheaper:
+    ghost, per_example = plan.cost
+    why = (f"cheaper to instantiate: the ghost norms' {ghost:.3g} flops per example exceed "
+           f"{_VMAP_RATIO:g}x the per-example gradients' {per_example:.3g}")
+    used = {i for s in plan.sites for info in s.infos for i in info.deps}
+    return [("instantiate", why) if i in used else ("unused", None) for i in range(num_leaves)]
   for u, k, rule in plan.ghost:
     out[plan.sites[u].infos[k].view] = (_RULE_NAMES[rule], None)
   for (gu, gk), _ in plan.tied:
@@ -773,6 +988,9 @@ def clipped_sum(
       pos = site.param_positions()[k]
       part = per_iteration(site, lambda a, g, site=site, pos=pos: dot_sumsq(site, pos, a, g),
                            drecs[u][0], gs[u][0])
+    elif rule == "conv":
+      part = per_iteration(site, lambda k, a, g, site=site: conv_sumsq(site, k, a, g),
+                           _broadcast_batch(pvals[u][k], n), drecs[u][0], gs[u][0])
     else:
       part = per_iteration(site, lambda i, g, site=site: gather_sumsq(site, i, g),
                            drecs[u][0], gs[u][0])
@@ -800,6 +1018,11 @@ def clipped_sum(
   (grads,) = pull(cts)
   grads = [x.astype(jnp.promote_types(x.dtype, jnp.float32)) for x in grads]
   return grads, norms, extra, aux
+
+
+def _broadcast_batch(x: jax.Array, n: int) -> jax.Array:
+  """A site's param value repeated over a batch axis (after which its scan axes come)."""
+  return jnp.broadcast_to(x, (n,) + jnp.shape(x))
 
 
 def _batched_outputs(site: Site, pvals: Sequence[Any], cvals: Sequence[Any],
@@ -847,33 +1070,46 @@ def _group_sumsq(group, sites, leaves, params_pass, pvals, cvals, drecs, gs, spm
   by_site: dict[int, list[int]] = {}
   for u, k in bounds:
     by_site.setdefault(u, []).append(k)
-  order = [(u, k) for u in by_site for k in by_site[u]]
+  # A leaf whose uses are views of disjoint parts of it (a bias, a scale, a
+  # slice per scan iteration) has the squared norm of its uses' gradients
+  # summed: no pull-back to the leaf is needed.
+  direct = {i for i in members if _disjoint_views(
+      sites, i, [(u, k) for u, k in bounds if i in sites[u].infos[k].deps])}
+  pulled = [i for i in members if i not in direct]
+  order = [(u, k) for u in by_site for k in by_site[u]
+           if not sites[u].infos[k].deps <= direct]
 
   def boundary_values(sub):
     full = list(leaves)
-    for i, x in zip(members, sub):
+    for i, x in zip(pulled, sub, strict=True):
       full[i] = x
     ps, _ = params_pass(full)
     return [ps[u][k] for u, k in order]
 
-  _, pull = jax.vjp(boundary_values, [leaves[i] for i in members])
+  pull = jax.vjp(boundary_values, [leaves[i] for i in pulled])[1] if pulled else None
 
   def per_example(xs):
     ds, gg = xs
-    cts = []
+    cts, total = [], jnp.zeros((), jnp.float32)
     for u, ks in by_site.items():
       site = sites[u]
 
       def fn(sub, site=site, u=u, ks=ks, d=ds[u]):
         pv = list(pvals[u])
-        for k, x in zip(ks, sub):
+        for k, x in zip(ks, sub, strict=True):
           pv[k] = x
         return site_outputs(site, pv, cvals[u], d)
 
       vjp = _site_vjp(site, fn, [pvals[u][k] for k in ks])
-      cts.extend(vjp(list(gg[u]))[0])
-    (grads,) = pull(cts)
-    return sum(jnp.sum(_numerics.abs_sq(_f32(x))) for x in grads)
+      for k, ct in zip(ks, vjp(list(gg[u]))[0], strict=True):
+        if sites[u].infos[k].deps <= direct:
+          total = total + jnp.sum(_numerics.abs_sq(_f32(ct)))
+        else:
+          cts.append(ct)
+    if pull is not None:
+      (grads,) = pull(cts)
+      total = total + sum(jnp.sum(_numerics.abs_sq(_f32(x))) for x in grads)
+    return total
 
   ds = {u: drecs[u] for u in by_site}
   gg = {u: gs[u] for u in by_site}

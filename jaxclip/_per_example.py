@@ -268,8 +268,10 @@ def per_example_clipped_grad(
       for i, a in zip(idx, batch_args, strict=True):
         full[i] = a
       if method == "ghost":
-        return _ghost_chunk(example_loss, params, full, idx, l2_norm_clip, mask,
-                            spmd_axis_name, has_aux)
+        out = _ghost_chunk(example_loss, params, full, idx, l2_norm_clip, mask,
+                           spmd_axis_name, has_aux)
+        if out is not None:  # None: per-example gradients cost less than ghost norms
+          return out
       grads, aux = vgrad(params, *full) if has_aux else (vgrad(params, *full), None)
       total, count, norms = _optax_compat._per_example_clip(
           grads, l2_norm_clip, mask=mask, accumulate=True, return_norms=True)
@@ -319,8 +321,13 @@ def per_example_clipped_grad(
 
 
 def _ghost_chunk(example_loss, params, args, idx, l2_norm_clip, mask, spmd_axis_name, has_aux):
-  """One chunk of ``method="ghost"``: the clipped sum, count, norms and aux."""
+  """One chunk of ``method="ghost"``: the clipped sum, count, norms and aux.
+
+  ``None`` where the plan costs more than forming per-example gradients.
+  """
   traced = _ghost.trace(example_loss, params, args, idx, has_aux=has_aux)
+  if traced.plan.vmap_cheaper:
+    return None
   leaves = traced.leaves
   bound = jnp.asarray(l2_norm_clip, _numerics.tree_accumulation_dtype(leaves))
 

@@ -31,6 +31,13 @@ from tests.helpers import checks_in_subprocess, mlp_loss, mlp_problem, run_check
 N_DEVICES = 8
 
 
+@pytest.fixture(autouse=True)
+def always_ghost(monkeypatch):
+  """The ghost pass even where forming per-example gradients would cost less (the engine
+  then falls back to vmap: ``test_whole_loss_falls_back_where_vmap_costs_less`` checks that)."""
+  monkeypatch.setattr(_ghost, "_VMAP_RATIO", float("inf"))
+
+
 def _compare(loss_fn, params, *args, rtol=2e-5, atol=1e-6, **kwargs):
   """Runs both methods at the median norm; returns the plan's ghost rules used."""
   vmap = jax.jit(jaxclip.per_example_clipped_grad(loss_fn, 1.0, return_norms=True, **kwargs))
@@ -241,9 +248,10 @@ def test_flax_linen_model_with_remat_mixed_precision_and_dropout_keys():
 # ----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("rows,width", [(6, 3), (64, 48)])  # T^2 > in*out: instantiate; else ghost
+# T (in + out) > in * out: A^T G per example; else the Gram form
+@pytest.mark.parametrize("rows,width", [(6, 3), (4, 48)])
 def test_dot_rule_on_both_sides_of_the_mixed_switch(rows, width):
-  w = jax.random.normal(jax.random.key(0), (width, 4))
+  w = jax.random.normal(jax.random.key(0), (width, 16))
   loss = lambda w, x: jnp.sum(jnp.sin(x @ w))
   xs = jax.random.normal(jax.random.key(1), (10, rows, width))
   _compare(loss, w, xs)
@@ -348,6 +356,90 @@ def test_flax_linen_scan_over_remat_blocks_gets_the_dot_rule_per_layer():
   rules = jaxclip.ghost_plan(loss, params, xs, batch_argnums=1).rules
   assert rules["['ScanCheckpointBlock_0']['Dense_0']['kernel']"] == "dot"
   assert rules["['ScanCheckpointBlock_0']['LayerNorm_0']['scale']"] == "instantiate"
+
+
+def test_conv_rule_with_stride_padding_dilation_and_feature_groups():
+  import flax.linen as linen
+
+  ks = jax.random.split(jax.random.key(0), 6)
+  convs = [eqx.nn.Conv2d(4, 6, 3, stride=2, padding=1, groups=2, key=ks[0]),  # kernel gradient
+           eqx.nn.Conv2d(6, 8, (3, 2), dilation=(2, 1), padding=((2, 1), (0, 1)), key=ks[1]),
+           eqx.nn.Conv2d(8, 8, 3, stride=2, key=ks[2])]  # 4 positions: the Gram form
+  params, static = eqx.partition(convs, eqx.is_inexact_array)
+
+  def loss(p, image):
+    h = image
+    for conv in eqx.combine(p, static):
+      h = jnp.tanh(conv(h))
+    return jnp.sum(jnp.sin(h))
+
+  images = jax.random.normal(ks[3], (8, 4, 9, 9))
+  _compare(loss, params, images, batch_argnums=1, rtol=1e-4)
+  plan = jaxclip.ghost_plan(loss, params, images, batch_argnums=1)
+  assert [leaf.rule for leaf in plan.leaves] == ["conv", "instantiate"] * 3
+
+  class Net(linen.Module):  # NHWC, "SAME" padding, kernel dilation, depthwise-style groups
+
+    @linen.compact
+    def __call__(self, x):
+      x = linen.GroupNorm(num_groups=2)(linen.Conv(8, (3, 3), strides=2, padding="SAME")(x))
+      x = linen.Conv(8, (3, 3), feature_group_count=4, kernel_dilation=2, padding="VALID")(
+          jax.nn.relu(x))
+      return jnp.sum(x ** 2)
+
+  net = Net()
+  xs = jax.random.normal(ks[4], (8, 12, 12, 4))
+  params = net.init(ks[5], xs[0])["params"]
+  loss = lambda p, x: net.apply({"params": p}, x)
+  _compare(loss, params, xs, batch_argnums=1, rtol=1e-4)
+  rules = jaxclip.ghost_plan(loss, params, xs, batch_argnums=1).rules
+  assert rules["['Conv_0']['kernel']"] == rules["['Conv_1']['kernel']"] == "conv"
+
+
+def test_static_disjoint_slices_of_a_stacked_weight_add():
+  ks = jax.random.split(jax.random.key(0), 4)
+  params = {"stack": 0.5 * jax.random.normal(ks[0], (3, 4, 4)),
+            "halves": jax.random.normal(ks[1], (4, 6)),
+            "overlap": jax.random.normal(ks[2], (3, 4))}
+
+  def loss(p, x):
+    for layer in range(3):  # a Python loop over W[l]
+      x = jnp.tanh(x @ p["stack"][layer])
+    y = jnp.concatenate([x @ p["halves"][:, :3], jnp.sin(x @ p["halves"][:, 3:])], axis=-1)
+    z = jnp.sum(y[:, :4] * (x @ p["overlap"][:2].T).sum(-1, keepdims=True))
+    return z + jnp.sum(x @ p["overlap"][1:].T)  # rows 0-1 and 1-2: row 1 read twice
+
+  xs = jax.random.normal(ks[3], (10, 5, 4))
+  _compare(loss, params, xs, batch_argnums=1)
+  rules = jaxclip.ghost_plan(loss, params, xs, batch_argnums=1).rules
+  assert rules == {"['halves']": "dot", "['overlap']": "instantiate", "['stack']": "dot"}
+
+
+def test_leaves_instantiated_at_one_site_share_one_pass():
+  @jax.custom_jvp
+  def affine(x, s, b):
+    return x * s + b
+
+  affine.defjvp(lambda p, t: (affine(*p), t[0] * p[1] + p[0] * t[1] + t[2]))
+  params = {"s": jnp.arange(1.0, 5.0), "b": jnp.ones(4), "w": jnp.ones((4, 4))}
+  loss = lambda p, x: jnp.sum(jnp.tanh(affine(x, p["s"], p["b"]) @ p["w"]))
+  xs = jax.random.normal(jax.random.key(0), (8, 4))
+  _compare(loss, params, xs, batch_argnums=1)
+  leaves, tree = jax.tree.flatten(params)
+  plan = _ghost.trace(loss, params, [xs], [0], has_aux=False).plan
+  assert [leaves for leaves, _ in plan.groups] == [(0, 1)]  # b and s: one per-example pass
+
+
+def test_whole_loss_falls_back_where_vmap_costs_less(monkeypatch):
+  monkeypatch.setattr(_ghost, "_VMAP_RATIO", 0.5)
+  w = jax.random.normal(jax.random.key(0), (8, 4))
+  long = lambda w, x: jnp.sum(jnp.sin(x @ w))  # 64 rows: A^T G per example, as vmap does
+  xs = jax.random.normal(jax.random.key(1), (6, 64, 8))
+  plan = jaxclip.ghost_plan(long, w, xs, batch_argnums=1)
+  assert plan.rules == {"": "instantiate"} and "cheaper to instantiate" in plan.leaves[0].reason
+  _compare(long, w, xs, batch_argnums=1)
+  short = jaxclip.ghost_plan(long, jnp.ones((64, 64)), jnp.ones((6, 2, 64)), batch_argnums=1)
+  assert short.rules == {"": "dot"}  # 2 rows of a 64 x 64 weight: the Gram form
 
 
 def test_loss_that_depends_on_the_parameters_only_for_some_examples():
@@ -507,6 +599,7 @@ def _check(out, ref):
 
 
 def md_ghost_in_shard_map():
+  _ghost._VMAP_RATIO = float("inf")  # the ghost pass on this small model too
   params, tokens, clip, ref = _reference(32, 1)
   mesh = jax.make_mesh((N_DEVICES,), ("data",))
   for microbatch_size in (None, 3):
@@ -535,6 +628,7 @@ def _spmd(axis_type, loss, params, batch, ref, clip):
 
 
 def md_ghost_under_spmd_axis_name_gathers_no_examples():
+  _ghost._VMAP_RATIO = float("inf")
   # On an Explicit mesh JAX cannot shard a batched embedding lookup without an
   # out_sharding (method="vmap" fails there too): the GPT runs on an Auto mesh,
   # the MLP on both.
