@@ -40,6 +40,7 @@ import numpy as np
 
 import jaxclip
 from benchmarks import _cases, _main, _report, _timing, _zoo
+from jaxclip import _ghost
 
 METHODS = ("grad", "vmap", "ghost")
 BATCHES, QUICK_BATCHES = (16, 128), (4,)
@@ -73,10 +74,21 @@ def plan_summary(model: _zoo.Model) -> dict:
     plan = jaxclip.ghost_plan(model.loss_fn, model.params, x, y, batch_argnums=(1, 2))
   except Exception as e:  # report, go on
     return {"share": None, "fallback": [], "why": f"{type(e).__name__}: {e}"[:300]}
-  return {"share": plan.fallback_share, "why": None,
-          "rules": sorted({leaf.rule for leaf in plan.leaves}),
-          "fallback": [(leaf.path, leaf.floats, leaf.reason) for leaf in plan.leaves
-                       if leaf.rule == "instantiate"]}
+  out = {"share": plan.fallback_share, "why": None,
+         "rules": sorted({leaf.rule for leaf in plan.leaves}),
+         "fallback": [(leaf.path, leaf.floats, leaf.reason) for leaf in plan.leaves
+                      if leaf.rule == "instantiate"]}
+  reasons = {leaf.reason for leaf in plan.leaves}
+  if len(reasons) == 1 and plan.fallback_share == 1.0 and hasattr(_ghost, "_VMAP_RATIO"):
+    # The whole loss falls back on cost: what the ghost rules alone would instantiate.
+    ratio, _ghost._VMAP_RATIO = _ghost._VMAP_RATIO, math.inf
+    try:
+      forced = jaxclip.ghost_plan(model.loss_fn, model.params, x, y, batch_argnums=(1, 2))
+    finally:
+      _ghost._VMAP_RATIO = ratio
+    out.update(whole_loss=reasons.pop(), forced_share=forced.fallback_share,
+               forced_rules=sorted({leaf.rule for leaf in forced.leaves}))
+  return out
 
 
 def run_model(model: _zoo.Model, batches: list[int], reps: int) -> list[dict]:
@@ -163,7 +175,9 @@ def table(rows: list[dict], plans: dict[str, dict]) -> str:
               for m in METHODS]
     cells += [r[m]["status"] if r[m]["status"] != "ok" else _num(r[m]["ms"]) for m in METHODS]
     cells += [f"{rat[k]:.2f}" if rat[k] is not None else "n/a" for k in list(TARGETS)[:3]]
-    cells.append(f"{share:.1%}" if share is not None else "n/a")
+    p = plans[r["model"]]
+    cells.append("n/a" if share is None else f"{share:.1%}" if "whole_loss" not in p else
+                 f"{share:.0%} (on cost; rules alone {p['forced_share']:.1%})")
     cells.append(", ".join(missed + [f"{k} n/a" for k in unknown]) or "none")
     body.append(cells)
   return _report._table(HEADER, body)
@@ -179,7 +193,9 @@ def markdown(meta: dict, rows: list[dict], plans: dict[str, dict],
           "is the compiled program's temporary memory (XLA's memory analysis), `ms` the median "
           "step time, the three cases of a row timed interleaved. `fallback share`: the share of "
           "the parameters' floats that `jaxclip.ghost_plan` instantiates (per-example gradient "
-          "formed exactly). Targets (issue #25): ghost/vmap time <= "
+          "formed exactly); `on cost`: the whole loss is instantiated because its ghost norms "
+          "would cost more flops than its per-example gradients, and `rules alone` is the share "
+          "the ghost rules would leave to instantiation. Targets (issue #25): ghost/vmap time <= "
           f"{TARGETS['ghost/vmap time']}, ghost/grad time <= {TARGETS['ghost/grad time']}, "
           f"ghost/grad memory <= {TARGETS['ghost/grad mem']}, fallback share <= "
           f"{TARGETS['fallback share']:.0%}.", ""]
@@ -190,6 +206,11 @@ def markdown(meta: dict, rows: list[dict], plans: dict[str, dict],
   for name, p in plans.items():
     if p["share"] is None:
       out.append(f"- `{name}`: n/a ({p['why']})")
+      continue
+    if "whole_loss" in p:
+      out.append(f"- `{name}` (100% of the floats): every leaf, {p['whole_loss']}; the ghost "
+                 f"rules alone (rules {', '.join(p['forced_rules'])}) would instantiate "
+                 f"{p['forced_share']:.1%}")
       continue
     big = sorted(p["fallback"], key=lambda leaf: -leaf[1])
     leaves = "; ".join(f"`{path}` ({n:,}: {why})" for path, n, why in big[:8])
