@@ -34,15 +34,25 @@ Then, for each example:
 * an embedding table also used, transposed, by an output head (tied
   weights) gets both of these plus their cross term,
   ``sum_{t,s} G[s, id_t] <g_t, a_s>``;
-* every other parameter (layer-norm scales and biases, convolutions, weights
-  used twice otherwise, anything used through a ``custom_jvp`` or a loop) is
-  grouped with the parameters it shares a use with, and its per-example
-  gradient is instantiated exactly, for that group only, in chunks of
-  examples: for scales and biases this is a cheap per-example reduction.
+* a convolution's kernel gets the ``dot_general`` rule over the input's
+  patches (one row per output position), or its per-example gradient formed
+  from the site alone, whichever costs less;
+* every other parameter (layer-norm scales and biases, weights used twice
+  otherwise, anything used through a ``custom_jvp`` or a ``while`` loop) has
+  its per-example gradient instantiated exactly, in one per-example pass
+  through its sites for all such parameters, in chunks of examples: for
+  scales and biases this is a cheap per-example reduction.
+
+A rule applies per use when a parameter's uses read disjoint parts of it:
+static slices (a Python loop over ``W[l]``), and the iterations of a
+``lax.scan`` over stacked layers, whose body is walked with its ``a`` and
+``g`` stacked over the iterations; the squared norms of the parts add.
 
 The clipped sum is then book-kept: ``sum_b w_b g_{u,b}`` pulled back through
 each site (one matmul for a dense layer) and through ``h``, with no second
-pass over the model.
+pass over the model. Where the plan's norms cost more than a share
+``_VMAP_RATIO`` of forming every per-example gradient (long sequences of
+narrow layers), the caller forms per-example gradients instead.
 """
 
 from __future__ import annotations
@@ -65,6 +75,7 @@ PARAM, DATA, CONST = "param", "data", "const"
 # uses inside a jitted or rematerialised layer are seen one by one; the ghost
 # pass then stores that layer's activations rather than recomputing them).
 _CALLS = frozenset({"jit", "pjit", "closed_call", "core_call", "checkpoint", "remat", "remat2"})
+_REMATS = frozenset({"checkpoint", "remat", "remat2"})
 # Primitives that rearrange a parameter without changing its values: the
 # gradient of the result has the norm of the parameter's gradient.
 _VIEWS = frozenset({"reshape", "transpose", "squeeze", "expand_dims", "copy", "copy_p",
@@ -299,6 +310,8 @@ class _Walker:
                  else None)
       if scanned is not None:
         outs = scanned
+      elif body is not None and self.mode == "forward" and eqn.primitive.name in _REMATS:
+        outs = self.remat(eqn, body, ins_e)
       elif body is not None:
         outs = self.walk(body[0], body[1], ins_e)
       elif DATA in kinds and any(i.kind == PARAM and _is_float(v.aval)
@@ -388,6 +401,33 @@ class _Walker:
     self.scans = scans[0]
     self.records.extend(records)
     return list(zip(list(carry) + list(ys), k_infos + ys_infos, strict=True))
+
+  def remat(self, eqn: Any, body: tuple[Any, list[Any]], ins: list[tuple[Any, _Info]]
+            ) -> list[tuple[Any, _Info]]:
+    """Walks a rematerialised layer's body under ``jax.checkpoint`` with the layer's policy.
+
+    Only what the sites record (their data inputs) and the layer's outputs
+    are kept for the backward pass; the rest is recomputed, as the model asks.
+    """
+    probe = _Walker("analyze", stack=self.stack)
+    probe.walk(body[0], body[1], [(None, i) for _, i in ins])
+    count = len(probe.sites)
+    u0 = len(self.records)
+    zs = list(self.zs[u0:u0 + count])
+    infos, found = [i for _, i in ins], {}
+
+    def inner(vals, zs):
+      sub = _Walker("forward", zs, self.sites, base=self.base + u0, stack=self.stack,
+                    scans=self.scans)
+      outs = sub.walk(body[0], body[1], list(zip(vals, infos, strict=True)))
+      found.update(infos=[i for _, i in outs], scans=sub.scans)
+      return [x for x, _ in outs], sub.records
+
+    outs, records = jax.checkpoint(inner, prevent_cse=eqn.params.get("prevent_cse", True),
+                                   policy=eqn.params.get("policy"))([x for x, _ in ins], zs)
+    self.scans = found["scans"]
+    self.records.extend(records)
+    return list(zip(outs, found["infos"], strict=True))
 
   def run(self, closed: Any, ins: Sequence[tuple[Any, _Info]]) -> list[Any]:
     outs = self.walk(closed.jaxpr, closed.consts, ins)
@@ -566,8 +606,9 @@ def conv_sumsq(site: Site, kernel: jax.Array, a: jax.Array, g: jax.Array) -> jax
 def _lookup_operands(site: Site, ids: jax.Array, g: jax.Array) -> tuple[jax.Array, jax.Array]:
   """An embedding lookup's ids ``(examples, T)``, in range, and row gradients ``(examples, T, R)``.
 
-  Rows read out of range in ``FILL_OR_DROP`` mode get a zero gradient, as in
-  JAX's own transpose of the gather.
+  Rows read out of range in ``FILL_OR_DROP`` or ``PROMISE_IN_BOUNDS`` mode
+  (``E[ids]``: it reads the clamped row) get a zero gradient, as in JAX's own
+  transpose of the gather, whose scatter drops them.
   """
   eqn = site.eqn
   rows = eqn.invars[0].aval.shape[0]
@@ -575,7 +616,7 @@ def _lookup_operands(site: Site, ids: jax.Array, g: jax.Array) -> tuple[jax.Arra
   ids = ids.reshape(n, -1)
   g = _f32(g).reshape(n, ids.shape[1], -1)
   mode = getattr(eqn.params["mode"], "name", str(eqn.params["mode"]))
-  if "FILL" in mode:  # out-of-range rows read the fill value: no gradient
+  if "FILL" in mode or "PROMISE" in mode:  # out-of-range rows: dropped from the gradient
     g = jnp.where(((ids >= 0) & (ids < rows))[..., None], g, 0)
   return jnp.clip(ids, 0, rows - 1), g
 

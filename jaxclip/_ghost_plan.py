@@ -98,9 +98,14 @@ def ghost_plan(
   ``unused``       zero: the loss does not depend on the leaf
   ===============  ==========================================================
 
-  The rules also apply per iteration of a ``lax.scan`` over stacked layers.
-  A large ``instantiate`` share (:attr:`GhostPlan.fallback_share`) means
-  ghost norms cost about what ``method="vmap"`` costs.
+  The rules also apply per iteration of a ``lax.scan`` over stacked layers
+  and per static slice of a stacked weight. A large ``instantiate`` share
+  (:attr:`GhostPlan.fallback_share`) means ghost norms cost about what
+  ``method="vmap"`` costs. Where the rules together would cost more than
+  forming every per-example gradient (long sequences through narrow layers,
+  convolutions over many positions), ``method="ghost"`` forms them as
+  ``"vmap"`` does, and every leaf the loss uses reads ``instantiate``, with
+  the reason "cheaper to instantiate".
 
   Args:
     loss_fn: As for :func:`jaxclip.per_example_clipped_grad`.
@@ -126,16 +131,16 @@ def ghost_plan(
     >>> def loss(p, x, y):
     ...   h = jnp.tanh(x @ p["w"] + p["b"])
     ...   return jnp.sum((h - y) ** 2)
-    >>> params = {"w": jnp.ones((3, 2)), "b": jnp.zeros(2)}
-    >>> plan = jaxclip.ghost_plan(loss, params, jnp.ones((8, 3)), jnp.ones((8, 2)),
+    >>> params = {"w": jnp.ones((16, 16)), "b": jnp.zeros(16)}
+    >>> plan = jaxclip.ghost_plan(loss, params, jnp.ones((8, 16)), jnp.ones((8, 16)),
     ...                           batch_argnums=(1, 2))
     >>> plan.rules
     {"['b']": 'instantiate', "['w']": 'dot'}
     >>> print(plan)  # doctest: +NORMALIZE_WHITESPACE
-    path   shape   rule         floats  reason
-    ['b']  (2,)    instantiate  2       used by `add`, not a dot/lookup/conv
-    ['w']  (3, 2)  dot          6
-    2 leaves; 25.0% of the floats instantiated
+    path   shape     rule         floats  reason
+    ['b']  (16,)     instantiate  16      used by `add`, not a dot/lookup/conv
+    ['w']  (16, 16)  dot          256
+    2 leaves; 5.9% of the floats instantiated
   """
   if batch_argnums is None:
     batch_argnums = tuple(range(1, len(args) + 1))

@@ -115,16 +115,26 @@ def per_example_clipped_grad(
     gets :math:`\sum_{t,s} [\mathrm{id}_t = \mathrm{id}_s]\,
     \langle g_t, g_s\rangle`, repeated ids included; a table tied to the
     output head (``h @ E.T``) adds the exact cross term of its two uses;
-  * every other parameter (layer-norm scales, biases, convolution kernels,
-    other weights used twice, anything used inside a ``custom_jvp``,
-    ``lax.scan`` or ``cond``) gets its per-example gradient
-    formed exactly, for that parameter (and those it shares a use with) only,
-    in chunks of examples; for scales and biases that is a cheap reduction.
+  * a convolution kernel gets the first rule over the input's patches, or its
+    per-example gradient from that layer alone, whichever costs less;
+  * every other parameter (layer-norm scales, biases, other weights used
+    twice, anything used inside a ``custom_jvp`` or ``cond``) gets its
+    per-example gradient formed exactly, for those parameters only, in
+    chunks of examples; for scales and biases that is a cheap reduction.
 
-  The clipped sum is then book-kept from the same ``a`` and ``g`` (one matmul
-  per dense layer), with no second pass over the model. Results equal
+  The rules apply per iteration of a ``lax.scan`` over stacked layers (flax
+  ``nn.scan``, ``nnx.scan``, equinox) and per static slice of a stacked
+  weight, the squared norms added. The clipped sum is then book-kept from the
+  same ``a`` and ``g`` (one matmul per dense layer), with no second pass over
+  the model. Where these norms would cost more than per-example gradients
+  (long sequences through narrow layers), ``"vmap"``'s way is taken;
+  :func:`jaxclip.ghost_plan` shows the rule of each parameter. Results equal
   ``method="vmap"`` up to float rounding; memory stays close to the
-  non-private gradient's (see the README's benchmark).
+  non-private gradient's (see the README's benchmark). Under bfloat16
+  compute the reference is the non-private ``jax.grad``: ghost's clipped sum,
+  book-kept through the model's own bfloat16 operations, matches it bit for
+  bit where nothing is clipped, while ``vmap``'s float32 sum of per-example gradients
+  differs from both by bfloat16 rounding.
 
   Args:
     loss_fn: ``loss_fn(params, *args) -> scalar`` for one example (or, with
