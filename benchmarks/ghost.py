@@ -83,6 +83,11 @@ def _parser() -> argparse.ArgumentParser:
                  help="seconds one step may take to be timed (default 20)")
   p.add_argument("--max-gb", type=float, default=8.0,
                  help="largest compiled temporary memory (GiB) of a case that is run (default 8)")
+  p.add_argument("--zoo", action="store_true",
+                 help="the model zoo (benchmarks/_zoo.py) instead of the GPT: writes ghost_zoo.md "
+                      "(batches 16 and 128; with --quick, the tiny models at batch 4)")
+  p.add_argument("--models", nargs="+", default=None,
+                 help="with --zoo: the zoo models to run (default: all)")
   p.add_argument("--clip", type=float, default=None,
                  help="l2_norm_clip of the private cases (default: for each T, the median "
                       f"per-example gradient norm of {NORM_SAMPLE} random sequences)")
@@ -377,6 +382,10 @@ def plot(path: str, rows: list[dict]) -> None:
 
 def main(argv: list[str] | None = None) -> str:
   args = _parser().parse_args(argv)
+  if args.zoo:
+    from benchmarks import _ghost_zoo
+
+    return _ghost_zoo.main(args, " ".join(argv if argv is not None else sys.argv[1:]))
   quick = args.quick
   reps = args.reps or (2 if quick else 10)
   batches = args.batch or list(QUICK_BATCHES if quick else BATCHES)

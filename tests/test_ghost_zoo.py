@@ -1,0 +1,203 @@
+"""Ghost norms on the zoo of library-built models (``benchmarks/_zoo.py``).
+
+For each model (flax linen ``nn.scan(nn.remat(Block))`` GPT and Conv +
+GroupNorm ResNet, flax nnx stacked-and-scanned Llama, equinox ViT with a
+``Conv2d`` patch embedding and ``filter_vmap``-stacked blocks under
+``lax.scan``, plain JAX stacked layers under ``lax.scan`` or a Python loop):
+
+* ``method="ghost"`` equals ``method="vmap"``: the clipped sums, the number of
+  examples clipped and the per-example norms, at the median norm so that some
+  examples are clipped and some are not;
+* every parameter leaf gets the rule issue #25 asks for, read from
+  :func:`jaxclip.ghost_plan`: dense, attention and embedding weights a ghost
+  rule (``"dot"``, ``"lookup"``, ``"tied"``) also inside a scan, convolution
+  kernels ``"conv"``, only normalisation scales, biases and position tables
+  instantiated, and at most 10% of the floats at the benchmark size. A leaf
+  that silently falls back fails here.
+
+Where the whole loss's ghost norms would cost more flops than its
+per-example gradients, the engine instantiates everything instead (issue #25,
+item 5; ``ghost_plan`` says "cheaper to instantiate"), which the tiny models
+and some benchmark-size ones trigger. So that the ghost rules themselves are
+checked on every model, both tests above run with that switch off
+(``_ghost._VMAP_RATIO`` set to infinity); a third checks that without it the
+plan is either the ghost plan or that whole-loss fallback, reported as such
+(whether the choice pays is measured by ``python -m benchmarks.ghost --zoo``).
+
+The benchmark (``python -m benchmarks.ghost --zoo``) builds the same models.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+import jaxclip
+from benchmarks import _zoo
+from jaxclip import _ghost
+
+BATCH = 8
+# Path patterns (searched in ``jax.tree_util.keystr`` of each leaf) and the rule
+# their leaves must get; the first pattern that matches a path decides.
+_NORMS_AND_BIASES = (r"\['(scale|bias)'\]|norm\d?\.(weight|bias)|\.bias$", "instantiate")
+EXPECTED = {
+    "linen_scan_gpt": [(r"\['Embed_0'\]\['embedding'\]", "tied"),  # lookup + Embed.attend head
+                       (r"\['pos'\]", "instantiate"),  # added to the embeddings, as a bias
+                       _NORMS_AND_BIASES,
+                       (r"\['kernel'\]", "dot")],  # Dense and attention kernels, in the scan
+    "linen_resnet": [(r"Conv_\d\'\]\['kernel'\]", "conv"), _NORMS_AND_BIASES,
+                     (r"\['Dense_0'\]\['kernel'\]", "dot")],
+    "nnx_llama": [(r"\['embed'\]\['embedding'\]", "lookup"), _NORMS_AND_BIASES,
+                  (r"\['kernel'\]", "dot")],  # the head, and the blocks' Linears in the scan
+    "eqx_vit": [(r"^\.patch\.weight$", "conv"), (r"^\.pos$", "instantiate"), _NORMS_AND_BIASES,
+                (r"(_proj|fc\d|head)\.weight$", "dot")],
+    "jax_scan_mlp": [(r"\['embed'\]", "lookup"), (r"\['(scale|b_in)'\]", "instantiate"),
+                     (r"\['(w_in|w_out|head)'\]", "dot")],
+}
+EXPECTED["jax_loop_mlp"] = EXPECTED["jax_scan_mlp"]  # disjoint static slices: the rules add
+MAX_FALLBACK_SHARE = 0.10
+
+
+@pytest.fixture
+def ghost_rules_only(monkeypatch):
+  """Turns off the whole-loss fallback to per-example gradients (see the module docstring)."""
+  monkeypatch.setattr(_ghost, "_VMAP_RATIO", math.inf)
+
+
+def _expected_rules(name: str, params) -> dict[str, str]:
+  rules = {}
+  for keypath, _ in jax.tree_util.tree_flatten_with_path(params)[0]:
+    path = jax.tree_util.keystr(keypath)
+    matches = [rule for pattern, rule in EXPECTED[name] if re.search(pattern, path)]
+    assert matches, f"{name}: no expected rule for {path}"  # the table covers every leaf
+    rules[path] = matches[0]
+  return rules
+
+
+def _clipped_grad_fn(model: _zoo.Model, method: str):
+  """``f(clip, params, x, y)``, compiled once: the clip is traced."""
+  def fn(clip, params, x, y):
+    return jaxclip.per_example_clipped_grad(model.loss_fn, clip, batch_argnums=(1, 2),
+                                            method=method, return_norms=True)(params, x, y)
+  x, y = model.make_batch(BATCH, 1)
+  # Tests are compile-bound: XLA's backend optimisations do not change the results.
+  return jax.jit(fn).lower(1.0, model.params, x, y).compile(_zoo.CHEAP_COMPILE)
+
+
+@pytest.mark.parametrize("name", list(_zoo.MODELS))
+def test_ghost_equals_vmap_on_the_zoo_model(name, ghost_rules_only):
+  model = _zoo.build(name, "tiny")
+  x, y = model.make_batch(BATCH, 1)
+  vmap = _clipped_grad_fn(model, "vmap")
+  norms = np.asarray(vmap(1.0, model.params, x, y)[2])
+  clip = float(np.median(norms))
+  ref = vmap(clip, model.params, x, y)
+  got = _clipped_grad_fn(model, "ghost")(clip, model.params, x, y)
+  assert 0 < int(ref[1]) < BATCH, (int(ref[1]), norms)  # some clipped, some not
+  assert int(got[1]) == int(ref[1])
+  np.testing.assert_allclose(np.asarray(got[2]), np.asarray(ref[2]), rtol=1e-4)
+  np.testing.assert_allclose(np.asarray(ref[2]), norms, rtol=1e-6)  # norms are pre-clip
+  assert jax.tree.structure(got[0]) == jax.tree.structure(ref[0])
+  paths = [jax.tree_util.keystr(k) for k, _ in jax.tree_util.tree_flatten_with_path(ref[0])[0]]
+  # Rounding is relative to the whole sum: attention's key bias has a zero gradient.
+  scale = max(float(np.max(np.abs(np.asarray(e)))) for e in jax.tree.leaves(ref[0]))
+  for path, a, e in zip(paths, jax.tree.leaves(got[0]), jax.tree.leaves(ref[0]), strict=True):
+    assert a.shape == e.shape and a.dtype == e.dtype, path
+    np.testing.assert_allclose(np.asarray(a), np.asarray(e), rtol=1e-4, atol=1e-5 * scale,
+                               err_msg=path)
+
+
+@pytest.mark.parametrize("size", _zoo.SIZES)
+@pytest.mark.parametrize("name", list(_zoo.MODELS))
+def test_every_leaf_gets_the_rule_the_issue_asks_for(name, size, ghost_rules_only):
+  model = _zoo.build(name, size)
+  x, y = model.make_batch(2, 0)
+  plan = jaxclip.ghost_plan(model.loss_fn, model.params, x, y, batch_argnums=(1, 2))
+  want = _expected_rules(name, model.params)
+  assert [leaf.path for leaf in plan.leaves] == list(want)
+  wrong = {p: (plan.rules[p], want[p]) for p in want if plan.rules[p] != want[p]}
+  assert not wrong, (f"{name} ({size}): leaves with another rule than asked for, "
+                     f"path: (got, want):\n" + "\n".join(f"  {p}: {r}" for p, r in wrong.items())
+                     + f"\n{plan}")
+  sizes = [leaf.size for leaf in jax.tree.leaves(model.params)]
+  assert [leaf.floats for leaf in plan.leaves] == sizes
+  for leaf in plan.leaves:
+    assert (leaf.reason is None) == (leaf.rule != "instantiate"), leaf
+  fallback = sum(n for leaf, n in zip(plan.leaves, sizes, strict=True)
+                 if leaf.rule == "instantiate")
+  assert plan.fallback_share == pytest.approx(fallback / sum(sizes))
+  text = str(plan)
+  assert all(leaf.path in text for leaf in plan.leaves), text
+  if size == "bench":
+    assert plan.fallback_share <= MAX_FALLBACK_SHARE, f"{name}: {plan.fallback_share:.1%}\n{plan}"
+
+
+@pytest.mark.parametrize("name", list(_zoo.MODELS))
+def test_the_plan_is_the_ghost_plan_or_a_reported_whole_loss_fallback(name):
+  model = _zoo.build(name, "bench")
+  x, y = model.make_batch(2, 0)
+  plan = jaxclip.ghost_plan(model.loss_fn, model.params, x, y, batch_argnums=(1, 2))
+  if all(leaf.rule == "instantiate" for leaf in plan.leaves):
+    assert all(leaf.reason.startswith("cheaper to instantiate") for leaf in plan.leaves), plan
+  else:
+    assert plan.rules == _expected_rules(name, model.params), plan
+    assert plan.fallback_share <= MAX_FALLBACK_SHARE, plan
+
+
+def test_zoo_benchmark_quick_run_writes_its_table(tmp_path):
+  # In a fresh process, as `python -m benchmarks.ghost --zoo` runs, compile-bound: XLA's
+  # backend optimisations off, one tiny model at batch 4.
+  from benchmarks import _ghost_zoo
+
+  root = Path(__file__).resolve().parents[1]
+  env = {**os.environ,
+         "PYTHONPATH": os.pathsep.join([str(root), *filter(None, [os.environ.get("PYTHONPATH")])]),
+         "XLA_FLAGS": "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"}
+  done = subprocess.run([sys.executable, "-m", "benchmarks.ghost", "--zoo", "--quick", "--models",
+                         "jax_scan_mlp", "--out", str(tmp_path)], cwd=root, env=env,
+                        capture_output=True, text=True, timeout=300, check=False)
+  assert done.returncode == 0, done.stderr[-3000:]
+  text = (tmp_path / "ghost_zoo.md").read_text()
+  assert "- machine: " in text and f"jax {jax.__version__}" in text and "load average" in text
+  lines = [line for line in text.splitlines() if line.startswith("| ")]
+  header = [c.strip() for c in lines[0].strip("|").split("|")]
+  assert header == _ghost_zoo.HEADER
+  rows = [dict(zip(header, (c.strip() for c in line.strip("|").split("|")), strict=True))
+          for line in lines[1:]]
+  assert [(r["model"], int(r["B"])) for r in rows] == [("jax_scan_mlp", 4)]
+  for c in header[3:12]:
+    assert float(rows[0][c]) > 0, (c, rows[0])
+  assert rows[0]["fallback share"].endswith("%")
+  clipped = re.findall(r"examples clipped: vmap (\d+), ghost (\d+) of 4", text)
+  assert len(clipped) == 1 and clipped[0][0] == clipped[0][1] and 0 < int(clipped[0][0]) < 4
+  assert "`jax_scan_mlp` (" in text  # the model and the leaves that fall back are listed
+
+
+def test_ghost_equals_vmap_in_padded_microbatches_through_a_scan(ghost_rules_only):
+  # The per-iteration rules and the book-keeping inside the chunks' scan, with a
+  # padded last chunk (8 examples in chunks of 3).
+  model = _zoo.build("jax_scan_mlp", "tiny")
+  x, y = model.make_batch(BATCH, 2)
+
+  def fn(method):
+    def clipped(clip, params, x, y):
+      return jaxclip.per_example_clipped_grad(model.loss_fn, clip, batch_argnums=(1, 2),
+                                              method=method, microbatch_size=3,
+                                              return_norms=True)(params, x, y)
+    return jax.jit(clipped).lower(1.0, model.params, x, y).compile(_zoo.CHEAP_COMPILE)
+
+  vmap = fn("vmap")
+  clip = float(np.median(np.asarray(vmap(1.0, model.params, x, y)[2])))
+  ref, got = vmap(clip, model.params, x, y), fn("ghost")(clip, model.params, x, y)
+  assert 0 < int(ref[1]) < BATCH and int(got[1]) == int(ref[1])
+  np.testing.assert_allclose(np.asarray(got[2]), np.asarray(ref[2]), rtol=1e-4)
+  for a, e in zip(jax.tree.leaves(got[0]), jax.tree.leaves(ref[0]), strict=True):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(e), rtol=1e-4, atol=1e-6)
