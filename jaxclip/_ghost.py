@@ -538,7 +538,10 @@ def clipped_sum(
   if mask is not None:
     keep = lambda x: (jnp.where(mask.reshape((-1,) + (1,) * (x.ndim - 1)), x, 0)
                       if jnp.issubdtype(x.dtype, jnp.inexact) else x)
-    gs, drecs = jax.tree.map(keep, (gs, drecs))
+    # Only the output gradients: the masked rows' inputs are copies of a real
+    # example (see _per_example), and zeroed inputs could make the book-keeping
+    # NaN (``w / x`` at ``x = 0``).
+    gs = jax.tree.map(keep, gs)
 
   def params_pass(ls):
     walker = _Walker("params")
