@@ -126,8 +126,31 @@ def per_example_clipped_grad(
   gradients exist at once, so memory stays bounded whatever the batch size.
   Each chunk is :func:`jaxclip.per_example_global_norm_clip` of a ``vmap``-ed
   gradient; the running sum is kept in float32 for half-precision parameters.
-  A batch that is not a multiple of ``microbatch_size`` is padded with
-  all-zero examples whose gradients are dropped (even non-finite ones).
+  A batch that is not a multiple of ``microbatch_size`` is padded with copies
+  of a real example at weight 0, so a loss that is non-finite on zeros (such
+  as ``w / x``) leaves the sum finite.
+
+  **Masks.** The returned function takes ``example_mask=``, a boolean
+  ``(batch,)`` array, True for a real example: the fixed-shape batches of
+  Poisson sampling (:func:`jaxclip.poisson_batch`) under ``jit``. A
+  masked-out example contributes nothing to the sum (its rows are replaced
+  by a copy of a real example at weight 0, so even a loss that is
+  non-finite on them is harmless), is not counted in ``num_clipped`` and
+  gets norm 0; this holds for both methods and every option below.
+
+  **User-level clipping.** With ``group_size=k`` the batch is ``B / k``
+  groups of ``k`` consecutive examples (one user's data, padded with masked
+  rows) and the clipped unit is a group: the gradient of the sum of its
+  examples' losses is clipped to ``l2_norm_clip`` as a whole,
+
+  .. math::
+
+    \sum_{u=1}^{B/k} G_u \cdot \min\!\Big(1, \frac{C}{\|G_u\|_2}\Big),
+    \qquad G_u = \nabla_\theta \sum_{b \in u} m_b\,\ell(\theta, x_b),
+
+  with :math:`m_b` the mask, so the sum's sensitivity to one user's data is
+  ``C``. Both methods treat a group's loss as the loss of one example, so
+  ghost norms apply unchanged.
 
   On many devices:
 
@@ -186,7 +209,11 @@ def per_example_clipped_grad(
       for the whole batch in one ``vmap``.
     batch_argnums: Which positional arguments of ``loss_fn`` after ``params``
       carry the batch on axis 0 of every leaf (counted as in ``loss_fn``, so
-      ``1`` is the first argument after ``params``); the others are shared.
+      ``1`` is the first argument after ``params``); the others are shared,
+      given whole to every example. ``None`` (default): every argument after
+      ``params`` is batched. A shared argument whose leading dimension equals
+      the batch size gets a warning (once per function): it is often a
+      batched one left out.
     keep_batch_dim: Pass each example to ``loss_fn`` with a leading axis of
       size one.
     spmd_axis_name: The mesh axis (or axes) the batch is sharded over under
@@ -200,21 +227,32 @@ def per_example_clipped_grad(
       ``"ghost"`` (per-example norms without per-example gradients, above).
     return_norms: Also return each example's gradient norm before clipping
       (for :func:`jaxclip.quantile_clip_norm_update`, or to monitor).
+    group_size: Clip groups of this many consecutive examples as one unit
+      (user-level clipping, above); ``1`` (default) clips each example. It
+      must divide the batch, and ``microbatch_size`` (which counts examples)
+      must be a multiple of it.
 
   Returns:
-    A function ``(params, *args) -> (clipped_grad_sum, num_clipped)``: the sum
+    A function ``(params, *args, example_mask=None) -> (clipped_grad_sum,
+    num_clipped)``: the sum
     over the batch of the clipped per-example gradients (a pytree like
     ``params``, in its dtypes) and how many examples were scaled down. Divide
     by the batch size (after adding noise, for DP-SGD) to get a mean.
 
     With ``return_norms=True`` the per-example norms (float32, in the order of
-    the batch) come next: ``(clipped_grad_sum, num_clipped, norms)``.
+    the batch; 0 where ``example_mask`` is False) come next:
+    ``(clipped_grad_sum, num_clipped, norms)``. With ``group_size=k``,
+    ``num_clipped`` counts groups and ``norms`` has one entry per group.
+
+    An empty batch gives zeros, a count of 0 and an empty ``norms``; empty
+    ``params`` give an empty sum and norms of 0.
 
     With ``has_aux=True`` it returns ``(clipped_grad_sum, num_clipped, aux)``
     (``aux`` last, after ``norms`` if asked for):
     each leaf of ``aux`` stacks what ``loss_fn`` returned for each example on
     a new leading axis of the batch size, in the order of the batch, whatever
-    the ``microbatch_size`` (padding examples are dropped). With
+    the ``microbatch_size`` (padding examples are dropped; a masked-out
+    example's aux is its stand-in's). With
     ``keep_batch_dim=True`` it is stacked as returned, so an ``aux`` that keeps
     the example's batch axis of one comes out ``(batch, 1, ...)``. Under
     ``spmd_axis_name`` it is sharded over the batch as the inputs are; with
@@ -226,12 +264,33 @@ def per_example_clipped_grad(
       ``microbatch_size`` below 1 or (under a mesh set with ``jax.set_mesh``)
       not a multiple of the devices of ``spmd_axis_name``, ``batch_argnums``
       naming ``params``, batch arguments without a common leading
-      dimension, an unknown ``method``, or (with ``method="ghost"``) complex
+      dimension, an ``example_mask`` that is not boolean ``(batch,)``, a
+      ``group_size`` that is not a positive divisor of the batch, an unknown
+      ``method``, or (with ``method="ghost"``) complex
       parameters or a loss that is not a real scalar.
 
   Examples:
-    >>> import jax.numpy as jnp
+    A loss of ``(params, x, y)`` for one example: ``x`` and ``y`` both carry
+    the batch (every argument after ``params`` does, by default):
+
+    >>> import jax, jax.numpy as jnp
     >>> import jaxclip
+    >>> def sq_loss(w, x, y):
+    ...   return (jnp.dot(w, x) - y) ** 2
+    >>> xs, ys = jnp.array([[1., 0.], [0., 1.], [1., 1.]]), jnp.array([1., -1., 0.])
+    >>> grad_fn = jaxclip.per_example_clipped_grad(sq_loss, 1.0)
+    >>> grad_fn(jnp.zeros(2), xs, ys)  # per-example gradients [-2, 0], [0, 2], [0, 0]
+    (Array([-1.,  1.], dtype=float32), Array(2, dtype=int32))
+
+    With a shared argument, ``batch_argnums`` names the batched ones:
+
+    >>> scaled = lambda w, scale, x, y: scale * sq_loss(w, x, y)
+    >>> grad_fn = jaxclip.per_example_clipped_grad(scaled, 1.0, batch_argnums=(2, 3))
+    >>> grad_fn(jnp.zeros(2), 0.25, xs, ys)[0]
+    Array([-0.5,  0.5], dtype=float32)
+
+    Microbatches of two examples; the gradient of ``w . x`` is ``x``:
+
     >>> loss = lambda w, x: jnp.dot(w, x)  # gradient: the example itself
     >>> xs = jnp.array([[3., 4.], [0., 1.], [6., 8.]])  # norms 5, 1, 10
     >>> grad_fn = jaxclip.per_example_clipped_grad(loss, 2.0, microbatch_size=2)
@@ -257,6 +316,17 @@ def per_example_clipped_grad(
     >>> total, num_clipped, norms = grad_fn(jnp.zeros(2), xs)
     >>> total, norms
     (Array([2.4, 4.2], dtype=float32), Array([ 5.,  1., 10.], dtype=float32))
+
+    ``example_mask`` drops examples (the padding of a Poisson batch), and
+    ``group_size`` clips groups of examples as one unit:
+
+    >>> mask = jnp.array([True, False, True])
+    >>> grad_fn(jnp.zeros(2), xs, example_mask=mask)[2]
+    Array([ 5.,  0., 10.], dtype=float32)
+    >>> pairs = jnp.array([[3., 0.], [0., 4.], [1., 0.], [0., 0.]])  # users (0, 1), (2, 3)
+    >>> jaxclip.per_example_clipped_grad(loss, 2.0, group_size=2, return_norms=True)(
+    ...     jnp.zeros(2), pairs)
+    (Array([2.2, 1.6], dtype=float32), Array(1, dtype=int32), Array([5., 1.], dtype=float32))
 
   References:
     Abadi et al., `Deep Learning with Differential Privacy
