@@ -340,6 +340,19 @@ def test_jax_privacy_noise_on_jaxclip_ghost_sum():
   noise = np.concatenate([np.ravel(a - b) for a, b in zip(
       jax.tree.leaves(noisy), jax.tree.leaves(unit), strict=True)])
   assert noise.size > 50 and abs(noise.std() / sigma - 1) < 0.3 and abs(noise.mean()) < 0.5
+  # The other way in: jax_privacy's Poisson batches, padded with -1, as a jaxclip mask.
+  batch_selection = pytest.importorskip("jax_privacy.batch_selection")
+  strategy = batch_selection.CyclicPoissonSampling(sampling_prob=0.5, iterations=1)
+  (indices,) = list(strategy.batch_iterator(8, rng=0))
+  padded = batch_selection.pad_to_multiple_of(indices, 8)
+  real = jnp.asarray(padded >= 0)
+  rows = jnp.asarray(np.maximum(padded, 0))
+  fn = jaxclip.per_example_clipped_grad(mlp_loss, CLIP, method="ghost", return_norms=True)
+  total, count, norms = fn(params, x[rows], y[rows], example_mask=real)
+  ref_total, ref_count, ref_norms = _reference(params, x, y, CLIP, np.asarray(indices))
+  _close(total, ref_total)
+  assert int(count) == ref_count and 0 < len(indices) < 8
+  np.testing.assert_allclose(np.asarray(norms)[: len(indices)], ref_norms, rtol=2e-5)
 
 
 # ----------------------------------------------------------------------------
