@@ -90,7 +90,7 @@ def _warn_shared_like_batch(args: Sequence[Any], idx: Sequence[int], size: int) 
   for i, a in enumerate(args):
     if i in idx:
       continue
-    if any(jnp.ndim(x) and jnp.shape(x)[0] == size for x in jax.tree.leaves(a)):
+    if any(getattr(x, "shape", None) and x.shape[0] == size for x in jax.tree.leaves(a)):
       warnings.warn(
           f"per_example_clipped_grad: argument {i + 1} is shared (not in batch_argnums) but "
           f"has a leading dimension of the batch size {size}: if it holds one row per "
