@@ -48,7 +48,7 @@ import jax.numpy as jnp
 import jaxlib
 
 import jaxclip
-from benchmarks import _cases, _main, _model, _report, _timing
+from benchmarks import _cases, _ghost_mask, _main, _model, _report, _timing
 
 HERE = Path(__file__).resolve().parent
 METHODS = ("grad", "vmap", "ghost")
@@ -71,6 +71,9 @@ def _parser() -> argparse.ArgumentParser:
                               description=__doc__.split("\n\n")[0])
   p.add_argument("--quick", action="store_true",
                  help="tiny model and batches, two repetitions (a smoke test)")
+  p.add_argument("--mask", action="store_true",
+                 help="only the masked Poisson case (benchmarks/_ghost_mask.py): "
+                      "writes ghost_mask.md")
   p.add_argument("--out", type=Path, default=HERE,
                  help="folder for ghost.md and ghost.png (default: benchmarks/)")
   p.add_argument("--reps", type=int, default=None,
@@ -386,6 +389,9 @@ def main(argv: list[str] | None = None) -> str:
     from benchmarks import _ghost_zoo
 
     return _ghost_zoo.main(args, " ".join(argv if argv is not None else sys.argv[1:]))
+  if args.mask:  # what a Poisson batch's mask costs, ghost and vmap
+    return _ghost_mask.main(args.out, args.quick, QUICK_MODEL if args.quick else MODEL,
+                            args.reps or (2 if args.quick else 20), args.clip)
   quick = args.quick
   reps = args.reps or (2 if quick else 10)
   batches = args.batch or list(QUICK_BATCHES if quick else BATCHES)

@@ -20,6 +20,8 @@ from jaxclip._optax_compat import per_example_global_norm_clip as per_example_gl
 from jaxclip._optax_compat import per_example_layer_norm_clip as per_example_layer_norm_clip
 from jaxclip._optax_compat import unitwise_clip as unitwise_clip
 from jaxclip._optax_compat import unitwise_norm as unitwise_norm
+from jaxclip._poisson import PoissonBatch as PoissonBatch
+from jaxclip._poisson import poisson_batch as poisson_batch
 from jaxclip._quantile import quantile_clip_norm_update as quantile_clip_norm_update
 from jaxclip._record import RecordNormsState as RecordNormsState
 from jaxclip._record import record_norms as record_norms
@@ -58,6 +60,7 @@ __all__ = (
     "ClipByGlobalNormState",
     "GhostLeafPlan",
     "GhostPlan",
+    "PoissonBatch",
     "RecordNormsState",
     "SkipAboveState",
     "SkipNonfiniteState",
@@ -82,6 +85,7 @@ __all__ = (
     "per_example_clipped_grad",
     "per_example_global_norm_clip",
     "per_example_layer_norm_clip",
+    "poisson_batch",
     "quantile_clip_norm_update",
     "record_norms",
     "skip_above",

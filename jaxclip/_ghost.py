@@ -975,7 +975,10 @@ def clipped_sum(
       examples on axis 0.
     batched: Which argument leaves are batched.
     weights_fn: Maps the per-example norms to ``(weights, extra)``.
-    mask: Which examples are real (padding gets weight 0), or ``None``.
+    mask: Which examples are real, or ``None``. Not read here: the caller
+      replaces the other rows by copies of a real example and ``weights_fn``
+      gives them weight 0, so their output gradients (finite) drop out of the
+      book-keeping with no copy of ``g`` masked.
     spmd_axis_name: Passed to ``vmap``.
 
   Returns:
@@ -1008,10 +1011,6 @@ def clipped_sum(
   if vary:
     zs = _distributed.cast_varying(zs, tuple(sorted(vary, key=str)))
   gs, (aux, drecs) = jax.grad(total, has_aux=True)(zs)
-  if mask is not None:
-    keep = lambda x: (jnp.where(mask.reshape((-1,) + (1,) * (x.ndim - 1)), x, 0)
-                      if jnp.issubdtype(x.dtype, jnp.inexact) else x)
-    gs, drecs = jax.tree.map(keep, (gs, drecs))
 
   def params_pass(ls):
     walker = _Walker("params", None, sites)

@@ -9,6 +9,7 @@ and :mod:`jaxclip._distributed` keeps the parameters local inside
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -49,18 +50,69 @@ def _batch_size(args: Sequence[Any], batch_argnums: tuple[int, ...]) -> int:
   return sizes.pop()
 
 
+def _check_mask(example_mask: Any, size: int) -> jax.Array | None:
+  """``example_mask`` as a boolean ``(size,)`` array (or ``None``), else a clear error."""
+  if example_mask is None:
+    return None
+  dtype = getattr(example_mask, "dtype", None)
+  if dtype is None:
+    example_mask = jnp.asarray(example_mask)
+    dtype = example_mask.dtype
+  if dtype != jnp.bool_ or jnp.shape(example_mask) != (size,):
+    raise ValueError(
+        "example_mask must be a boolean array of shape (batch,) = "
+        f"({size},), True for a real example; got {jax.typeof(example_mask)}.")
+  return jnp.asarray(example_mask)
+
+
+def _first_real_row(x: jax.Array, onehot: jax.Array) -> jax.Array:
+  """Row ``argmax(onehot)`` of ``x``, as a masked sum: safe on a sharded batch axis."""
+  x = jnp.asarray(x)
+  work = jnp.int32 if x.dtype == jnp.bool_ else x.dtype
+  picked = jnp.where(onehot.reshape((-1,) + (1,) * (x.ndim - 1)), x.astype(work),
+                     jnp.zeros((), work))
+  return jnp.sum(picked, axis=0, dtype=work).astype(x.dtype)
+
+
+def _stand_in(x: Any, mask: jax.Array, padded: int) -> jax.Array:
+  """``x`` padded to ``padded`` rows, every row where ``mask`` is False replaced by the first
+  real example (so a loss that is non-finite on zeros or on masked rows stays finite)."""
+  x = jnp.asarray(x)
+  onehot = jnp.arange(x.shape[0]) == jnp.argmax(mask[:x.shape[0]])
+  first = _first_real_row(x, onehot)
+  if padded > x.shape[0]:
+    x = jnp.pad(x, [(0, padded - x.shape[0])] + [(0, 0)] * (x.ndim - 1))
+  return jnp.where(mask.reshape((-1,) + (1,) * (x.ndim - 1)), x, first)
+
+
+def _warn_shared_like_batch(args: Sequence[Any], idx: Sequence[int], size: int) -> bool:
+  """Warns if a shared argument has a leading dimension of the batch size; True if it did."""
+  for i, a in enumerate(args):
+    if i in idx:
+      continue
+    if any(getattr(x, "shape", None) and x.shape[0] == size for x in jax.tree.leaves(a)):
+      warnings.warn(
+          f"per_example_clipped_grad: argument {i + 1} is shared (not in batch_argnums) but "
+          f"has a leading dimension of the batch size {size}: if it holds one row per "
+          "example, add it to batch_argnums, or it is given whole to every example. "
+          "(Warned once per function.)", UserWarning, stacklevel=4)
+      return True
+  return False
+
+
 def per_example_clipped_grad(
     loss_fn: Callable[..., jax.Array],
     l2_norm_clip: jax.typing.ArrayLike,
     *,
     microbatch_size: int | None = None,
-    batch_argnums: int | Sequence[int] = 1,
+    batch_argnums: int | Sequence[int] | None = None,
     keep_batch_dim: bool = False,
     spmd_axis_name: AxisName | None = None,
     axis_name: AxisName | None = None,
     has_aux: bool = False,
     method: str = "vmap",
     return_norms: bool = False,
+    group_size: int = 1,
 ) -> Callable[..., tuple[Any, ...]]:
   r"""Makes a function returning the sum of per-example gradients, each clipped.
 
@@ -74,8 +126,31 @@ def per_example_clipped_grad(
   gradients exist at once, so memory stays bounded whatever the batch size.
   Each chunk is :func:`jaxclip.per_example_global_norm_clip` of a ``vmap``-ed
   gradient; the running sum is kept in float32 for half-precision parameters.
-  A batch that is not a multiple of ``microbatch_size`` is padded with
-  all-zero examples whose gradients are dropped (even non-finite ones).
+  A batch that is not a multiple of ``microbatch_size`` is padded with copies
+  of a real example at weight 0, so a loss that is non-finite on zeros (such
+  as ``w / x``) leaves the sum finite.
+
+  **Masks.** The returned function takes ``example_mask=``, a boolean
+  ``(batch,)`` array, True for a real example: the fixed-shape batches of
+  Poisson sampling (:func:`jaxclip.poisson_batch`) under ``jit``. A
+  masked-out example contributes nothing to the sum (its rows are replaced
+  by a copy of a real example at weight 0, so even a loss that is
+  non-finite on them is harmless), is not counted in ``num_clipped`` and
+  gets norm 0; this holds for both methods and every option below.
+
+  **User-level clipping.** With ``group_size=k`` the batch is ``B / k``
+  groups of ``k`` consecutive examples (one user's data, padded with masked
+  rows) and the clipped unit is a group: the gradient of the sum of its
+  examples' losses is clipped to ``l2_norm_clip`` as a whole,
+
+  .. math::
+
+    \sum_{u=1}^{B/k} G_u \cdot \min\!\Big(1, \frac{C}{\|G_u\|_2}\Big),
+    \qquad G_u = \nabla_\theta \sum_{b \in u} m_b\,\ell(\theta, x_b),
+
+  with :math:`m_b` the mask, so the sum's sensitivity to one user's data is
+  ``C``. Both methods treat a group's loss as the loss of one example, so
+  ghost norms apply unchanged.
 
   On many devices:
 
@@ -144,7 +219,11 @@ def per_example_clipped_grad(
       for the whole batch in one ``vmap``.
     batch_argnums: Which positional arguments of ``loss_fn`` after ``params``
       carry the batch on axis 0 of every leaf (counted as in ``loss_fn``, so
-      ``1`` is the first argument after ``params``); the others are shared.
+      ``1`` is the first argument after ``params``); the others are shared,
+      given whole to every example. ``None`` (default): every argument after
+      ``params`` is batched. A shared argument whose leading dimension equals
+      the batch size gets a warning (once per function): it is often a
+      batched one left out.
     keep_batch_dim: Pass each example to ``loss_fn`` with a leading axis of
       size one.
     spmd_axis_name: The mesh axis (or axes) the batch is sharded over under
@@ -158,21 +237,32 @@ def per_example_clipped_grad(
       ``"ghost"`` (per-example norms without per-example gradients, above).
     return_norms: Also return each example's gradient norm before clipping
       (for :func:`jaxclip.quantile_clip_norm_update`, or to monitor).
+    group_size: Clip groups of this many consecutive examples as one unit
+      (user-level clipping, above); ``1`` (default) clips each example. It
+      must divide the batch, and ``microbatch_size`` (which counts examples)
+      must be a multiple of it.
 
   Returns:
-    A function ``(params, *args) -> (clipped_grad_sum, num_clipped)``: the sum
+    A function ``(params, *args, example_mask=None) -> (clipped_grad_sum,
+    num_clipped)``: the sum
     over the batch of the clipped per-example gradients (a pytree like
     ``params``, in its dtypes) and how many examples were scaled down. Divide
     by the batch size (after adding noise, for DP-SGD) to get a mean.
 
     With ``return_norms=True`` the per-example norms (float32, in the order of
-    the batch) come next: ``(clipped_grad_sum, num_clipped, norms)``.
+    the batch; 0 where ``example_mask`` is False) come next:
+    ``(clipped_grad_sum, num_clipped, norms)``. With ``group_size=k``,
+    ``num_clipped`` counts groups and ``norms`` has one entry per group.
+
+    An empty batch gives zeros, a count of 0 and an empty ``norms``; empty
+    ``params`` give an empty sum and norms of 0.
 
     With ``has_aux=True`` it returns ``(clipped_grad_sum, num_clipped, aux)``
     (``aux`` last, after ``norms`` if asked for):
     each leaf of ``aux`` stacks what ``loss_fn`` returned for each example on
     a new leading axis of the batch size, in the order of the batch, whatever
-    the ``microbatch_size`` (padding examples are dropped). With
+    the ``microbatch_size`` (padding examples are dropped; a masked-out
+    example's aux is its stand-in's). With
     ``keep_batch_dim=True`` it is stacked as returned, so an ``aux`` that keeps
     the example's batch axis of one comes out ``(batch, 1, ...)``. Under
     ``spmd_axis_name`` it is sharded over the batch as the inputs are; with
@@ -184,12 +274,33 @@ def per_example_clipped_grad(
       ``microbatch_size`` below 1 or (under a mesh set with ``jax.set_mesh``)
       not a multiple of the devices of ``spmd_axis_name``, ``batch_argnums``
       naming ``params``, batch arguments without a common leading
-      dimension, an unknown ``method``, or (with ``method="ghost"``) complex
+      dimension, an ``example_mask`` that is not boolean ``(batch,)``, a
+      ``group_size`` that is not a positive divisor of the batch, an unknown
+      ``method``, or (with ``method="ghost"``) complex
       parameters or a loss that is not a real scalar.
 
   Examples:
-    >>> import jax.numpy as jnp
+    A loss of ``(params, x, y)`` for one example: ``x`` and ``y`` both carry
+    the batch (every argument after ``params`` does, by default):
+
+    >>> import jax, jax.numpy as jnp
     >>> import jaxclip
+    >>> def sq_loss(w, x, y):
+    ...   return (jnp.dot(w, x) - y) ** 2
+    >>> xs, ys = jnp.array([[1., 0.], [0., 1.], [1., 1.]]), jnp.array([1., -1., 0.])
+    >>> grad_fn = jaxclip.per_example_clipped_grad(sq_loss, 1.0)
+    >>> grad_fn(jnp.zeros(2), xs, ys)  # per-example gradients [-2, 0], [0, 2], [0, 0]
+    (Array([-1.,  1.], dtype=float32), Array(2, dtype=int32))
+
+    With a shared argument, ``batch_argnums`` names the batched ones:
+
+    >>> scaled = lambda w, scale, x, y: scale * sq_loss(w, x, y)
+    >>> grad_fn = jaxclip.per_example_clipped_grad(scaled, 1.0, batch_argnums=(2, 3))
+    >>> grad_fn(jnp.zeros(2), 0.25, xs, ys)[0]
+    Array([-0.5,  0.5], dtype=float32)
+
+    Microbatches of two examples; the gradient of ``w . x`` is ``x``:
+
     >>> loss = lambda w, x: jnp.dot(w, x)  # gradient: the example itself
     >>> xs = jnp.array([[3., 4.], [0., 1.], [6., 8.]])  # norms 5, 1, 10
     >>> grad_fn = jaxclip.per_example_clipped_grad(loss, 2.0, microbatch_size=2)
@@ -216,6 +327,17 @@ def per_example_clipped_grad(
     >>> total, norms
     (Array([2.4, 4.2], dtype=float32), Array([ 5.,  1., 10.], dtype=float32))
 
+    ``example_mask`` drops examples (the padding of a Poisson batch), and
+    ``group_size`` clips groups of examples as one unit:
+
+    >>> mask = jnp.array([True, False, True])
+    >>> grad_fn(jnp.zeros(2), xs, example_mask=mask)[2]
+    Array([ 5.,  0., 10.], dtype=float32)
+    >>> pairs = jnp.array([[3., 0.], [0., 4.], [1., 0.], [0., 0.]])  # users (0, 1), (2, 3)
+    >>> jaxclip.per_example_clipped_grad(loss, 2.0, group_size=2, return_norms=True)(
+    ...     jnp.zeros(2), pairs)
+    (Array([2.2, 1.6], dtype=float32), Array(1, dtype=int32), Array([5., 1.], dtype=float32))
+
   References:
     Abadi et al., `Deep Learning with Differential Privacy
     <https://arxiv.org/abs/1607.00133>`_, 2016
@@ -235,32 +357,82 @@ def per_example_clipped_grad(
       isinstance(microbatch_size, bool) or int(microbatch_size) != microbatch_size
       or microbatch_size < 1):
     raise ValueError(f"microbatch_size must be a positive integer, got {microbatch_size!r}.")
-  batch_argnums = (batch_argnums,) if isinstance(batch_argnums, int) else tuple(batch_argnums)
-  if not batch_argnums or any(i < 1 for i in batch_argnums):
-    raise ValueError(
-        "batch_argnums must name arguments after params (1, 2, ...), got "
-        f"{batch_argnums!r}."
-    )
+  if isinstance(group_size, bool) or int(group_size) != group_size or group_size < 1:
+    raise ValueError(f"group_size must be a positive integer, got {group_size!r}.")
+  group_size = int(group_size)
+  if microbatch_size is not None and microbatch_size % group_size:
+    raise ValueError(f"microbatch_size={microbatch_size} must be a multiple of "
+                     f"group_size={group_size}: each chunk holds whole groups.")
+  if batch_argnums is not None:
+    batch_argnums = (batch_argnums,) if isinstance(batch_argnums, int) else tuple(batch_argnums)
+    if not batch_argnums or any(i < 1 for i in batch_argnums):
+      raise ValueError(
+          "batch_argnums must name arguments after params (1, 2, ...), got "
+          f"{batch_argnums!r}."
+      )
   if method not in ("vmap", "ghost"):
     raise ValueError(f"method must be 'vmap' or 'ghost', got {method!r}.")
+  warned = []  # the shared-argument warning is given once per function
 
-  def example_loss(params, *args):
-    if keep_batch_dim:
-      args = [jax.tree.map(lambda x: jnp.expand_dims(x, 0), a) if i + 1 in batch_argnums
-              else a for i, a in enumerate(args)]
-    return loss_fn(params, *args)
+  def unit_loss(idx):
+    """The loss of one unit: one example, or (``group_size > 1``) one group's sum."""
 
-  example_grad = jax.grad(example_loss, has_aux=has_aux)
+    def example_loss(params, *args):
+      if keep_batch_dim:
+        args = [jax.tree.map(lambda x: jnp.expand_dims(x, 0), a) if i in idx
+                else a for i, a in enumerate(args)]
+      return loss_fn(params, *args)
 
-  def clipped_grad(params, *args):
-    if max(batch_argnums) > len(args):
+    if group_size == 1:
+      return example_loss
+
+    def group_loss(params, *args):
+      *args, real = args  # args' batched leaves hold the group's k examples
+      in_axes = (None,) + tuple(0 if i in idx else None for i in range(len(args)))
+      out = jax.vmap(example_loss, in_axes=in_axes)(params, *args)
+      losses, aux = out if has_aux else (out, None)
+      loss = jnp.sum(jnp.where(real, losses, jnp.zeros((), losses.dtype)))
+      return (loss, aux) if has_aux else loss
+
+    return group_loss
+
+  def clipped_grad(params, *args, example_mask=None):
+    nums = batch_argnums if batch_argnums is not None else tuple(range(1, len(args) + 1))
+    if not nums:
+      raise ValueError("per_example_clipped_grad needs a batch: at least one argument after "
+                       "params.")
+    if max(nums) > len(args):
       raise ValueError(
-          f"batch_argnums={batch_argnums} but only {len(args)} arguments follow params.")
+          f"batch_argnums={nums} but only {len(args)} arguments follow params.")
     _validation.check_inexact_leaves(params, "per_example_clipped_grad")
-    idx = [i - 1 for i in batch_argnums]
+    idx = [i - 1 for i in nums]
     size = _batch_size(args, idx)
+    if batch_argnums is not None and not warned and _warn_shared_like_batch(args, idx, size):
+      warned.append(True)
+    mask = _check_mask(example_mask, size)
+    loss_of_unit = unit_loss(idx)
+    units, micro = size, microbatch_size
+    if group_size > 1:
+      if size % group_size:
+        raise ValueError(f"group_size={group_size} must divide the batch of {size} examples "
+                         "(groups are consecutive examples; pad a user's data with masked rows).")
+      units, micro = size // group_size, None if micro is None else micro // group_size
+      real = jnp.ones((size,), jnp.bool_) if mask is None else mask
+      regroup = lambda x: jnp.reshape(x, (units, group_size) + jnp.shape(x)[1:])
+      args = [jax.tree.map(lambda x: regroup(_stand_in(x, real, size) if mask is not None
+                                             else jnp.asarray(x)), a) if i in idx else a
+              for i, a in enumerate(args)] + [regroup(real)]
+      idx = idx + [len(args) - 1]
+      mask = None if mask is None else jnp.any(regroup(real), axis=1)
+    out = _clipped_units(loss_of_unit, params, args, idx, units, mask, micro)
+    if group_size > 1 and has_aux:  # each example's aux, in the batch's order
+      out = out[:-1] + (jax.tree.map(lambda a: a.reshape((size,) + a.shape[2:]), out[-1]),)
+    return out
+
+  def _clipped_units(example_loss, params, args, idx, size, mask, microbatch_size):
     if axis_name is not None:
       params = _distributed.as_varying(params, axis_name)
+    example_grad = jax.grad(example_loss, has_aux=has_aux)
     in_axes = (None,) + tuple(0 if i in idx else None for i in range(len(args)))
     vgrad = jax.vmap(example_grad, in_axes=in_axes, spmd_axis_name=spmd_axis_name)
     chunk = size if microbatch_size is None else min(int(microbatch_size), size)
@@ -285,12 +457,37 @@ def per_example_clipped_grad(
       grads, aux = vgrad(params, *full) if has_aux else (vgrad(params, *full), None)
       total, count, norms = _optax_compat._per_example_clip(
           grads, l2_norm_clip, mask=mask, accumulate=True, return_norms=True)
+      if not jax.tree.leaves(grads):  # no parameters: every norm is 0, as under ghost
+        n = jax.tree.leaves(batch_args)[0].shape[0]
+        norms = jnp.zeros((n,), _numerics.tree_accumulation_dtype(params))
+        count = _optax_compat.clip_multipliers(
+            norms, jnp.asarray(l2_norm_clip, norms.dtype), mask)[1]
       return total, count, norms, aux
 
-    if num_chunks == 1:
-      total, num_clipped, norms, aux = clip_chunk([args[i] for i in idx], None)
+    padded = chunk * num_chunks
+    # Padding and masked-out rows become copies of the first real example, at
+    # weight 0: a loss that is non-finite on zeros (or on the masked rows) is
+    # then evaluated on real data only, so no NaN reaches the sum, under
+    # either method.
+    if mask is not None or padded > size:
+      full_mask = (jnp.arange(padded) < size if mask is None
+                   else jnp.pad(mask, (0, padded - size)))
+      batch = [jax.tree.map(lambda x: _stand_in(x, full_mask, padded), args[i]) for i in idx]
     else:
-      padded = chunk * num_chunks
+      full_mask, batch = None, [args[i] for i in idx]
+
+    if size == 0:  # an empty batch: zeros, as both methods agree
+      example = [jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x)[1:], jnp.result_type(x)),
+                              a) if i in idx else a for i, a in enumerate(args)]
+      shapes = jax.eval_shape(example_loss, params, *example)
+      total = jax.tree.map(jnp.zeros_like, params)
+      num_clipped = jnp.zeros((), jax.dtypes.canonicalize_dtype(jnp.int_))
+      norms = jnp.zeros((0,), _numerics.tree_accumulation_dtype(params))
+      aux = (jax.tree.map(lambda s: jnp.zeros((0,) + s.shape, s.dtype), shapes[1])
+             if has_aux else None)
+    elif num_chunks == 1:
+      total, num_clipped, norms, aux = clip_chunk(batch, full_mask)
+    else:
 
       def to_chunks(x):
         x = jnp.asarray(x)
@@ -300,8 +497,8 @@ def per_example_clipped_grad(
         # contiguous block of the batch holds whole rows of every chunk.
         return jnp.swapaxes(x.reshape((chunk, num_chunks) + x.shape[1:]), 0, 1)
 
-      xs = [jax.tree.map(to_chunks, args[i]) for i in idx]
-      masks = to_chunks(jnp.arange(padded) < size) if padded > size else None
+      xs = [jax.tree.map(to_chunks, b) for b in batch]
+      masks = to_chunks(full_mask) if full_mask is not None else None
       # zeros_like keeps each parameter's sharding for the running sum.
       init = (jax.tree.map(
           lambda p: jnp.zeros_like(p, jnp.promote_types(jnp.result_type(p), jnp.float32)),
@@ -321,6 +518,11 @@ def per_example_clipped_grad(
       # The inverse of to_chunks: row i of chunk j is example i * num_chunks + j.
       norms, aux = jax.tree.map(
           lambda a: jnp.swapaxes(a, 0, 1).reshape((padded,) + a.shape[2:])[:size], (norms, aux))
+    if mask is not None:
+      norms = jnp.where(mask, norms, jnp.zeros((), norms.dtype))
+      # With no real example the stand-in is a masked row itself: drop it whatever it gave.
+      any_real = jnp.any(mask)
+      total = jax.tree.map(lambda t: jnp.where(any_real, t, jnp.zeros((), t.dtype)), total)
     total = jax.tree.map(lambda t, p: t.astype(jnp.result_type(p)), total, params)
     if axis_name is not None:
       total, num_clipped = jax.lax.psum((total, num_clipped), _distributed.axis_names(axis_name))

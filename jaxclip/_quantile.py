@@ -71,6 +71,8 @@ def quantile_clip_norm_update(
     count_stddev: ArrayLike = 0.0,
     key: jax.Array | None = None,
     geometric: ArrayLike = True,
+    example_mask: ArrayLike | None = None,
+    expected_batch_size: ArrayLike | None = None,
 ) -> jax.Array:
   r"""Moves a DP-SGD clip norm towards a quantile of the per-example gradient norms.
 
@@ -109,11 +111,30 @@ def quantile_clip_norm_update(
   paper sets ``count_stddev`` to about :math:`B/20`, raising the gradient
   noise slightly so that the total budget is unchanged. With
   ``count_stddev=0`` the update reads the exact count and is not private.
-  Privacy accounting is outside jaxclip's scope: use Google's
+  Account for it with Google's
   `dp_accounting <https://github.com/google/differential-privacy/tree/main/python/dp_accounting>`_
-  package (``pip install dp-accounting``). :math:`B` is the length of
-  ``norms``; the paper divides by the *expected* batch size when batches are
-  Poisson-sampled.
+  package (``pip install jaxclip[dp]``), as ``examples/dp_sgd.py`` does.
+  :math:`B` is the number of real examples (the length of ``norms``, or the
+  ``True`` entries of ``example_mask``).
+
+  **Poisson batches.** With ``expected_batch_size`` :math:`\bar B` given, the
+  count is the centred one of Andrew et al. and TF Privacy's
+  ``QuantileEstimatorQuery``:
+
+  .. math::
+
+    \bar b = \frac{1}{\bar B}\Big(\sum_{i\ \mathrm{real}}
+    \big(\mathbb{1}[n_i \le C] - \tfrac12\big) + \mathcal{N}(0, \sigma_b^2)\Big)
+    + \tfrac12 .
+
+  Adding or removing one example then moves the noised sum by at most
+  :math:`\tfrac12` (not 1), so the count is a Gaussian mechanism of noise
+  multiplier :math:`2\sigma_b`, and dividing by :math:`\bar B` (public)
+  rather than by the drawn batch size (private) keeps it so. Together with
+  gradient noise of multiplier :math:`\sigma` the step is one Gaussian
+  mechanism of multiplier :math:`z = (\sigma^{-2} + (2\sigma_b)^{-2})^{-1/2}`
+  (the paper's Theorem 1). Without ``expected_batch_size`` the count is
+  uncentred, its sensitivity is 1, and the multiplier is :math:`\sigma_b`.
 
   ======================================  ===============================
   case                                    result
@@ -151,6 +172,12 @@ def quantile_clip_norm_update(
       a concrete ``0``; use a fresh key each step.
     geometric: The geometric update if true, else the linear one. May be
       traced.
+    example_mask: A boolean array like ``norms``, True for a real example
+      (as passed to ``per_example_clipped_grad(...)(..., example_mask=)``):
+      only those are counted. ``None``: all are.
+    expected_batch_size: The expected batch size :math:`\bar B` of Poisson
+      sampling, ``> 0``: divide by it and centre the count (above). May be
+      traced. ``None``: divide by the number of real examples (at least 1).
 
   Returns:
     The new clip norm, a scalar of ``clip_norm``'s dtype.
@@ -160,7 +187,9 @@ def quantile_clip_norm_update(
       ``target_quantile`` outside ``[0, 1]``, a negative or non-finite
       ``learning_rate`` or ``count_stddev``, a hyperparameter that is not a
       scalar, ``norms`` that are not a non-empty 1-D array, or a
-      ``count_stddev`` that is positive or traced without a ``key``.
+      ``count_stddev`` that is positive or traced without a ``key``, an
+      ``example_mask`` that is not boolean of the norms' shape, or a
+      non-positive ``expected_batch_size``.
     TypeError: for a hyperparameter or ``norms`` that are not real numbers, a
       ``geometric`` that is not a bool, or a ``key`` that is not one key.
 
@@ -179,6 +208,14 @@ def quantile_clip_norm_update(
     ...     1.0, norms, count_stddev=len(norms) / 20, key=jax.random.key(0))
     >>> bool(jnp.exp(-0.2) <= new <= jnp.exp(0.2))
     True
+
+    With a Poisson batch padded to a fixed shape, only the real examples
+    count, divided by the expected batch size (here 4, so the same as above):
+
+    >>> padded = jnp.array([0.5, 1.5, 9.0, 2.0, 4.0, 9.0])
+    >>> mask = jnp.array([True, True, False, True, True, False])
+    >>> jaxclip.quantile_clip_norm_update(1.0, padded, example_mask=mask, expected_batch_size=4)
+    Array(1.0512711, dtype=float32)
 
     Iterated over steps, it settles near the ``target_quantile`` of the norms:
 
@@ -203,6 +240,19 @@ def quantile_clip_norm_update(
   _validation.check_scalar(geometric, "geometric")
   _check_flag(geometric, "geometric")
   norms = _check_norms(norms)
+  if example_mask is not None:
+    example_mask = _numerics.as_array(example_mask)
+    if example_mask.dtype != jnp.bool_ or example_mask.shape != norms.shape:
+      raise ValueError(
+          f"example_mask must be a boolean array of the norms' shape {norms.shape}, got "
+          f"{jax.typeof(example_mask)}.")
+  if expected_batch_size is not None:
+    _validation.check_scalar(expected_batch_size, "expected_batch_size")
+    _validation.check_threshold(expected_batch_size, "expected_batch_size")
+    _check_finite(expected_batch_size, "expected_batch_size")
+    v = _validation.concrete_value(expected_batch_size)
+    if v is not None and not v > 0:
+      raise ValueError(f"expected_batch_size must be positive, got {expected_batch_size!r}.")
   if key is not None:
     _check_key(key)
   else:
@@ -224,11 +274,18 @@ def quantile_clip_norm_update(
   cmp = jnp.promote_types(dtype, _numerics.compute_dtype(
       norms.dtype if jnp.issubdtype(norms.dtype, jnp.inexact) else jnp.float32))
   below = norms.astype(cmp) <= c.astype(cmp)  # NaN and +inf norms are not below
-  count = jnp.sum(below.astype(dtype))
+  real = jnp.ones(norms.shape, jnp.bool_) if example_mask is None else example_mask
+  half = jnp.asarray(0.0 if expected_batch_size is None else 0.5, dtype)
+  count = jnp.sum(jnp.where(real, below.astype(dtype) - half, jnp.zeros((), dtype)))
   if key is not None:
     noise = jax.random.normal(key, (), jnp.float32).astype(dtype)
     count = count + jnp.asarray(count_stddev).astype(dtype) * noise
-  fraction = count / jnp.asarray(norms.shape[0], dtype)
+  if expected_batch_size is None:
+    denominator = (jnp.asarray(norms.shape[0], dtype) if example_mask is None
+                   else jnp.maximum(jnp.sum(real.astype(dtype)), jnp.ones((), dtype)))
+  else:
+    denominator = jnp.asarray(expected_batch_size).astype(dtype)
+  fraction = count / denominator + half
   step = jnp.asarray(learning_rate).astype(dtype) * (
       fraction - jnp.asarray(target_quantile).astype(dtype))
   geometric_c = c * jnp.exp(-step)

@@ -193,13 +193,19 @@ def test_clipping_study_tiny_run(tmp_path):
 
 
 def test_dp_sgd_tiny_run(tmp_path, capsys):
+  pytest.importorskip("dp_accounting")
   example = load("dp_sgd")
   out = tmp_path / "dp.png"
   results = example.main(["--tiny", "--out", str(out)])
   assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
   printed = capsys.readouterr().out
   assert f"plot written to {out}" in printed
-  assert "drawn without replacement (fixed size, not Poisson)" in printed
+  assert "Poisson batches, sampling rate q=0.0625" in printed
+  # The printed ε is dp_accounting's for the run's (q, z, steps, δ).
+  q, steps = 64 / 1024, 60
+  for name in ("pld", "rdp"):
+    value = example.epsilon(q, 1.0, steps, 1e-5, name)
+    assert f"ε={value:.3f} ({name.upper()})" in printed, name
   assert list(results) == ["non-private", "DP-SGD"]
   plain, dp = results["non-private"], results["DP-SGD"]
   for name, h in results.items():
@@ -207,7 +213,12 @@ def test_dp_sgd_tiny_run(tmp_path, capsys):
     assert np.all(np.isfinite(h.loss)), name
     assert 0.0 <= h.test_accuracy <= 1.0 and 0.0 <= h.train_accuracy <= 1.0, name
     assert f"\n{name} " in printed, name  # a table row
+    assert list(h.eval_steps) == [30, 60] and h.eval_accuracy[-1] == h.test_accuracy, name
   assert np.all(np.isnan(plain.clip_norm))
+  # Poisson batches: sizes vary around the expected 64, both runs draw the same ones.
+  np.testing.assert_array_equal(plain.batch_size, dp.batch_size)
+  assert len(set(dp.batch_size.tolist())) > 5 and 50 < dp.batch_size.mean() < 78
+  assert not dp.overflow.any()
   # C starts at --initial-clip, far below the per-example norms, and moves up to them:
   # it ends within a factor 3 of the median norm, from a factor of over 10 below.
   assert dp.clip_norm[0] == pytest.approx(0.1)
@@ -226,6 +237,7 @@ def test_dp_sgd_without_noise_or_clipping_is_the_plain_run():
   # No noise and a C far above every norm: DP-SGD's step is the mean gradient,
   # so with the same initialisation, batches and optimizer it retraces the plain run.
   example = load("dp_sgd")
+  pytest.importorskip("scipy")
   config = example.Config(steps=20, train_size=256, test_size=64, hidden=8, batch=32, chunk=20,
                           noise_multiplier=0.0, initial_clip=1e6)
   plain, _ = example.train(config, private=False)
