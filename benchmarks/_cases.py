@@ -298,9 +298,8 @@ for _name in _every.factories():
 
 def _make(impl: str) -> optax.GradientTransformation:
   lib, name = impl.split(".", 1)
-  if name in TRANSFORMS:
-    make = TRANSFORMS[name][0 if lib == "jaxclip" else 1]
-    return make()
+  if name in TRANSFORMS and TRANSFORMS[name][0 if lib == "jaxclip" else 1] is not None:
+    return TRANSFORMS[name][0 if lib == "jaxclip" else 1]()
   return getattr(jaxclip if lib == "jaxclip" else optax, name)(MAX_NORM)
 
 
