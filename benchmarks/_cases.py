@@ -15,7 +15,7 @@ import numpy as np
 import optax
 
 import jaxclip
-from benchmarks import _model, _timing, _trees
+from benchmarks import _every, _model, _timing, _trees
 
 MAX_NORM = 1.0
 
@@ -289,11 +289,17 @@ TRANSFORMS = {
 }
 
 
+# Every other transform of jaxclip.__all__ (benchmarks/_every.py), so that a
+# new one is timed without anyone adding it here.
+for _name in _every.factories():
+  if not any(k == _name or k.startswith(_name + "(") for k in TRANSFORMS):
+    TRANSFORMS[_name] = (lambda n=_name: _every.build(n), None)
+
+
 def _make(impl: str) -> optax.GradientTransformation:
   lib, name = impl.split(".", 1)
-  if name in TRANSFORMS:
-    make = TRANSFORMS[name][0 if lib == "jaxclip" else 1]
-    return make()
+  if name in TRANSFORMS and TRANSFORMS[name][0 if lib == "jaxclip" else 1] is not None:
+    return TRANSFORMS[name][0 if lib == "jaxclip" else 1]()
   return getattr(jaxclip if lib == "jaxclip" else optax, name)(MAX_NORM)
 
 
@@ -374,21 +380,23 @@ def run_transform_compiles(leaves: int, timeout_s: float | None, repeats: int,
                            mixed: bool = True) -> list[dict]:
   """Compile seconds of every transform of :data:`TRANSFORMS` at ``leaves`` leaves.
 
-  One row per transform, with the bare tree_map compiled in the same turns:
-  ``{"transform", "leaves", "mixed", "tree_map", "jaxclip", "optax"}``, each
+  One row per transform, with the bare tree_map and adam's own update
+  compiled in the same turns:
+  ``{"transform", "leaves", "mixed", "tree_map", "adam", "jaxclip", "optax"}``, each
   time an ``(status, seconds)`` pair. optax's counterparts are compiled on
   the uniform tree only.
   """
   names = list(TRANSFORMS)
-  impls = ("tree_map x*s",) + tuple(f"jaxclip.{n}" for n in names) + tuple(
+  impls = ("tree_map x*s", "optax.adam") + tuple(f"jaxclip.{n}" for n in names) + tuple(
       f"optax.{n}" for n in names if TRANSFORMS[n][1] is not None)
   sweep = run_compile_sweep([leaves], timeout_s, leaves if mixed else None, repeats, impls,
-                            mixed_impls=impls[:len(names) + 1])
+                            mixed_impls=impls[:len(names) + 2])
   rows = []
   for r in sweep:
     for n in names:
       rows.append({"transform": n, "leaves": r["leaves"], "mixed": r["mixed"],
-                   "tree_map": r["tree_map x*s"], "jaxclip": r[f"jaxclip.{n}"],
+                   "tree_map": r["tree_map x*s"], "adam": r["optax.adam"],
+                   "jaxclip": r[f"jaxclip.{n}"],
                    "optax": r.get(f"optax.{n}", ("none", None))})
   return rows
 

@@ -18,7 +18,7 @@ import optax
 from benchmarks import _cases, _model, _report, _trees
 
 HERE = Path(__file__).resolve().parent
-SECTIONS = ("train", "full-step", "standalone", "compile", "sizes")
+SECTIONS = ("train", "full-step", "standalone", "compile", "transforms", "sizes")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -43,7 +43,9 @@ def _parser() -> argparse.ArgumentParser:
   p.add_argument("--no-torch", action="store_true", help="skip torch even if installed")
   p.add_argument("--skip", nargs="*", default=(), choices=SECTIONS, help="sections to skip")
   p.add_argument("--only", nargs="+", default=None, choices=SECTIONS,
-                 help="run only these sections (e.g. --only full-step); overrides --skip")
+                 help="run only these sections (e.g. --only full-step; --only transforms "
+                      "--leaves 400 for the table of every transform's compile time alone); "
+                      "overrides --skip")
   return p
 
 
@@ -117,6 +119,13 @@ def main(argv: list[str] | None = None) -> str:
       print("transform compiles ...", flush=True)
       transform_rows = _cases.run_transform_compiles(max(leaves), timeout, repeats,
                                                      mixed=not quick)
+    meta["compiles per impl and leaf count (median kept)"] = str(repeats)
+  if "transforms" in run and "compile" not in run:
+    # Only the table of every transform's compile time, at each --leaves count.
+    print("transform compiles ...", flush=True)
+    repeats = args.compile_repeats or (1 if quick else 3)
+    for n in leaves:
+      transform_rows += _cases.run_transform_compiles(n, timeout, repeats, mixed=not quick)
     meta["compiles per impl and leaf count (median kept)"] = str(repeats)
   if "sizes" in run:
     print("size sweep ...", flush=True)

@@ -103,16 +103,20 @@ def markdown(meta: dict, train: list[dict], standalone: list[list[dict]], compil
     out.append(_table(header, body))
     out.append("")
   if transform_rows:
-    out += ["## Compile time (s) of the other transforms that touch every leaf", "",
+    out += ["## Compile time (s) of every other transform of `jaxclip.__all__`", "",
             "The same trees and method as the sweep above, at its largest leaf count; the "
-            "bare tree_map was compiled in the same turns. `adaptive_grad_clip` also reads "
+            "bare tree_map and `optax.adam`'s own update were compiled in the same turns. "
+            "`adaptive_grad_clip` also reads "
             "the params, a second tree of the same shapes passed as its own argument. "
             "optax's counterparts (`optax.clip` for clip_by_value, `optax.apply_if_finite` "
             "for skip_nonfinite) were compiled on the uniform tree only.", ""]
     out.append(_table(
-        ["transform", "leaves", "tree_map x*s", "jaxclip", "x", "optax", "x"],
+        ["transform", "leaves", "tree_map x*s", "adam", "jaxclip", "x tree_map", "x adam",
+         "optax", "x tree_map"],
         [[r["transform"], f"{r['leaves']}{' (mixed)' if r['mixed'] else ''}",
-          _seconds(r["tree_map"]), _seconds(r["jaxclip"]), _ratio(r["jaxclip"], r["tree_map"]),
+          _seconds(r["tree_map"]), _seconds(r.get("adam", ("none", None))),
+          _seconds(r["jaxclip"]), _ratio(r["jaxclip"], r["tree_map"]),
+          _ratio(r["jaxclip"], r.get("adam", ("none", None))),
           _seconds(r["optax"]), _ratio(r["optax"], r["tree_map"])] for r in transform_rows]))
     out.append("")
   if size_rows:

@@ -364,6 +364,24 @@ def tree_leaf_norms(
 ) -> tuple[list[jax.Array], jax.Array]:
   """``(norms, global_norm)``: each leaf's ``ord``-norm and the norm of them all.
 
+  See :func:`tree_leaf_parts`, of which these are the square roots for
+  ``ord=2``.
+  """
+  totals, total = tree_leaf_parts(tree, ord, axis_name, replicated, partition_specs)
+  if ord == 2:
+    return [_numerics.safe_sqrt(t) for t in totals], _numerics.safe_sqrt(total)
+  return totals, total
+
+
+def tree_leaf_parts(
+    tree: Any, ord: float = 2, axis_name: AxisName | None = None, replicated: Any = None,
+    partition_specs: Any = None,
+) -> tuple[list[jax.Array], jax.Array]:
+  """``(parts, total)``: each leaf's share of the ``ord``-norm, and the tree's.
+
+  The shares are ``sum |x|**2`` (no square root yet: a caller may take it
+  once, on a vector of them), ``sum |x|`` or ``max |x|``.
+
   One read of the leaves (:func:`jaxclip._numerics.leaf_parts`): the global
   norm is computed from the leaves' partial sums, not by a second pass.
   With ``axis_name`` each leaf's norm is that of the whole leaf across the
@@ -393,6 +411,4 @@ def tree_leaf_norms(
       maxed = jax.lax.pmax(jnp.stack(totals), axis_names(axis_name))
       totals = [maxed[j] for j in range(len(totals))]
   total = _combine(totals, op) if totals else jnp.zeros((), acc)
-  if ord == 2:
-    return [_numerics.safe_sqrt(t) for t in totals], _numerics.safe_sqrt(total)
   return list(totals), total

@@ -379,8 +379,8 @@ def clip_by_global_norm(
   Args:
     tree: A pytree of floating-point or complex arrays.
     clip_norm: The maximum global norm, ``>= 0``.
-    use_norm: A precomputed global norm to use instead of computing one; it
-      is also what is returned as the norm (``axis_name`` is then unused).
+    use_norm: A precomputed global norm (a real scalar) to use instead of
+      computing one; it is also what is returned as the norm (``axis_name`` is then unused).
     ord: The norm: ``2`` (default), ``1`` or ``inf``.
     axis_name: Inside ``shard_map``/``pmap``, the mesh axis (or tuple of
       axes) the leaves are sharded over, as in :func:`global_norm`: every
@@ -421,6 +421,14 @@ def clip_by_global_norm(
   if use_norm is None:
     norm = _distributed.tree_norm(tree, ord, axis_name, replicated, partition_specs)
   else:
+    _validation.check_scalar(use_norm, "use_norm")
+    try:
+      given = jnp.result_type(use_norm)
+    except (TypeError, ValueError):
+      given = None
+    if given is None or given == np.bool_ or not (
+        jnp.issubdtype(given, jnp.floating) or jnp.issubdtype(given, jnp.integer)):
+      raise TypeError(f"use_norm must be a real scalar, got {use_norm!r:.100}.")
     norm = jnp.asarray(use_norm)
     if not jnp.issubdtype(norm.dtype, jnp.floating):
       norm = norm.astype(_numerics.tree_accumulation_dtype(tree))

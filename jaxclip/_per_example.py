@@ -381,7 +381,13 @@ def per_example_clipped_grad(
       if keep_batch_dim:
         args = [jax.tree.map(lambda x: jnp.expand_dims(x, 0), a) if i in idx
                 else a for i, a in enumerate(args)]
-      return loss_fn(params, *args)
+      out = loss_fn(params, *args)
+      loss = out[0] if has_aux and isinstance(out, (tuple, list)) and out else out
+      if jnp.shape(loss) or not jnp.issubdtype(jnp.result_type(loss), jnp.floating):
+        raise ValueError(
+            "per_example_clipped_grad needs loss_fn to return a real scalar for one example, "
+            f"got {jax.typeof(loss).str_short()}.")
+      return out
 
     if group_size == 1:
       return example_loss

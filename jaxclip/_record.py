@@ -15,7 +15,7 @@ class RecordNormsState(NamedTuple):
   """State of :func:`record_norms`.
 
   Attributes:
-    leaf_norms: A pytree of the updates' structure whose leaves are the norms
+    leaf_norms: A pytree of the params' structure whose leaves are the norms
       of the last updates' leaves, scalars in float32 (float64 for float64
       params); zeros before the first step. Read it from any chain with
       ``optax.tree.get(opt_state, "leaf_norms")``.
@@ -101,7 +101,22 @@ def record_norms(
         numbers, ord, axis_name, replicated, partition_specs)
     dtype = state.global_norm.dtype
     norms, total = [n.astype(dtype) for n in norms], total.astype(dtype)
-    return updates, RecordNormsState(
-        leaf_norms=jax.tree.structure(updates).unflatten(norms), global_norm=total)
+    # In the state's own structure (a tuple stays a tuple when the updates
+    # come as a list), so that the state is a lax.scan carry. Leaves are
+    # matched by path; a leaf of the params the updates leave out (an
+    # integer step, a PRNG key) keeps its last norm.
+    flat, structure = jax.tree_util.tree_flatten_with_path(state.leaf_norms)
+    where = {jax.tree_util.keystr(p): i for i, (p, _) in enumerate(flat)}
+    values = [v for _, v in flat]
+    for (path, _), n in zip(jax.tree_util.tree_flatten_with_path(updates)[0], norms,
+                            strict=True):
+      i = where.get(jax.tree_util.keystr(path))
+      if i is None:
+        raise ValueError(
+            "record_norms keeps one norm per leaf of the params given to init, but the "
+            f"updates have a leaf at {jax.tree_util.keystr(path) or '<root>'} that the "
+            "params have not; init it with params of the updates' structure.")
+      values[i] = n.astype(jnp.result_type(values[i]))
+    return updates, RecordNormsState(leaf_norms=structure.unflatten(values), global_norm=total)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)

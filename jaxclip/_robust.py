@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -95,6 +96,40 @@ def all_finite(tree: Any, axis_name: Any = None) -> jax.Array:
   return jnp.logical_not(_distributed.any_across_devices(jnp.logical_not(ok), axis_name))
 
 
+def skip_transform(
+    inner: optax.GradientTransformationExtraArgs,
+    state_type: type,
+    fn_name: str,
+    count_field: str,
+    init_fields: Callable[[Any], dict[str, Any]],
+    decide: Callable[[Any, Any, dict[str, Any]], tuple[jax.Array, dict[str, Any]]],
+) -> optax.GradientTransformationExtraArgs:
+  """The scaffolding of the skip family (:func:`skip_nonfinite`, :func:`skip_above`, ...).
+
+  ``decide(updates, state, extra_args)`` returns ``(skip, fields)``: whether
+  to skip the step (a boolean scalar, the same on every device) and the
+  state's fields of its own. The rest is shared: ``inner`` runs, its updates
+  become zeros and its state is kept bit-identical where ``skip``, and
+  ``count_field`` counts the skipped steps. ``init_fields(params)`` gives the
+  state's own fields at init.
+  """
+
+  def init_fn(params):
+    return state_type(inner_state=inner.init(params), **{count_field: jnp.zeros((), jnp.int32)},
+                      **init_fields(params))
+
+  def update_fn(updates, state, params=None, **extra_args):
+    _validation.check_state(state, state_type, fn_name)
+    skip, fields = decide(updates, state, extra_args)
+    new_updates, inner_state = inner.update(updates, state.inner_state, params, **extra_args)
+    count = getattr(state, count_field)
+    return zero_updates_where(skip, new_updates), state_type(
+        inner_state=select_tree(skip, state.inner_state, inner_state),
+        **{count_field: jnp.where(skip, optax.safe_increment(count), count)}, **fields)
+
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
 class SkipNonfiniteState(NamedTuple):
   """State of :func:`skip_nonfinite`.
 
@@ -168,33 +203,22 @@ def skip_nonfinite(
   _validation.check_transform(inner, "inner")
   inner = optax.with_extra_args_support(inner)
 
-  def init_fn(params):
-    return SkipNonfiniteState(
-        inner_state=inner.init(params),
-        num_nonfinite_skipped=jnp.zeros((), jnp.int32),
-        num_consecutive_nonfinite=jnp.zeros((), jnp.int32),
-        nonfinite_step_skipped=jnp.array(False),
-    )
-
-  def update_fn(updates, state, params=None, **extra_args):
-    _validation.check_state(state, SkipNonfiniteState, "skip_nonfinite")
+  def decide(updates, state, extra_args):
+    del extra_args
     _validation.numeric_leaves(updates, "skip_nonfinite", promote=False)
     finite = all_finite(updates, axis_name)
     in_a_row = jnp.where(finite, 0, optax.safe_increment(state.num_consecutive_nonfinite))
     skip = jnp.logical_not(finite)
     if max_consecutive is not None:
       skip = skip & (in_a_row <= jnp.asarray(max_consecutive))
-    new_updates, inner_state = inner.update(updates, state.inner_state, params, **extra_args)
-    return zero_updates_where(skip, new_updates), SkipNonfiniteState(
-        inner_state=select_tree(skip, state.inner_state, inner_state),
-        num_nonfinite_skipped=jnp.where(
-            skip, optax.safe_increment(state.num_nonfinite_skipped),
-            state.num_nonfinite_skipped),
-        num_consecutive_nonfinite=in_a_row.astype(jnp.int32),
-        nonfinite_step_skipped=skip,
-    )
+    return skip, {"num_consecutive_nonfinite": in_a_row.astype(jnp.int32),
+                  "nonfinite_step_skipped": skip}
 
-  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+  return skip_transform(
+      inner, SkipNonfiniteState, "skip_nonfinite", "num_nonfinite_skipped",
+      lambda params: {"num_consecutive_nonfinite": jnp.zeros((), jnp.int32),
+                      "nonfinite_step_skipped": jnp.array(False)},
+      decide)
 
 
 class ZeroNonfiniteState(NamedTuple):
@@ -380,28 +404,18 @@ def skip_above(
   ord = _numerics.check_ord(ord)
   inner = optax.with_extra_args_support(inner)
 
-  def init_fn(params):
-    return SkipAboveState(
-        inner_state=inner.init(params),
-        skip_above_norm=jnp.zeros((), _numerics.tree_accumulation_dtype(params)),
-        num_above_skipped=jnp.zeros((), jnp.int32),
-        above_step_skipped=jnp.array(False),
-    )
-
-  def update_fn(updates, state, params=None, **extra_args):
-    _validation.check_state(state, SkipAboveState, "skip_above")
+  def decide(updates, state, extra_args):
+    del extra_args
     numbers = _validation.numeric_leaves(updates, "skip_above")
     norm = _distributed.tree_norm(numbers, ord, axis_name, replicated, partition_specs)
     norm = norm.astype(state.skip_above_norm.dtype)
     # Written so that a NaN norm fails the comparison and is skipped.
     skip = jnp.logical_not(norm <= jnp.asarray(max_norm).astype(norm.dtype))
-    new_updates, inner_state = inner.update(updates, state.inner_state, params, **extra_args)
-    return zero_updates_where(skip, new_updates), SkipAboveState(
-        inner_state=select_tree(skip, state.inner_state, inner_state),
-        skip_above_norm=norm,
-        num_above_skipped=jnp.where(
-            skip, optax.safe_increment(state.num_above_skipped), state.num_above_skipped),
-        above_step_skipped=skip,
-    )
+    return skip, {"skip_above_norm": norm, "above_step_skipped": skip}
 
-  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+  return skip_transform(
+      inner, SkipAboveState, "skip_above", "num_above_skipped",
+      lambda params: {
+          "skip_above_norm": jnp.zeros((), _numerics.tree_accumulation_dtype(params)),
+          "above_step_skipped": jnp.array(False)},
+      decide)

@@ -9,8 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jaxclip import _distributed, _history, _numerics, _validation
-from jaxclip._robust import select_tree, zero_updates_where
+from jaxclip import _distributed, _history, _numerics, _robust, _validation
 
 ArrayLike = jax.typing.ArrayLike
 
@@ -87,11 +86,10 @@ def objective(extra_args: dict[str, Any], fn_name: str) -> Any:
   return loss
 
 
-def _state(inner_state: Any, norms: _history.History, losses: _history.History,
-           **scalars: jax.Array) -> SkipOnSpikeState:
-  """A :class:`SkipOnSpikeState` from the two histories and the scalar fields."""
-  return SkipOnSpikeState(
-      inner_state=inner_state,
+def _fields(norms: _history.History, losses: _history.History,
+            **scalars: jax.Array) -> dict[str, Any]:
+  """The fields of a :class:`SkipOnSpikeState` of its own, from the two histories."""
+  return dict(
       spike_norm_history=norms.values, spike_norm_count=norms.size,
       spike_norm_index=norms.index,
       spike_loss_history=losses.values, spike_loss_count=losses.size,
@@ -198,16 +196,15 @@ def skip_on_spike(
   ord = _numerics.check_ord(ord)
   inner = optax.with_extra_args_support(inner)
 
-  def init_fn(params):
+  def init_fields(params):
+    del params
     size = _validation.require_size(window, "window")
     inf = jnp.array(jnp.inf, jnp.float32)
-    return _state(inner.init(params), _history.empty(size), _history.empty(size),
-                  spike_grad_norm=jnp.zeros((), jnp.float32), spike_norm_threshold=inf,
-                  spike_loss_threshold=inf, spike_step_skipped=jnp.array(False),
-                  num_spike_skipped=jnp.zeros((), jnp.int32))
+    return _fields(_history.empty(size), _history.empty(size),
+                   spike_grad_norm=jnp.zeros((), jnp.float32), spike_norm_threshold=inf,
+                   spike_loss_threshold=inf, spike_step_skipped=jnp.array(False))
 
-  def update_fn(updates, state, params=None, **extra_args):
-    _validation.check_state(state, SkipOnSpikeState, "skip_on_spike")
+  def decide(updates, state, extra_args):
     loss = objective(extra_args, "skip_on_spike")
     numbers = _validation.numeric_leaves(updates, "skip_on_spike")
     norm = _distributed.tree_norm(
@@ -230,14 +227,10 @@ def skip_on_spike(
       loss_spike, loss_threshold = _check(losses, loss, sigma, min_count)
       skip = skip | loss_spike
       losses = _history.push(losses, loss)
-
     skip = _distributed.any_across_devices(skip, axis_name)
-    new_updates, inner_state = inner.update(updates, state.inner_state, params, **extra_args)
-    return zero_updates_where(skip, new_updates), _state(
-        select_tree(skip, state.inner_state, inner_state), norms, losses,
-        spike_grad_norm=norm, spike_norm_threshold=norm_threshold,
-        spike_loss_threshold=loss_threshold, spike_step_skipped=skip,
-        num_spike_skipped=jnp.where(
-            skip, optax.safe_increment(state.num_spike_skipped), state.num_spike_skipped))
+    return skip, _fields(norms, losses, spike_grad_norm=norm,
+                         spike_norm_threshold=norm_threshold,
+                         spike_loss_threshold=loss_threshold, spike_step_skipped=skip)
 
-  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+  return _robust.skip_transform(inner, SkipOnSpikeState, "skip_on_spike",
+                                "num_spike_skipped", init_fields, decide)

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxclip import _distributed, _numerics, _validation
+from jaxclip import _numerics, _per_tensor, _validation
 
 ArrayLike = jax.typing.ArrayLike
 
@@ -17,49 +17,6 @@ ArrayLike = jax.typing.ArrayLike
 def _f32(x: Any) -> jax.Array:
   # Hyperparameters may arrive as bfloat16 arrays from inject_hyperparams.
   return jnp.asarray(x).astype(jnp.float32)
-
-
-def _per_leaf_zeros(params: Any) -> Any:
-  """One float32 zero per leaf of ``params`` (the shape of a per-tensor statistic)."""
-  return jax.tree.map(lambda _: jnp.zeros((), jnp.float32), params)
-
-
-class _PerLeaf(NamedTuple):
-  """A per-tensor statistic's leaves, and where each leaf of the updates reads its own."""
-
-  values: list[jax.Array]
-  positions: list[int]
-  treedef: Any
-
-  def read(self) -> list[jax.Array]:
-    return [self.values[i] for i in self.positions]
-
-  def write(self, new: list[jax.Array]) -> Any:
-    values = list(self.values)
-    for i, v in zip(self.positions, new, strict=True):
-      values[i] = v
-    return jax.tree.unflatten(self.treedef, values)
-
-
-def _per_leaf(stat: Any, updates: Any, fn_name: str, field: str) -> _PerLeaf:
-  """The statistic ``stat`` (one scalar per leaf of the params given to init), matched
-  to the leaves of ``updates`` by their paths.
-
-  The updates may leave out leaves of the params (integer or key leaves,
-  say): their statistics are kept as they are.
-  """
-  flat, treedef = jax.tree_util.tree_flatten_with_path(stat)
-  where = {jax.tree_util.keystr(path): i for i, (path, _) in enumerate(flat)}
-  positions = []
-  for path, _ in jax.tree_util.tree_flatten_with_path(updates)[0]:
-    i = where.get(jax.tree_util.keystr(path))
-    if i is None:
-      raise ValueError(
-          f"{fn_name} keeps one {field} per leaf of the params given to init, but "
-          f"the updates have a leaf at {jax.tree_util.keystr(path) or '<root>'} that "
-          "the params have not; init it with params of the updates' structure.")
-    positions.append(i)
-  return _PerLeaf([v for _, v in flat], positions, treedef)
 
 
 def _bias_correction(beta: jax.Array, count: jax.Array) -> jax.Array:
@@ -135,7 +92,8 @@ def adagc(
 
   Norms are accumulated in float32 for half-precision leaves, whose dtypes
   are kept. :math:`\gamma_i` is stored per leaf of the params given to
-  ``init``; the updates may leave some of them out (matched by path).
+  ``init``, so the updates must have the params' leaves (matched by path;
+  a missing or an extra leaf is a ``ValueError`` naming it).
 
   Args:
     beta: EMA decay of :math:`\gamma_i`, in ``[0, 1)``. May be traced.
@@ -188,55 +146,24 @@ def adagc(
     _validation.check_scalar(value, name)
   _validation.check_size(warmup_steps, "warmup_steps", minimum=0)
 
-  def init_fn(params):
-    return AdaGCState(adagc_gamma=_per_leaf_zeros(params),
-                      adagc_count=jnp.zeros((), jnp.int32))
-
-  def update_fn(updates, state, params=None, **extra_args):
-    del params, extra_args
-    _validation.check_state(state, AdaGCState, "adagc")
-    updates = _validation.numeric_leaves(updates, "adagc")
-    leaves, treedef = jax.tree.flatten(updates)
-    gammas = _per_leaf(state.adagc_gamma, updates, "adagc", "adagc_gamma")
-    norms, global_norm = _distributed.tree_leaf_norms(
-        updates, 2, axis_name, replicated, partition_specs)
-    first = state.adagc_count == 0
-    count = optax.safe_increment(state.adagc_count)
-    warming = count < jnp.asarray(warmup_steps)
-    b, rel = _f32(beta), _f32(lambda_rel)
-    abs_ = _f32(lambda_abs)
-    denominator = global_norm.astype(jnp.float32) + _f32(eps)
+  def step(s: _per_tensor.Step):
+    (gamma,), n = s.stats, s.stat
+    first = s.prev_count == 0
+    warming = s.count < jnp.asarray(warmup_steps)
+    b, rel, abs_ = _f32(beta), _f32(lambda_rel), _f32(lambda_abs)
+    denominator = s.total + _f32(eps)
     global_scale = _ratio(abs_, denominator, denominator > abs_)
+    warm_norm = n * global_scale
+    warm_gamma = jnp.where(first, warm_norm, jnp.minimum(gamma, warm_norm))
+    gamma = jnp.where(first, n, gamma)
+    threshold = rel * gamma
+    scale = _ratio(threshold, n, n > threshold)
+    ada_gamma = b * gamma + (1 - b) * jnp.minimum(n, threshold)
+    return ((jnp.where(warming, global_scale, scale),),
+            (jnp.where(warming, warm_gamma, ada_gamma),))
 
-    out, new_gammas = [], []
-    for x, n, gamma in zip(leaves, norms, gammas.read(), strict=True):
-      n = n.astype(jnp.float32)
-      warm_norm = n * global_scale
-      warm_gamma = jnp.where(first, warm_norm, jnp.minimum(gamma, warm_norm))
-      gamma = jnp.where(first, n, gamma)
-      threshold = rel * gamma
-      scale = _ratio(threshold, n, n > threshold)
-      ada_gamma = b * gamma + (1 - b) * jnp.minimum(n, threshold)
-      out.append(_numerics.apply_scale(x, jnp.where(warming, global_scale, scale)))
-      new_gammas.append(jnp.where(warming, warm_gamma, ada_gamma))
-    new_state = AdaGCState(gammas.write(new_gammas), count)
-    return jax.tree.unflatten(treedef, out), _keep_if_nonfinite(
-        [*norms, global_norm], new_state, state)
-
-  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
-
-
-def _keep_if_nonfinite(norms: list[jax.Array], new_state: Any, state: Any) -> Any:
-  """``new_state``, or ``state`` unchanged (step count included) if a norm is not finite.
-
-  A NaN or inf gradient never reaches an adaptive statistic: the step's
-  updates pass through (non-finite, for a :func:`jaxclip.skip_nonfinite`
-  around the optimizer to skip) and the statistics are those of the last
-  finite step. The norms are reduced across ``axis_name`` already, so every
-  replica takes the same decision.
-  """
-  finite = jnp.all(jnp.stack([jnp.isfinite(n) for n in norms])) if norms else jnp.array(True)
-  return jax.tree.map(lambda a, b: jnp.where(finite, a, b), new_state, state)
+  rule = _per_tensor.Rule("adagc", AdaGCState, 2, step, _numerics.apply_scale)
+  return _per_tensor.per_tensor_transform(rule, axis_name, replicated, partition_specs)
 
 
 # ---------------------------------------------------------------- AdaClip
@@ -328,39 +255,25 @@ def adaptive_value_clip(
   """
   _validation.check_decay(beta, "beta")
 
-  def init_fn(params):
-    return AdaptiveValueClipState(value_clip_max_ema=_per_leaf_zeros(params),
-                                  value_clip_count=jnp.zeros((), jnp.int32))
-
-  def update_fn(updates, state, params=None, **extra_args):
-    del params, extra_args
-    _validation.check_state(state, AdaptiveValueClipState, "adaptive_value_clip")
-    updates = _validation.numeric_leaves(updates, "adaptive_value_clip")
-    leaves, treedef = jax.tree.flatten(updates)
-    emas = _per_leaf(state.value_clip_max_ema, updates, "adaptive_value_clip",
-                     "value_clip_max_ema")
-    maxima, _ = _distributed.tree_leaf_norms(
-        updates, math.inf, axis_name, replicated, partition_specs)
-    count = optax.safe_increment(state.value_clip_count)
+  def step(s: _per_tensor.Step):
+    (m,), top = s.stats, s.stat
     b = _f32(beta)
-    correction = _bias_correction(b, count)
+    m = b * m + (1 - b) * top
+    bound = m / _bias_correction(b, s.count)
+    return (bound, _ratio(bound, top, top > 0)), (m,)
 
-    out, new_emas = [], []
-    for x, top, m in zip(leaves, maxima, emas.read(), strict=True):
-      top = top.astype(jnp.float32)
-      m = b * m + (1 - b) * top
-      bound = m / correction
-      factor = _ratio(bound, top, top > 0)
-      dtype = _numerics.compute_dtype(x.dtype)
-      xc = x.astype(dtype)
-      magnitude = jnp.abs(xc)
-      over = magnitude > bound.astype(magnitude.dtype)
-      out.append(jnp.where(over, xc * factor.astype(dtype), xc).astype(x.dtype))
-      new_emas.append(m)
-    new_state = AdaptiveValueClipState(emas.write(new_emas), count)
-    return jax.tree.unflatten(treedef, out), _keep_if_nonfinite(maxima, new_state, state)
+  rule = _per_tensor.Rule("adaptive_value_clip", AdaptiveValueClipState, math.inf, step,
+                          _clip_entries)
+  return _per_tensor.per_tensor_transform(rule, axis_name, replicated, partition_specs)
 
-  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+def _clip_entries(x: jax.Array, bound: jax.Array, factor: jax.Array) -> jax.Array:
+  """``x * factor`` where ``|x| > bound``, else ``x``, formed in float32 for half precision."""
+  dtype = _numerics.compute_dtype(x.dtype)
+  xc = x.astype(dtype)
+  magnitude = jnp.abs(xc)
+  over = magnitude > bound.astype(magnitude.dtype)
+  return jnp.where(over, xc * factor.astype(dtype), xc).astype(x.dtype)
 
 
 # ---------------------------------------------------------------- AdaGN
@@ -467,35 +380,15 @@ def adaptive_norm_scale(
   _validation.check_threshold(eps, "eps")
   _validation.check_scalar(eps, "eps")
 
-  def init_fn(params):
-    return AdaptiveNormScaleState(norm_scale_mu=_per_leaf_zeros(params),
-                                  norm_scale_nu=_per_leaf_zeros(params),
-                                  norm_scale_count=jnp.zeros((), jnp.int32))
-
-  def update_fn(updates, state, params=None, **extra_args):
-    del params, extra_args
-    _validation.check_state(state, AdaptiveNormScaleState, "adaptive_norm_scale")
-    updates = _validation.numeric_leaves(updates, "adaptive_norm_scale")
-    leaves, treedef = jax.tree.flatten(updates)
-    mus = _per_leaf(state.norm_scale_mu, updates, "adaptive_norm_scale", "norm_scale_mu")
-    nus = _per_leaf(state.norm_scale_nu, updates, "adaptive_norm_scale", "norm_scale_nu")
-    norms, _ = _distributed.tree_leaf_norms(updates, 2, axis_name, replicated, partition_specs)
-    count = optax.safe_increment(state.norm_scale_count)
+  def step(s: _per_tensor.Step):
+    (mu, nu), n = s.stats, s.stat
     b1, b2 = _f32(beta1), _f32(beta2)
-    c1, c2 = _bias_correction(b1, count), _bias_correction(b2, count)
-    e = _f32(eps)
+    mu = b1 * mu + (1 - b1) * n
+    nu = b2 * nu + (1 - b2) * n * n
+    denominator = _numerics.safe_sqrt(nu / _bias_correction(b2, s.count)) + _f32(eps)
+    target = _ratio(mu / _bias_correction(b1, s.count), denominator, denominator > 0)
+    return (_ratio(target, n, n > 0),), (mu, nu)
 
-    out, new_mus, new_nus = [], [], []
-    for x, n, mu, nu in zip(leaves, norms, mus.read(), nus.read(), strict=True):
-      n = n.astype(jnp.float32)
-      mu = b1 * mu + (1 - b1) * n
-      nu = b2 * nu + (1 - b2) * n * n
-      denominator = _numerics.safe_sqrt(nu / c2) + e
-      target = _ratio(mu / c1, denominator, denominator > 0)
-      out.append(_numerics.apply_scale(x, _ratio(target, n, n > 0)))
-      new_mus.append(mu)
-      new_nus.append(nu)
-    new_state = AdaptiveNormScaleState(mus.write(new_mus), nus.write(new_nus), count)
-    return jax.tree.unflatten(treedef, out), _keep_if_nonfinite(norms, new_state, state)
-
-  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+  rule = _per_tensor.Rule("adaptive_norm_scale", AdaptiveNormScaleState, 2, step,
+                          _numerics.apply_scale)
+  return _per_tensor.per_tensor_transform(rule, axis_name, replicated, partition_specs)

@@ -78,8 +78,19 @@ def check_scalar(value: Any, name: str) -> None:
 
 
 def _leaf_dtype(x: Any) -> Any:
-  """The dtype of a leaf (a NumPy dtype, or JAX's extended dtype of a PRNG key)."""
-  return jnp.result_type(x) if not hasattr(x, "dtype") else x.dtype
+  """The dtype of a leaf (a NumPy dtype, or JAX's extended dtype of a PRNG key).
+
+  For a leaf that is no array nor number (a string, an object) its type's
+  name, which no dtype check accepts, so that the error names the leaf.
+  """
+  if hasattr(x, "dtype"):
+    return x.dtype
+  if isinstance(x, (str, bytes)):
+    return type(x).__name__
+  try:
+    return jnp.result_type(x)
+  except (TypeError, ValueError):
+    return type(x).__name__
 
 
 def _is_float_leaf(x: Any) -> bool:
@@ -155,7 +166,7 @@ def check_inexact_leaves(tree: Any, fn_name: str) -> None:
   """Raises ``TypeError`` naming the path of the first non-float leaf."""
   for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
     dtype = _leaf_dtype(leaf)
-    if not jnp.issubdtype(dtype, jnp.inexact):
+    if isinstance(dtype, str) or not jnp.issubdtype(dtype, jnp.inexact):
       where = _where(path)
       raise TypeError(
           f"{fn_name} needs floating-point or complex leaves, but the leaf at "
@@ -168,7 +179,8 @@ def check_real_leaves(tree: Any, fn_name: str) -> None:
   """Raises ``TypeError`` naming the path of the first complex or bool leaf."""
   for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
     dtype = _leaf_dtype(leaf)
-    if jnp.issubdtype(dtype, jnp.complexfloating) or dtype == np.bool_:
+    if isinstance(dtype, str) or jnp.issubdtype(dtype, jnp.complexfloating) or (
+        dtype == np.bool_):
       where = _where(path)
       raise TypeError(
           f"{fn_name} needs real (integer or floating-point) leaves, but the "

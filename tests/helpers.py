@@ -5,8 +5,10 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
+import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
@@ -103,28 +105,85 @@ def device_env(n_devices: int) -> dict[str, str]:
 
 
 def run_checks(checks: dict[str, Callable[[], None]], n_devices: int) -> None:
-  """Runs each check here, printing ``{name: "ok" or its traceback}`` as one JSON line.
+  """Runs each check here, printing ``{name: "ok" or its traceback}`` as a JSON line per check.
 
   The body of a test file run as a script in :func:`checks_in_subprocess`.
+  Each result is printed (and flushed) as soon as its check ends, so that
+  the checks done before a crash or a kill still report on their own.
   """
   assert jax.device_count() == n_devices, jax.devices()
-  results = {}
   for name, check in checks.items():
     try:
       check()
-      results[name] = "ok"
+      result = "ok"
     except Exception:  # reported to the parent test, one case per check
-      results[name] = traceback.format_exc()
-  print(json.dumps(results))
+      result = traceback.format_exc()
+    print(json.dumps({name: result}), flush=True)
 
 
-def checks_in_subprocess(script: str, n_devices: int) -> dict[str, str]:
-  """Runs ``script`` (which calls :func:`run_checks`) on ``n_devices`` virtual CPU devices."""
-  proc = subprocess.run([sys.executable, script], env=device_env(n_devices), cwd=ROOT, text=True,
-                        capture_output=True, timeout=600)
-  lines = proc.stdout.strip().splitlines()
-  assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-3000:]
-  return json.loads(lines[-1])
+class _Results(dict):
+  """The checks' results; a check that never reported reads as why (never as ``"ok"``)."""
+
+  def __init__(self, results: dict[str, str], missing: str):
+    super().__init__(results)
+    self.missing = missing
+
+  def __missing__(self, name: str) -> str:
+    return f"{name} did not report: {self.missing}"
+
+
+def run_subprocess(cmd: list[str], env: dict[str, str], timeout: float = 900
+                   ) -> tuple[int | None, str, str, str | None]:
+  """``(returncode, stdout, stderr, problem)`` of ``cmd`` run in the repo's root.
+
+  ``problem`` says, in words, what went wrong and after how long: a kill on
+  the wall-clock ``timeout`` (then ``returncode`` is ``None`` and the output
+  is what the process had written), a signal, or a non-zero exit.
+  """
+  start = time.monotonic()
+  proc = subprocess.Popen(cmd, env=env, cwd=ROOT, text=True, stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE)
+  try:
+    stdout, stderr = proc.communicate(timeout=timeout)
+  except subprocess.TimeoutExpired:
+    proc.kill()
+    stdout, stderr = proc.communicate()
+    took = time.monotonic() - start
+    return None, stdout, stderr, (
+        f"the subprocess {' '.join(cmd[1:])!r} was killed by the test after {took:.0f} s "
+        f"(its wall-clock limit is {timeout:.0f} s; the machine may be overloaded)")
+  took = time.monotonic() - start
+  problem = None
+  if proc.returncode < 0:
+    problem = (f"the subprocess {' '.join(cmd[1:])!r} died of signal "
+               f"{signal.Signals(-proc.returncode).name} after {took:.0f} s (out of memory?)")
+  elif proc.returncode:
+    problem = (f"the subprocess {' '.join(cmd[1:])!r} exited with status {proc.returncode} "
+               f"after {took:.0f} s")
+  return proc.returncode, stdout, stderr, problem
+
+
+def checks_in_subprocess(script: str, n_devices: int, timeout: float = 900) -> dict[str, str]:
+  """Runs ``script`` (which calls :func:`run_checks`) on ``n_devices`` virtual CPU devices.
+
+  Each check's result is read from its own line, so a check that ended
+  before a crash or a kill reports as it ended; one that never reported
+  fails with what happened to the subprocess and after how long.
+  """
+  _, stdout, stderr, problem = run_subprocess(
+      [sys.executable, script], device_env(n_devices), timeout)
+  results = {}
+  for line in stdout.splitlines():
+    try:
+      parsed = json.loads(line)
+    except ValueError:
+      continue
+    if isinstance(parsed, dict):
+      results.update(parsed)
+  why = problem or "the subprocess ended without reporting it"
+  if not results:
+    raise AssertionError(f"{why}\n{stdout[-3000:]}{stderr[-3000:]}")
+  return _Results(results, f"{why}\n{stderr[-2000:]}")
 
 
 def mlp_loss(params, x, y):

@@ -34,7 +34,7 @@ def test_benchmark_quick_run_writes_table_and_plot(tmp_path):
   assert written.strip() == text.strip()
   for section in ("## Train step", "## Full train step", "## Standalone jitted clip",
                   "## Compile time",
-                  "## Compile time (s) of the other transforms",
+                  "## Compile time (s) of every other transform",
                   "## Standalone clip against the tree size", "load average", "x floor"):
     assert section in text
   for transform in _cases.TRANSFORMS:

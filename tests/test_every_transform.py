@@ -1,0 +1,192 @@
+"""Checks generated from ``jaxclip.__all__``: every transform, including ones added later.
+
+Every public factory of an optax ``GradientTransformation`` is built from the
+small table of ``benchmarks/_every.py`` (only where a required argument exists); a new public
+function that is neither in the table, nor buildable with no arguments, nor
+listed as not being a transform factory fails :func:`test_the_table_builds_every_factory`.
+"""
+
+from __future__ import annotations
+
+import time
+
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+
+import jaxclip
+from benchmarks import _every, _trees
+
+NOT_TRANSFORMS, REQUIRED = _every.NOT_TRANSFORMS, _every.REQUIRED
+FACTORIES = _every.factories()
+build = _every.build
+
+
+def test_the_table_builds_every_factory():
+  assert len(FACTORIES) >= 15
+  for name in FACTORIES:
+    tx = build(name)
+    assert isinstance(tx, optax.GradientTransformation), name
+  assert set(REQUIRED) <= set(FACTORIES)
+
+
+def _compile_seconds(tx: optax.GradientTransformation, tree) -> float:
+  state = tx.init(tree)
+  start = time.process_time()
+  jax.jit(tx.update).lower(tree, state, tree).compile()
+  return time.process_time() - start
+
+
+# Several times the 2.5x target of the benchmark (benchmarks/results.md):
+# loose enough not to flake on a loaded machine, where a transform whose
+# compile time grows with the square of the leaf count took 8-16x at 100
+# leaves (and minutes at 400).
+_BOUND = 6.0
+# 400 leaves in the benchmark (python -m benchmarks --only transforms); 100
+# here, which already shows a quadratic compile, to keep the suite's budget.
+_LEAVES = 100
+
+
+def test_every_transform_compiles_in_a_few_times_adams_compile():
+  """``chain(t, adam).update`` on many leaves of mixed shapes, against adam's own.
+
+  CPU seconds of this process, so that other processes on the machine
+  count less; adam is compiled before and after, the larger kept.
+  """
+  tree = _trees.make_tree(_trees.many_leaf_shapes(_LEAVES, mixed=True))
+  adam = _compile_seconds(optax.adam(1e-3), tree)
+  times = {name: _compile_seconds(optax.chain(build(name), optax.adam(1e-3)), tree)
+           for name in FACTORIES}
+  adam = max(adam, _compile_seconds(optax.adam(1e-3), tree))
+  slow = {name: f"{t / adam:.1f}x" for name, t in times.items() if t > _BOUND * adam}
+  assert not slow, f"compile time against adam's ({adam:.1f} s CPU): {slow}"
+  print({name: round(t / adam, 2) for name, t in times.items()})
+
+
+@pytest.mark.parametrize("container", [tuple, list])
+def test_every_state_keeps_its_structure_under_scan(container):
+  """The state of ``init(tuple)`` stays a scan carry when the updates come as a list.
+
+  As optax's own transforms do: the state's structure is that of init's
+  params, whatever container the updates come in.
+  """
+  other = list if container is tuple else tuple
+  params = container([jnp.ones((2, 3)), jnp.full(4, 2.0)])
+  grads = jnp.stack([jnp.ones(6), jnp.full(6, 3.0)])
+  broken = {}
+  for name in FACTORIES:
+    tx = build(name)
+    init = tx.init(params)
+
+    def body(state, g, tx=tx):
+      updates = other([g.reshape(2, 3), g[:4]])
+      out, state = tx.update(updates, state, updates)
+      return state, jax.tree.leaves(out)
+
+    try:
+      state, _ = jax.lax.scan(body, init, grads)
+    except TypeError as e:
+      broken[name] = str(e).splitlines()[0]
+      continue
+    assert jax.tree.structure(state) == jax.tree.structure(init), name
+  assert not broken, broken
+
+
+# ---------------------------------------------------------------- bad inputs
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from jaxclip import ops  # noqa: E402
+
+FUZZ = settings(max_examples=12, deadline=None)
+_BAD_LEAVES = st.sampled_from(["hello", b"bytes", object(), {1, 2}, "1.0"])
+
+
+def _keeps_per_leaf_state(tx: optax.GradientTransformation) -> bool:
+  """Whether ``tx``'s state grows with the params' leaves (so it knows their paths)."""
+  one = len(jax.tree.leaves(tx.init({"w": jnp.ones(3)})))
+  two = len(jax.tree.leaves(tx.init({"w": jnp.ones(3), "b": jnp.ones(2)})))
+  return two > one
+
+
+def _names_leaf(error: Exception, where: str) -> bool:
+  return where in str(error)
+
+
+@pytest.mark.parametrize("name", FACTORIES)
+@FUZZ
+@given(bad=_BAD_LEAVES)
+def test_a_leaf_that_is_no_number_is_refused_naming_its_path(name, bad):
+  tx = build(name)
+  good = {"w": jnp.ones(3)}
+  with pytest.raises(TypeError) as e:
+    tx.update({"w": jnp.ones(3), "bad": bad}, tx.init(good), good)
+  # Refused before tracing, by a check that names the leaf (not a raw dtype error).
+  assert _names_leaf(e.value, "['bad']") or "state" in str(e.value), (name, str(e.value))
+
+
+@pytest.mark.parametrize("name", FACTORIES)
+def test_updates_of_another_structure_than_init_are_refused_or_harmless(name):
+  """Fewer, more or renamed leaves than init had.
+
+  A transform whose state has one entry per leaf must refuse them, naming
+  the path; any other one must treat the updates as they come.
+  """
+  tx = build(name)
+  params = {"w": jnp.ones(3), "b": jnp.full(2, 2.0)}
+  state = tx.init(params)
+  cases = {"['b']": {"w": jnp.ones(3)},  # fewer
+           "['c']": {"w": jnp.ones(3), "b": jnp.ones(2), "c": jnp.ones(2)},  # more
+           "['c'] ": {"w": jnp.ones(3), "c": jnp.ones(2)}}  # renamed
+  per_leaf = _keeps_per_leaf_state(tx)
+  for where, updates in cases.items():
+    if per_leaf and not (name == "record_norms" and where == "['b']"):
+      with pytest.raises(ValueError, match=__import__("re").escape(where.strip())):
+        tx.update(updates, state, updates)
+    else:
+      out, _ = tx.update(updates, state, updates)
+      assert jax.tree.structure(out) == jax.tree.structure(updates), (name, where)
+
+
+@pytest.mark.parametrize("name", FACTORIES)
+def test_complex_leaves_are_clipped_or_refused(name):
+  tx = build(name)
+  tree = {"w": jnp.array([3 + 4j, 0j], jnp.complex64)}
+  try:
+    out, _ = tx.update(tree, tx.init(tree), tree)
+  except TypeError as e:
+    assert "['w']" in str(e) or "complex" in str(e), (name, str(e))
+  else:
+    assert out["w"].dtype == jnp.complex64 and bool(jnp.all(jnp.isfinite(out["w"]))), name
+
+
+@FUZZ
+@given(shape=st.lists(st.integers(1, 3), min_size=1, max_size=2),
+       bad=st.one_of(_BAD_LEAVES, st.sampled_from([1 + 2j, True])))
+def test_ops_refuse_bad_leaves_and_a_use_norm_that_is_no_real_scalar(shape, bad):
+  tree = {"w": jnp.ones(3), "bad": bad}
+  for fn, args in ((ops.global_norm, ()), (ops.clip_by_global_norm, (1.0,)),
+                   (ops.clip_by_norm, (1.0,)), (ops.clip_by_average_norm, (1.0,)),
+                   (ops.clip_by_value, (-1.0, 1.0))):
+    if isinstance(bad, (complex, bool)):
+      continue
+    with pytest.raises(TypeError, match=r"\['bad'\]"):
+      fn(tree, *args)
+  with pytest.raises(ValueError, match="use_norm"):
+    ops.clip_by_global_norm([jnp.ones(3)], 1.0, use_norm=jnp.ones(shape))
+  if isinstance(bad, (str, bytes, complex)):
+    with pytest.raises(TypeError, match="use_norm"):
+      ops.clip_by_global_norm([jnp.ones(3)], 1.0, use_norm=bad)
+
+
+@pytest.mark.parametrize("method", ["vmap", "ghost"])
+def test_a_loss_that_is_no_real_scalar_is_refused_under_both_methods(method):
+  params, x = {"w": jnp.ones(3)}, jnp.ones((4, 3))
+  losses = {"float32[3]": lambda p, x: p["w"] * x,
+            "int32[]": lambda p, x: jnp.sum(p["w"] * x).astype(jnp.int32)}
+  for shown, loss in losses.items():
+    with pytest.raises(ValueError, match=r"loss_fn to return a real scalar.*" +
+                       __import__("re").escape(shown)):
+      jaxclip.per_example_clipped_grad(loss, 1.0, batch_argnums=1, method=method)(params, x)
