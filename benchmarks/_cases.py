@@ -36,22 +36,27 @@ def _temp_mb(compiled: Any) -> float | None:
 # ----------------------------------------------------------------------------
 
 TRAIN_CASES = {
-    "adam": lambda: optax.adam(1e-4),
-    "jaxclip.clip_by_global_norm + adam":
-        lambda: optax.chain(jaxclip.clip_by_global_norm(MAX_NORM), optax.adam(1e-4)),
-    "optax.clip_by_global_norm + adam":
-        lambda: optax.chain(optax.clip_by_global_norm(MAX_NORM), optax.adam(1e-4)),
-    "jaxclip.clip_by_norm + adam":
-        lambda: optax.chain(jaxclip.clip_by_norm(MAX_NORM), optax.adam(1e-4)),
-    "jaxclip.clip_by_value + adam":
-        lambda: optax.chain(jaxclip.clip_by_value(-1e-3, 1e-3), optax.adam(1e-4)),
-    "optax.clip + adam":
-        lambda: optax.chain(optax.clip(1e-3), optax.adam(1e-4)),
+  "adam": lambda: optax.adam(1e-4),
+  "jaxclip.clip_by_global_norm + adam": lambda: optax.chain(
+    jaxclip.clip_by_global_norm(MAX_NORM), optax.adam(1e-4)
+  ),
+  "optax.clip_by_global_norm + adam": lambda: optax.chain(
+    optax.clip_by_global_norm(MAX_NORM), optax.adam(1e-4)
+  ),
+  "jaxclip.clip_by_norm + adam": lambda: optax.chain(
+    jaxclip.clip_by_norm(MAX_NORM), optax.adam(1e-4)
+  ),
+  "jaxclip.clip_by_value + adam": lambda: optax.chain(
+    jaxclip.clip_by_value(-1e-3, 1e-3), optax.adam(1e-4)
+  ),
+  "optax.clip + adam": lambda: optax.chain(optax.clip(1e-3), optax.adam(1e-4)),
 }
 # The optax counterpart of each jaxclip case, and how many extra full reads of
 # the gradients the clip needs at the floor (a norm pass; value clipping none).
-TRAIN_OPTAX = {"jaxclip.clip_by_global_norm + adam": "optax.clip_by_global_norm + adam",
-               "jaxclip.clip_by_value + adam": "optax.clip + adam"}
+TRAIN_OPTAX = {
+  "jaxclip.clip_by_global_norm + adam": "optax.clip_by_global_norm + adam",
+  "jaxclip.clip_by_value + adam": "optax.clip + adam",
+}
 TRAIN_EXTRA_READS = {"adam": 0, "jaxclip.clip_by_value + adam": 0, "optax.clip + adam": 0}
 
 
@@ -87,8 +92,15 @@ def run_train_steps(shapes: dict, reps: int) -> list[dict]:
   seconds = _timing.time_interleaved(steps, reps)
   del steps, flat
   read_floor_s = seconds.pop("floor: read pass")
-  rows = [{"case": name, "ms": 1e3 * s, "temp_mb": temps[name],
-           "extra_reads": TRAIN_EXTRA_READS.get(name, 1)} for name, s in seconds.items()]
+  rows = [
+    {
+      "case": name,
+      "ms": 1e3 * s,
+      "temp_mb": temps[name],
+      "extra_reads": TRAIN_EXTRA_READS.get(name, 1),
+    }
+    for name, s in seconds.items()
+  ]
   by_name = {r["case"]: r for r in rows}
   adam_ms = by_name["adam"]["ms"]
   for r in rows:
@@ -103,17 +115,21 @@ def run_train_steps(shapes: dict, reps: int) -> list[dict]:
 # Full train step: forward + backward + clip + adam on a small GPT.
 # ----------------------------------------------------------------------------
 
-FULL_STEP_CASES = {name: TRAIN_CASES[name] for name in (
-    "adam", "jaxclip.clip_by_global_norm + adam", "optax.clip_by_global_norm + adam")}
+FULL_STEP_CASES = {
+  name: TRAIN_CASES[name]
+  for name in ("adam", "jaxclip.clip_by_global_norm + adam", "optax.clip_by_global_norm + adam")
+}
 
 
-def compile_full_step(tx: optax.GradientTransformation, cfg: _model.GPTConfig, params: Any,
-                      tokens: jax.Array):
+def compile_full_step(
+  tx: optax.GradientTransformation, cfg: _model.GPTConfig, params: Any, tokens: jax.Array
+):
   """``(compiled, opt_state)``: loss, gradients and update of ``tx`` in one jitted step.
 
   The compiled step maps ``(params, opt_state, tokens)`` to
   ``(params, opt_state, loss)``, the params and optimizer state donated.
   """
+
   def step(params, opt_state, tokens):
     loss, grads = jax.value_and_grad(_model.loss_fn)(params, tokens, cfg)
     updates, opt_state = tx.update(grads, opt_state, params)
@@ -162,14 +178,26 @@ def run_full_train_steps(cfg: _model.GPTConfig, reps: int) -> dict:
     # The step's time over adam's in the same round: the spread of these
     # paired ratios is the noise of the machine on the ratio itself.
     paired = np.array(samples[name]) / np.array(samples["adam"])
-    rows.append({"case": name, "ms": 1e3 * s, "x_adam": s / adam_s,
-                 "x_adam_iqr": tuple(np.percentile(paired, [25, 75])),
-                 "temp_mb": temps[name], "loss": float(losses[name])})
+    rows.append(
+      {
+        "case": name,
+        "ms": 1e3 * s,
+        "x_adam": s / adam_s,
+        "x_adam_iqr": tuple(np.percentile(paired, [25, 75])),
+        "temp_mb": temps[name],
+        "loss": float(losses[name]),
+      }
+    )
   for r in rows:
     other = TRAIN_OPTAX.get(r["case"])
     r["x_optax"] = seconds[r["case"]] / seconds[other] if other in seconds else None
-  return {"model": cfg.describe(), "params": _model.num_params(cfg),
-          "leaves": len(_model.param_shapes(cfg)), "reps": reps, "rows": rows}
+  return {
+    "model": cfg.describe(),
+    "params": _model.num_params(cfg),
+    "leaves": len(_model.param_shapes(cfg)),
+    "reps": reps,
+    "rows": rows,
+  }
 
 
 # ----------------------------------------------------------------------------
@@ -203,8 +231,9 @@ def _torch_clip_step(shapes: dict, dtype_name: str) -> Callable[[Any], tuple[Any
   return step
 
 
-def run_standalone(shapes: dict, dtype: Any, reps: int, peak_gbps: float | None,
-                   with_torch: bool = True) -> list[dict]:
+def run_standalone(
+  shapes: dict, dtype: Any, reps: int, peak_gbps: float | None, with_torch: bool = True
+) -> list[dict]:
   """The norm pass and the clip, for jaxclip, optax and torch, against the floor.
 
   Every case, the floor's two passes included, is timed interleaved with the
@@ -214,11 +243,15 @@ def run_standalone(shapes: dict, dtype: Any, reps: int, peak_gbps: float | None,
   dname = jnp.dtype(dtype).name
   flat = jnp.full((num,), 1e-3, dtype)
   read = jax.jit(jnp.sum).lower(flat).compile()
-  scale = jax.jit(lambda x, s: x * s.astype(x.dtype), donate_argnums=0).lower(
-      flat, jnp.float32(0.999)).compile()
-  steps = {"read": (lambda x: (read(x), x), flat),
-           "scale": (lambda x: (y := scale(x, jnp.float32(0.999)), y),
-                     jnp.full((num,), 1e-3, dtype))}
+  scale = (
+    jax.jit(lambda x, s: x * s.astype(x.dtype), donate_argnums=0)
+    .lower(flat, jnp.float32(0.999))
+    .compile()
+  )
+  steps = {
+    "read": (lambda x: (read(x), x), flat),
+    "scale": (lambda x: (y := scale(x, jnp.float32(0.999)), y), jnp.full((num,), 1e-3, dtype)),
+  }
   temps = {}
   norm_tree = _trees.make_tree(shapes, dtype)
   for lib, norm_fn in (("jaxclip", jaxclip.ops.global_norm), ("optax", optax.tree.norm)):
@@ -229,8 +262,11 @@ def run_standalone(shapes: dict, dtype: Any, reps: int, peak_gbps: float | None,
     tx = make(MAX_NORM)
     tree = _trees.make_tree(shapes, dtype)
     state = tx.init(tree)
-    compiled = jax.jit(lambda t, tx=tx, state=state: tx.update(t, state)[0],
-                       donate_argnums=0).lower(tree).compile()
+    compiled = (
+      jax.jit(lambda t, tx=tx, state=state: tx.update(t, state)[0], donate_argnums=0)
+      .lower(tree)
+      .compile()
+    )
     steps[f"{lib} clip"] = (lambda t, c=compiled: (y := c(t), y), tree)
     temps[f"{lib} clip"] = _temp_mb(compiled)
   torch_step = _torch_clip_step(shapes, dname) if with_torch else None
@@ -240,23 +276,41 @@ def run_standalone(shapes: dict, dtype: Any, reps: int, peak_gbps: float | None,
   del steps
   read_s, scale_s = seconds["read"], seconds["scale"]
   floor_s = read_s + scale_s
-  rows = [{"case": f"floor: read pass ({dname})", "ms": 1e3 * read_s, "bytes": nbytes},
-          {"case": f"floor: in-place scale pass ({dname})", "ms": 1e3 * scale_s,
-           "bytes": 2 * nbytes}]
+  rows = [
+    {"case": f"floor: read pass ({dname})", "ms": 1e3 * read_s, "bytes": nbytes},
+    {"case": f"floor: in-place scale pass ({dname})", "ms": 1e3 * scale_s, "bytes": 2 * nbytes},
+  ]
   for lib in ("jaxclip", "optax"):
     s = seconds[f"{lib} norm"]
-    rows.append({"case": f"{lib} global_norm ({dname})", "ms": 1e3 * s, "bytes": nbytes,
-                 "x_floor": s / read_s, "temp_mb": temps[f"{lib} norm"]})
+    rows.append(
+      {
+        "case": f"{lib} global_norm ({dname})",
+        "ms": 1e3 * s,
+        "bytes": nbytes,
+        "x_floor": s / read_s,
+        "temp_mb": temps[f"{lib} norm"],
+      }
+    )
   clip_rows = {}
   for lib in ("jaxclip", "optax"):
     s = seconds[f"{lib} clip"]
-    clip_rows[lib] = {"case": f"{lib}.clip_by_global_norm ({dname})", "ms": 1e3 * s,
-                      "bytes": 3 * nbytes, "x_floor": s / floor_s, "temp_mb": temps[f"{lib} clip"]}
+    clip_rows[lib] = {
+      "case": f"{lib}.clip_by_global_norm ({dname})",
+      "ms": 1e3 * s,
+      "bytes": 3 * nbytes,
+      "x_floor": s / floor_s,
+      "temp_mb": temps[f"{lib} clip"],
+    }
     rows.append(clip_rows[lib])
   torch_s = seconds.get("torch clip")
-  rows.append({"case": f"torch clip_grad_norm_(foreach=True) ({dname})",
-               "ms": None if torch_s is None else 1e3 * torch_s, "bytes": 3 * nbytes,
-               "x_floor": None if torch_s is None else torch_s / floor_s})
+  rows.append(
+    {
+      "case": f"torch clip_grad_norm_(foreach=True) ({dname})",
+      "ms": None if torch_s is None else 1e3 * torch_s,
+      "bytes": 3 * nbytes,
+      "x_floor": None if torch_s is None else torch_s / floor_s,
+    }
+  )
   jc = clip_rows["jaxclip"]
   jc["x_optax"] = jc["ms"] / clip_rows["optax"]["ms"]
   jc["x_torch"] = None if torch_s is None else jc["ms"] / (1e3 * torch_s)
@@ -271,21 +325,31 @@ def run_standalone(shapes: dict, dtype: Any, reps: int, peak_gbps: float | None,
 # Compile time against the number of leaves.
 # ----------------------------------------------------------------------------
 
-COMPILE_IMPLS = ("tree_map x*s", "jaxclip.clip_by_global_norm", "jaxclip.clip_by_norm",
-                 "optax.clip_by_global_norm")
+COMPILE_IMPLS = (
+  "tree_map x*s",
+  "jaxclip.clip_by_global_norm",
+  "jaxclip.clip_by_norm",
+  "optax.clip_by_global_norm",
+)
 
 # Every other transform that touches each leaf, with optax's counterpart where
 # it has one, compiled at the sweep's largest leaf count.
 TRANSFORMS = {
-    "clip_by_value": (lambda: jaxclip.clip_by_value(-1.0, 1.0), lambda: optax.clip(1.0)),
-    "clip_by_average_norm": (lambda: jaxclip.clip_by_average_norm(0.01), None),
-    "clip_by_block_rms": (lambda: jaxclip.clip_by_block_rms(1.0),
-                          lambda: optax.clip_by_block_rms(1.0)),
-    "adaptive_grad_clip": (lambda: jaxclip.adaptive_grad_clip(0.01),
-                           lambda: optax.adaptive_grad_clip(0.01)),
-    "zero_nonfinite": (lambda: jaxclip.zero_nonfinite(), None),
-    "skip_nonfinite(identity)": (lambda: jaxclip.skip_nonfinite(optax.identity()),
-                                 lambda: optax.apply_if_finite(optax.identity(), 10)),
+  "clip_by_value": (lambda: jaxclip.clip_by_value(-1.0, 1.0), lambda: optax.clip(1.0)),
+  "clip_by_average_norm": (lambda: jaxclip.clip_by_average_norm(0.01), None),
+  "clip_by_block_rms": (
+    lambda: jaxclip.clip_by_block_rms(1.0),
+    lambda: optax.clip_by_block_rms(1.0),
+  ),
+  "adaptive_grad_clip": (
+    lambda: jaxclip.adaptive_grad_clip(0.01),
+    lambda: optax.adaptive_grad_clip(0.01),
+  ),
+  "zero_nonfinite": (lambda: jaxclip.zero_nonfinite(), None),
+  "skip_nonfinite(identity)": (
+    lambda: jaxclip.skip_nonfinite(optax.identity()),
+    lambda: optax.apply_if_finite(optax.identity(), 10),
+  ),
 }
 
 
@@ -325,8 +389,7 @@ def compile_once(impl: str, leaves: int, mixed: bool) -> float:
   return _timing.compile_seconds(compile_fn(impl), *args, jnp.float32(0.5))
 
 
-def _compile_seconds(impl: str, leaves: int, mixed: bool, timeout_s: float | None
-                     ) -> float | None:
+def _compile_seconds(impl: str, leaves: int, mixed: bool, timeout_s: float | None) -> float | None:
   """One compile: in a fresh process when ``timeout_s`` is set; ``None`` if it timed out."""
   if timeout_s is None:
     return compile_once(impl, leaves, mixed)
@@ -338,9 +401,14 @@ def _compile_seconds(impl: str, leaves: int, mixed: bool, timeout_s: float | Non
   return float(out.stdout.strip().splitlines()[-1])
 
 
-def run_compile_sweep(leaf_counts: list[int], timeout_s: float | None, mixed_at: int | None,
-                      repeats: int = 1, impls: tuple[str, ...] = COMPILE_IMPLS,
-                      mixed_impls: tuple[str, ...] | None = None) -> list[dict]:
+def run_compile_sweep(
+  leaf_counts: list[int],
+  timeout_s: float | None,
+  mixed_at: int | None,
+  repeats: int = 1,
+  impls: tuple[str, ...] = COMPILE_IMPLS,
+  mixed_impls: tuple[str, ...] | None = None,
+) -> list[dict]:
   """Seconds to compile each impl, each in a fresh process when ``timeout_s`` is set.
 
   Each impl is compiled ``repeats`` times, the impls in turn (so that they
@@ -367,8 +435,10 @@ def run_compile_sweep(leaf_counts: list[int], timeout_s: float | None, mixed_at:
           given_up.add(impl)
         else:
           seconds[impl].append(sec)
-        print(f"  compile {impl:40s} leaves={n:5d}{' mixed' if mixed else ''}: "
-              f"{row.get(impl, sec)}", flush=True)
+        print(
+          f"  compile {impl:40s} leaves={n:5d}{' mixed' if mixed else ''}: {row.get(impl, sec)}",
+          flush=True,
+        )
     for impl, runs in seconds.items():
       if impl not in row:
         row[impl] = ("ok", statistics.median(runs))
@@ -376,8 +446,9 @@ def run_compile_sweep(leaf_counts: list[int], timeout_s: float | None, mixed_at:
   return rows
 
 
-def run_transform_compiles(leaves: int, timeout_s: float | None, repeats: int,
-                           mixed: bool = True) -> list[dict]:
+def run_transform_compiles(
+  leaves: int, timeout_s: float | None, repeats: int, mixed: bool = True
+) -> list[dict]:
   """Compile seconds of every transform of :data:`TRANSFORMS` at ``leaves`` leaves.
 
   One row per transform, with the bare tree_map and adam's own update
@@ -387,17 +458,33 @@ def run_transform_compiles(leaves: int, timeout_s: float | None, repeats: int,
   the uniform tree only.
   """
   names = list(TRANSFORMS)
-  impls = ("tree_map x*s", "optax.adam") + tuple(f"jaxclip.{n}" for n in names) + tuple(
-      f"optax.{n}" for n in names if TRANSFORMS[n][1] is not None)
-  sweep = run_compile_sweep([leaves], timeout_s, leaves if mixed else None, repeats, impls,
-                            mixed_impls=impls[:len(names) + 2])
+  impls = (
+    ("tree_map x*s", "optax.adam")
+    + tuple(f"jaxclip.{n}" for n in names)
+    + tuple(f"optax.{n}" for n in names if TRANSFORMS[n][1] is not None)
+  )
+  sweep = run_compile_sweep(
+    [leaves],
+    timeout_s,
+    leaves if mixed else None,
+    repeats,
+    impls,
+    mixed_impls=impls[: len(names) + 2],
+  )
   rows = []
   for r in sweep:
     for n in names:
-      rows.append({"transform": n, "leaves": r["leaves"], "mixed": r["mixed"],
-                   "tree_map": r["tree_map x*s"], "adam": r["optax.adam"],
-                   "jaxclip": r[f"jaxclip.{n}"],
-                   "optax": r.get(f"optax.{n}", ("none", None))})
+      rows.append(
+        {
+          "transform": n,
+          "leaves": r["leaves"],
+          "mixed": r["mixed"],
+          "tree_map": r["tree_map x*s"],
+          "adam": r["optax.adam"],
+          "jaxclip": r[f"jaxclip.{n}"],
+          "optax": r.get(f"optax.{n}", ("none", None)),
+        }
+      )
   return rows
 
 
@@ -410,15 +497,22 @@ def run_size_sweep(shrinks: list[int], reps: int, with_torch: bool) -> list[dict
   rows = []
   for shrink in shrinks:
     shapes = _trees.gpt2_shapes(shrink)
-    res = {r["case"].split(" (")[0]: r for r in run_standalone(shapes, jnp.float32, reps, None,
-                                                               with_torch)}
+    res = {
+      r["case"].split(" (")[0]: r
+      for r in run_standalone(shapes, jnp.float32, reps, None, with_torch)
+    }
     floor_ms = res["floor: read pass"]["ms"] + res["floor: in-place scale pass"]["ms"]
     torch_row = res["torch clip_grad_norm_(foreach=True)"]
-    rows.append({"params": _trees.num_params(shapes), "floor_ms": floor_ms,
-                 "jaxclip_ms": res["jaxclip.clip_by_global_norm"]["ms"],
-                 "optax_ms": res["optax.clip_by_global_norm"]["ms"],
-                 "torch_ms": torch_row["ms"],
-                 "jaxclip_gbps": res["jaxclip.clip_by_global_norm"]["gbps"]})
+    rows.append(
+      {
+        "params": _trees.num_params(shapes),
+        "floor_ms": floor_ms,
+        "jaxclip_ms": res["jaxclip.clip_by_global_norm"]["ms"],
+        "optax_ms": res["optax.clip_by_global_norm"]["ms"],
+        "torch_ms": torch_row["ms"],
+        "jaxclip_gbps": res["jaxclip.clip_by_global_norm"]["gbps"],
+      }
+    )
   return rows
 
 
@@ -429,17 +523,26 @@ def temp_bytes_table(shapes: dict) -> list[dict]:
   transform in front of adam, which on XLA:CPU materialises the bfloat16
   input of adam's update once.
   """
-  cases = {name: TRAIN_CASES[name] for name in
-           ("adam", "jaxclip.clip_by_global_norm + adam", "optax.clip_by_global_norm + adam")}
-  cases["optax.scale(0.5) + adam (control)"] = lambda: optax.chain(optax.scale(0.5),
-                                                                   optax.adam(1e-4))
+  cases = {
+    name: TRAIN_CASES[name]
+    for name in ("adam", "jaxclip.clip_by_global_norm + adam", "optax.clip_by_global_norm + adam")
+  }
+  cases["optax.scale(0.5) + adam (control)"] = lambda: optax.chain(
+    optax.scale(0.5), optax.adam(1e-4)
+  )
   rows = []
   for dtype in (jnp.float32, jnp.bfloat16, jnp.float16):
     params = _trees.make_tree(shapes, dtype)
     for name, make in cases.items():
       compiled, _ = compile_train_step(make(), params, params)
-      rows.append({"dtype": jnp.dtype(dtype).name, "case": name, "temp_mb": _temp_mb(compiled),
-                   "grads_mb": _nbytes(params) / 2**20})
+      rows.append(
+        {
+          "dtype": jnp.dtype(dtype).name,
+          "case": name,
+          "temp_mb": _temp_mb(compiled),
+          "grads_mb": _nbytes(params) / 2**20,
+        }
+      )
   return rows
 
 

@@ -17,32 +17,44 @@ import jaxclip
 
 # Public callables that are not factories of a GradientTransformation.
 NOT_TRANSFORMS = {
-    "ops", "per_example_clipped_grad", "per_example_global_norm_clip",
-    "per_example_layer_norm_clip", "quantile_clip_norm_update", "skip_bad_microbatches",
-    "suggest_threshold", "unitwise_clip", "unitwise_norm",
+  "ghost_plan",
+  "ops",
+  "per_example_clipped_grad",
+  "per_example_global_norm_clip",
+  "per_example_layer_norm_clip",
+  "poisson_batch",
+  "quantile_clip_norm_update",
+  "skip_bad_microbatches",
+  "suggest_threshold",
+  "unitwise_clip",
+  "unitwise_norm",
 }
 
 # Factories with a required argument: sensible defaults.
 REQUIRED = {
-    "adaptive_grad_clip": lambda: jaxclip.adaptive_grad_clip(0.1),
-    "clip": lambda: jaxclip.clip(1.0),
-    "clip_by_average_norm": lambda: jaxclip.clip_by_average_norm(1.0),
-    "clip_by_block_rms": lambda: jaxclip.clip_by_block_rms(1.0),
-    "clip_by_global_norm": lambda: jaxclip.clip_by_global_norm(1.0),
-    "clip_by_norm": lambda: jaxclip.clip_by_norm(1.0),
-    "clip_by_value": lambda: jaxclip.clip_by_value(-1.0, 1.0),
-    "clipped": lambda: jaxclip.clipped(optax.identity(), global_clipnorm=1.0),
-    "skip_above": lambda: jaxclip.skip_above(optax.identity(), 10.0),
-    "skip_nonfinite": lambda: jaxclip.skip_nonfinite(optax.identity()),
-    "skip_on_spike": lambda: jaxclip.skip_on_spike(optax.identity(), window=8),
+  "adaptive_grad_clip": lambda: jaxclip.adaptive_grad_clip(0.1),
+  "clip": lambda: jaxclip.clip(1.0),
+  "clip_by_average_norm": lambda: jaxclip.clip_by_average_norm(1.0),
+  "clip_by_block_rms": lambda: jaxclip.clip_by_block_rms(1.0),
+  "clip_by_global_norm": lambda: jaxclip.clip_by_global_norm(1.0),
+  "clip_by_norm": lambda: jaxclip.clip_by_norm(1.0),
+  "clip_by_value": lambda: jaxclip.clip_by_value(-1.0, 1.0),
+  "clipped": lambda: jaxclip.clipped(optax.identity(), global_clipnorm=1.0),
+  "skip_above": lambda: jaxclip.skip_above(optax.identity(), 10.0),
+  "skip_nonfinite": lambda: jaxclip.skip_nonfinite(optax.identity()),
+  "skip_on_spike": lambda: jaxclip.skip_on_spike(optax.identity(), window=8),
 }
 
 
 def factories() -> list[str]:
   """The names of every transform factory in ``jaxclip.__all__``."""
-  return sorted(name for name in jaxclip.__all__
-                if name not in NOT_TRANSFORMS and callable(getattr(jaxclip, name))
-                and not inspect.isclass(getattr(jaxclip, name)))
+  return sorted(
+    name
+    for name in jaxclip.__all__
+    if name not in NOT_TRANSFORMS
+    and callable(getattr(jaxclip, name))
+    and not inspect.isclass(getattr(jaxclip, name))
+  )
 
 
 def build(name: str) -> optax.GradientTransformation:
@@ -52,5 +64,6 @@ def build(name: str) -> optax.GradientTransformation:
     return make()
   except TypeError as e:
     raise AssertionError(
-        f"jaxclip.{name} cannot be built with no arguments ({e}): add it to REQUIRED in "
-        f"{__file__} (or to NOT_TRANSFORMS if it is no transform factory).") from e
+      f"jaxclip.{name} cannot be built with no arguments ({e}): add it to REQUIRED in "
+      f"{__file__} (or to NOT_TRANSFORMS if it is no transform factory)."
+    ) from e

@@ -72,20 +72,32 @@ def run_case(model: dict, rows: int, seq: int, method: str, clip: float, reps: i
   samples = _timing.interleaved_samples(steps, reps)
   ratios = sorted(m / p for m, p in zip(samples["masked"], samples["plain"], strict=True))
   quartiles = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else ratios * 3
-  return {"rows": rows, "T": seq, "method": method,
-          "plain_ms": 1e3 * statistics.median(samples["plain"]),
-          "masked_ms": 1e3 * statistics.median(samples["masked"]),
-          "ratio": statistics.median(ratios), "q1": quartiles[0], "q3": quartiles[-1],
-          "plain_mib": mem["plain"], "masked_mib": mem["masked"]}
+  return {
+    "rows": rows,
+    "T": seq,
+    "method": method,
+    "plain_ms": 1e3 * statistics.median(samples["plain"]),
+    "masked_ms": 1e3 * statistics.median(samples["masked"]),
+    "ratio": statistics.median(ratios),
+    "q1": quartiles[0],
+    "q3": quartiles[-1],
+    "plain_mib": mem["plain"],
+    "masked_mib": mem["masked"],
+  }
 
 
 def table(rows: list[dict]) -> str:
-  lines = ["| rows | T | method | plain ms | masked ms | masked / plain time (median, IQR) "
-           "| plain MiB | masked MiB |", "|---|---|---|---|---|---|---|---|"]
+  lines = [
+    "| rows | T | method | plain ms | masked ms | masked / plain time (median, IQR) "
+    "| plain MiB | masked MiB |",
+    "|---|---|---|---|---|---|---|---|",
+  ]
   for r in rows:
-    lines.append(f"| {r['rows']} | {r['T']} | {r['method']} | {r['plain_ms']:.1f} | "
-                 f"{r['masked_ms']:.1f} | {r['ratio']:.3f} ({r['q1']:.3f}-{r['q3']:.3f}) | "
-                 f"{r['plain_mib']:.1f} | {r['masked_mib']:.1f} |")
+    lines.append(
+      f"| {r['rows']} | {r['T']} | {r['method']} | {r['plain_ms']:.1f} | "
+      f"{r['masked_ms']:.1f} | {r['ratio']:.3f} ({r['q1']:.3f}-{r['q3']:.3f}) | "
+      f"{r['plain_mib']:.1f} | {r['masked_mib']:.1f} |"
+    )
   return "\n".join(lines)
 
 
@@ -100,7 +112,8 @@ def main(out: Path, quick: bool, model: dict, reps: int, clip: float | None) -> 
       results.append(run_case(model, rows, seq, method, 1.0 if clip is None else clip, reps))
       print(table(results[-1:]).splitlines()[-1], flush=True)
   device = jax.devices()[0]
-  text = "\n".join([
+  text = "\n".join(
+    [
       "# The cost of a mask: masked Poisson batches against plain ones",
       "",
       "Written by `python -m benchmarks.ghost --mask` (see `benchmarks/_ghost_mask.py`).",
@@ -115,7 +128,8 @@ def main(out: Path, quick: bool, model: dict, reps: int, clip: float | None) -> 
       "",
       table(results),
       "",
-  ])
+    ]
+  )
   out.mkdir(parents=True, exist_ok=True)
   (out / "ghost_mask.md").write_text(text)
   print(text)

@@ -44,8 +44,12 @@ from jaxclip import _ghost
 
 METHODS = ("grad", "vmap", "ghost")
 BATCHES, QUICK_BATCHES = (16, 128), (4,)
-TARGETS = {"ghost/vmap time": 1.05, "ghost/grad time": 1.5, "ghost/grad mem": 1.3,
-           "fallback share": 0.10}
+TARGETS = {
+  "ghost/vmap time": 1.05,
+  "ghost/grad time": 1.5,
+  "ghost/grad mem": 1.3,
+  "fallback share": 0.10,
+}
 
 
 def _cases_for(model: _zoo.Model) -> dict[str, Any]:
@@ -57,10 +61,12 @@ def _cases_for(model: _zoo.Model) -> dict[str, Any]:
   grad = jax.grad(summed_loss)
   cases = {"grad": lambda clip, params, x, y: grad(params, x, y)}
   for method in METHODS[1:]:
+
     def fn(clip, params, x, y, method=method):
       return jaxclip.per_example_clipped_grad(
-          model.loss_fn, clip, batch_argnums=(1, 2), method=method, return_norms=True)(
-              params, x, y)
+        model.loss_fn, clip, batch_argnums=(1, 2), method=method, return_norms=True
+      )(params, x, y)
+
     cases[method] = fn
   return cases
 
@@ -74,10 +80,14 @@ def plan_summary(model: _zoo.Model) -> dict:
     plan = jaxclip.ghost_plan(model.loss_fn, model.params, x, y, batch_argnums=(1, 2))
   except Exception as e:  # report, go on
     return {"share": None, "fallback": [], "why": f"{type(e).__name__}: {e}"[:300]}
-  out = {"share": plan.fallback_share, "why": None,
-         "rules": sorted({leaf.rule for leaf in plan.leaves}),
-         "fallback": [(leaf.path, leaf.floats, leaf.reason) for leaf in plan.leaves
-                      if leaf.rule == "instantiate"]}
+  out = {
+    "share": plan.fallback_share,
+    "why": None,
+    "rules": sorted({leaf.rule for leaf in plan.leaves}),
+    "fallback": [
+      (leaf.path, leaf.floats, leaf.reason) for leaf in plan.leaves if leaf.rule == "instantiate"
+    ],
+  }
   reasons = {leaf.reason for leaf in plan.leaves}
   if len(reasons) == 1 and plan.fallback_share == 1.0 and hasattr(_ghost, "_VMAP_RATIO"):
     # The whole loss falls back on cost: what the ghost rules alone would instantiate.
@@ -86,8 +96,11 @@ def plan_summary(model: _zoo.Model) -> dict:
       forced = jaxclip.ghost_plan(model.loss_fn, model.params, x, y, batch_argnums=(1, 2))
     finally:
       _ghost._VMAP_RATIO = ratio
-    out.update(whole_loss=reasons.pop(), forced_share=forced.fallback_share,
-               forced_rules=sorted({leaf.rule for leaf in forced.leaves}))
+    out.update(
+      whole_loss=reasons.pop(),
+      forced_share=forced.fallback_share,
+      forced_rules=sorted({leaf.rule for leaf in forced.leaves}),
+    )
   return out
 
 
@@ -118,22 +131,29 @@ def run_model(model: _zoo.Model, batches: list[int], reps: int) -> list[dict]:
     for name, c in compiled.items():
       outputs[name] = jax.block_until_ready(c(row["clip"], model.params, x, y))
     args = (row["clip"], model.params, x, y)
-    steps = {name: (lambda s, c=c, args=args: (c(*args), s), None)
-             for name, c in compiled.items()}
+    steps = {name: (lambda s, c=c, args=args: (c(*args), s), None) for name, c in compiled.items()}
     for name, s in _timing.time_interleaved(steps, reps, warmup=1).items():
       row[name]["ms"] = 1e3 * s
     if "vmap" in outputs and "ghost" in outputs:
       (gv, nv, normv), (gg, ng, normg) = outputs["vmap"], outputs["ghost"]
       top = max(float(jnp.max(jnp.abs(a))) for a in jax.tree.leaves(gv)) or 1.0
-      diff = max(float(jnp.max(jnp.abs(a - e))) for a, e in
-                 zip(jax.tree.leaves(gg), jax.tree.leaves(gv), strict=True))
-      row["check"] = {"clipped_vmap": int(nv), "clipped_ghost": int(ng),
-                      "sum_rel_diff": diff / top,
-                      "norm_rel_diff": float(jnp.max(jnp.abs(normg - normv) / normv))}
+      diff = max(
+        float(jnp.max(jnp.abs(a - e)))
+        for a, e in zip(jax.tree.leaves(gg), jax.tree.leaves(gv), strict=True)
+      )
+      row["check"] = {
+        "clipped_vmap": int(nv),
+        "clipped_ghost": int(ng),
+        "sum_rel_diff": diff / top,
+        "norm_rel_diff": float(jnp.max(jnp.abs(normg - normv) / normv)),
+      }
     for m in METHODS:
       res = row[m]
-      print(f"    {m:5s} temp {_report._f(res['temp_mb'], '{:.1f}'):>8s} MiB  "
-            f"{_num(res['ms']):>8s} ms  {res['why'] or ''}", flush=True)
+      print(
+        f"    {m:5s} temp {_report._f(res['temp_mb'], '{:.1f}'):>8s} MiB  "
+        f"{_num(res['ms']):>8s} ms  {res['why'] or ''}",
+        flush=True,
+      )
     rows.append(row)
   return rows
 
@@ -153,14 +173,30 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 def ratios(row: dict, share: float | None) -> dict[str, float | None]:
   """The four figures issue #25 sets targets on, for one row."""
   g, v, h = row["grad"], row["vmap"], row["ghost"]
-  return {"ghost/vmap time": _ratio(h["ms"], v["ms"]),
-          "ghost/grad time": _ratio(h["ms"], g["ms"]),
-          "ghost/grad mem": _ratio(h["temp_mb"], g["temp_mb"]), "fallback share": share}
+  return {
+    "ghost/vmap time": _ratio(h["ms"], v["ms"]),
+    "ghost/grad time": _ratio(h["ms"], g["ms"]),
+    "ghost/grad mem": _ratio(h["temp_mb"], g["temp_mb"]),
+    "fallback share": share,
+  }
 
 
-HEADER = ["model", "B", "params", "grad MiB", "vmap MiB", "ghost MiB", "grad ms", "vmap ms",
-          "ghost ms", "ghost/vmap time", "ghost/grad time", "ghost/grad mem", "fallback share",
-          "targets missed"]
+HEADER = [
+  "model",
+  "B",
+  "params",
+  "grad MiB",
+  "vmap MiB",
+  "ghost MiB",
+  "grad ms",
+  "vmap ms",
+  "ghost ms",
+  "ghost/vmap time",
+  "ghost/grad time",
+  "ghost/grad mem",
+  "fallback share",
+  "targets missed",
+]
 
 
 def table(rows: list[dict], plans: dict[str, dict]) -> str:
@@ -171,34 +207,43 @@ def table(rows: list[dict], plans: dict[str, dict]) -> str:
     missed = [k for k, t in TARGETS.items() if rat[k] is not None and rat[k] > t]
     unknown = [k for k in TARGETS if rat[k] is None]
     cells = [r["model"], str(r["B"]), f"{r['params']:,}"]
-    cells += [r[m]["status"] if r[m]["status"] != "ok" else _num(r[m]["temp_mb"])
-              for m in METHODS]
+    cells += [r[m]["status"] if r[m]["status"] != "ok" else _num(r[m]["temp_mb"]) for m in METHODS]
     cells += [r[m]["status"] if r[m]["status"] != "ok" else _num(r[m]["ms"]) for m in METHODS]
     cells += [f"{rat[k]:.2f}" if rat[k] is not None else "n/a" for k in list(TARGETS)[:3]]
     p = plans[r["model"]]
-    cells.append("n/a" if share is None else f"{share:.1%}" if "whole_loss" not in p else
-                 f"{share:.0%} (on cost; rules alone {p['forced_share']:.1%})")
+    cells.append(
+      "n/a"
+      if share is None
+      else f"{share:.1%}"
+      if "whole_loss" not in p
+      else f"{share:.0%} (on cost; rules alone {p['forced_share']:.1%})"
+    )
     cells.append(", ".join(missed + [f"{k} n/a" for k in unknown]) or "none")
     body.append(cells)
   return _report._table(HEADER, body)
 
 
-def markdown(meta: dict, rows: list[dict], plans: dict[str, dict],
-             models: dict[str, _zoo.Model]) -> str:
+def markdown(
+  meta: dict, rows: list[dict], plans: dict[str, dict], models: dict[str, _zoo.Model]
+) -> str:
   out = ["# Ghost norms on the model zoo", ""]
   out += [f"- {k}: {v}" for k, v in meta.items()]
-  out += ["", "`grad` is the non-private gradient (`jax.grad` of the summed per-example losses); "
-          "`vmap` and `ghost` are `jaxclip.per_example_clipped_grad(loss_fn, clip, "
-          "batch_argnums=(1, 2), method=..., return_norms=True)`, the whole batch at once. `MiB` "
-          "is the compiled program's temporary memory (XLA's memory analysis), `ms` the median "
-          "step time, the three cases of a row timed interleaved. `fallback share`: the share of "
-          "the parameters' floats that `jaxclip.ghost_plan` instantiates (per-example gradient "
-          "formed exactly); `on cost`: the whole loss is instantiated because its ghost norms "
-          "would cost more flops than its per-example gradients, and `rules alone` is the share "
-          "the ghost rules would leave to instantiation. Targets (issue #25): ghost/vmap time <= "
-          f"{TARGETS['ghost/vmap time']}, ghost/grad time <= {TARGETS['ghost/grad time']}, "
-          f"ghost/grad memory <= {TARGETS['ghost/grad mem']}, fallback share <= "
-          f"{TARGETS['fallback share']:.0%}.", ""]
+  out += [
+    "",
+    "`grad` is the non-private gradient (`jax.grad` of the summed per-example losses); "
+    "`vmap` and `ghost` are `jaxclip.per_example_clipped_grad(loss_fn, clip, "
+    "batch_argnums=(1, 2), method=..., return_norms=True)`, the whole batch at once. `MiB` "
+    "is the compiled program's temporary memory (XLA's memory analysis), `ms` the median "
+    "step time, the three cases of a row timed interleaved. `fallback share`: the share of "
+    "the parameters' floats that `jaxclip.ghost_plan` instantiates (per-example gradient "
+    "formed exactly); `on cost`: the whole loss is instantiated because its ghost norms "
+    "would cost more flops than its per-example gradients, and `rules alone` is the share "
+    "the ghost rules would leave to instantiation. Targets (issue #25): ghost/vmap time <= "
+    f"{TARGETS['ghost/vmap time']}, ghost/grad time <= {TARGETS['ghost/grad time']}, "
+    f"ghost/grad memory <= {TARGETS['ghost/grad mem']}, fallback share <= "
+    f"{TARGETS['fallback share']:.0%}.",
+    "",
+  ]
   out += [table(rows, plans), "", "## Models", ""]
   for name, m in models.items():
     out.append(f"- `{name}` ({m.num_params():,} float32 params): {m.description}")
@@ -208,28 +253,38 @@ def markdown(meta: dict, rows: list[dict], plans: dict[str, dict],
       out.append(f"- `{name}`: n/a ({p['why']})")
       continue
     if "whole_loss" in p:
-      out.append(f"- `{name}` (100% of the floats): every leaf, {p['whole_loss']}; the ghost "
-                 f"rules alone (rules {', '.join(p['forced_rules'])}) would instantiate "
-                 f"{p['forced_share']:.1%}")
+      out.append(
+        f"- `{name}` (100% of the floats): every leaf, {p['whole_loss']}; the ghost "
+        f"rules alone (rules {', '.join(p['forced_rules'])}) would instantiate "
+        f"{p['forced_share']:.1%}"
+      )
       continue
     big = sorted(p["fallback"], key=lambda leaf: -leaf[1])
     leaves = "; ".join(f"`{path}` ({n:,}: {why})" for path, n, why in big[:8])
     if big[8:]:
       leaves += f"; and {len(big) - 8} more of {sum(n for _, n, _ in big[8:]):,} floats"
-    out.append(f"- `{name}` ({p['share']:.1%} of the floats; rules used: "
-               f"{', '.join(p['rules'])}): {leaves or 'none'}")
-  notes = [f"- {r['model']} B={r['B']} {m}: {r[m]['status']}: {r[m]['why']}"
-           for r in rows for m in METHODS if r[m]["status"] != "ok"]
+    out.append(
+      f"- `{name}` ({p['share']:.1%} of the floats; rules used: "
+      f"{', '.join(p['rules'])}): {leaves or 'none'}"
+    )
+  notes = [
+    f"- {r['model']} B={r['B']} {m}: {r[m]['status']}: {r[m]['why']}"
+    for r in rows
+    for m in METHODS
+    if r[m]["status"] != "ok"
+  ]
   if notes:
     out += ["", "## Cases that failed", ""] + notes
   out += ["", "## Checks (the probe step of each row)", ""]
   for r in rows:
     c = r.get("check")
     if c:
-      out.append(f"- {r['model']} B={r['B']}, l2_norm_clip {r['clip']:.3g}: examples clipped: "
-                 f"vmap {c['clipped_vmap']}, ghost {c['clipped_ghost']} of {r['B']}; ghost's "
-                 f"clipped sum differs from vmap's by at most {c['sum_rel_diff']:.1e} of its "
-                 f"largest entry, its norms by at most {c['norm_rel_diff']:.1e} (relative)")
+      out.append(
+        f"- {r['model']} B={r['B']}, l2_norm_clip {r['clip']:.3g}: examples clipped: "
+        f"vmap {c['clipped_vmap']}, ghost {c['clipped_ghost']} of {r['B']}; ghost's "
+        f"clipped sum differs from vmap's by at most {c['sum_rel_diff']:.1e} of its "
+        f"largest entry, its norms by at most {c['norm_rel_diff']:.1e} (relative)"
+      )
   return "\n".join(out) + "\n"
 
 
@@ -245,17 +300,17 @@ def main(args: Any, argv_text: str) -> str:
     raise SystemExit(f"unknown zoo models {unknown}; choose from {list(_zoo.MODELS)}")
   device = jax.devices()[0]
   meta = {
-      "command": "python -m benchmarks.ghost " + argv_text,
-      "date": datetime.datetime.now().isoformat(timespec="seconds"),
-      "machine": f"{_main._cpu_name()}, {os.cpu_count()} cores; jax device: {device.platform} "
-                 f"({device.device_kind}); jax {jax.__version__}, jaxlib {jaxlib.__version__}, "
-                 f"python {platform.python_version()}",
-      "libraries": f"jaxclip at {Path(jaxclip.__file__).resolve().parent}; flax "
-                   f"{importlib.metadata.version('flax')}, equinox "
-                   f"{importlib.metadata.version('equinox')}, optax "
-                   f"{importlib.metadata.version('optax')}",
-      "models": f"benchmarks/_zoo.py at size {size!r}; {reps} timed steps per case",
-      "load average (1, 5, 15 min) at start": " ".join(f"{x:.2f}" for x in os.getloadavg()),
+    "command": "python -m benchmarks.ghost " + argv_text,
+    "date": datetime.datetime.now().isoformat(timespec="seconds"),
+    "machine": f"{_main._cpu_name()}, {os.cpu_count()} cores; jax device: {device.platform} "
+    f"({device.device_kind}); jax {jax.__version__}, jaxlib {jaxlib.__version__}, "
+    f"python {platform.python_version()}",
+    "libraries": f"jaxclip at {Path(jaxclip.__file__).resolve().parent}; flax "
+    f"{importlib.metadata.version('flax')}, equinox "
+    f"{importlib.metadata.version('equinox')}, optax "
+    f"{importlib.metadata.version('optax')}",
+    "models": f"benchmarks/_zoo.py at size {size!r}; {reps} timed steps per case",
+    "load average (1, 5, 15 min) at start": " ".join(f"{x:.2f}" for x in os.getloadavg()),
   }
   t_start = time.perf_counter()
   models = {name: _zoo.build(name, size) for name in names}

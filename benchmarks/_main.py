@@ -23,29 +23,61 @@ SECTIONS = ("train", "full-step", "standalone", "compile", "transforms", "sizes"
 
 def _parser() -> argparse.ArgumentParser:
   p = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__)
-  p.add_argument("--quick", action="store_true",
-                 help="tiny sizes and few repetitions (a smoke test, no meaningful timings)")
-  p.add_argument("--out", type=Path, default=HERE,
-                 help="folder for results.md and results.png (default: benchmarks/)")
+  p.add_argument(
+    "--quick",
+    action="store_true",
+    help="tiny sizes and few repetitions (a smoke test, no meaningful timings)",
+  )
+  p.add_argument(
+    "--out",
+    type=Path,
+    default=HERE,
+    help="folder for results.md and results.png (default: benchmarks/)",
+  )
   p.add_argument("--reps", type=int, default=None, help="timed repetitions per case")
-  p.add_argument("--shrink", type=int, default=None,
-                 help="divide GPT-2's widths by this (1 = the real 124M tree)")
-  p.add_argument("--leaves", type=int, nargs="*", default=None,
-                 help="leaf counts of the compile sweep (default 10 100 1000 2000 5000)")
-  p.add_argument("--compile-timeout", type=float, default=None,
-                 help="seconds one compile may take, each run in a fresh process "
-                      "(default 240; 0 runs them in this process with no limit)")
-  p.add_argument("--compile-repeats", type=int, default=None,
-                 help="compiles per impl and leaf count, the median reported (default 3)")
-  p.add_argument("--peak-gbps", type=float, default=None,
-                 help="the device's peak memory bandwidth, to report %% of peak "
-                      "(e.g. 3350 for an H100 SXM)")
+  p.add_argument(
+    "--shrink",
+    type=int,
+    default=None,
+    help="divide GPT-2's widths by this (1 = the real 124M tree)",
+  )
+  p.add_argument(
+    "--leaves",
+    type=int,
+    nargs="*",
+    default=None,
+    help="leaf counts of the compile sweep (default 10 100 1000 2000 5000)",
+  )
+  p.add_argument(
+    "--compile-timeout",
+    type=float,
+    default=None,
+    help="seconds one compile may take, each run in a fresh process "
+    "(default 240; 0 runs them in this process with no limit)",
+  )
+  p.add_argument(
+    "--compile-repeats",
+    type=int,
+    default=None,
+    help="compiles per impl and leaf count, the median reported (default 3)",
+  )
+  p.add_argument(
+    "--peak-gbps",
+    type=float,
+    default=None,
+    help="the device's peak memory bandwidth, to report %% of peak (e.g. 3350 for an H100 SXM)",
+  )
   p.add_argument("--no-torch", action="store_true", help="skip torch even if installed")
   p.add_argument("--skip", nargs="*", default=(), choices=SECTIONS, help="sections to skip")
-  p.add_argument("--only", nargs="+", default=None, choices=SECTIONS,
-                 help="run only these sections (e.g. --only full-step; --only transforms "
-                      "--leaves 400 for the table of every transform's compile time alone); "
-                      "overrides --skip")
+  p.add_argument(
+    "--only",
+    nargs="+",
+    default=None,
+    choices=SECTIONS,
+    help="run only these sections (e.g. --only full-step; --only transforms "
+    "--leaves 400 for the table of every transform's compile time alone); "
+    "overrides --skip",
+  )
   return p
 
 
@@ -72,8 +104,9 @@ def main(argv: list[str] | None = None) -> str:
   quick = args.quick
   reps = args.reps or (2 if quick else 10)
   shrink = args.shrink or (64 if quick else 1)
-  leaves = args.leaves if args.leaves is not None else ([10] if quick else
-                                                         [10, 100, 1000, 2000, 5000])
+  leaves = (
+    args.leaves if args.leaves is not None else ([10] if quick else [10, 100, 1000, 2000, 5000])
+  )
   timeout = args.compile_timeout if args.compile_timeout is not None else (0 if quick else 240)
   timeout = timeout or None
   with_torch = not args.no_torch
@@ -82,16 +115,18 @@ def main(argv: list[str] | None = None) -> str:
   device = jax.devices()[0]
   load_before = os.getloadavg()
   meta = {
-      "command": "python -m benchmarks " + " ".join(argv if argv is not None else sys.argv[1:]),
-      "date": datetime.datetime.now().isoformat(timespec="seconds"),
-      "machine": f"{_cpu_name()}, {os.cpu_count()} cores; jax device: {device.platform} "
-                 f"({device.device_kind})",
-      "versions": f"python {platform.python_version()}, jax {jax.__version__}, jaxlib "
-                  f"{jaxlib.__version__}, optax {optax.__version__}, torch {_torch_version()}",
+    "command": "python -m benchmarks " + " ".join(argv if argv is not None else sys.argv[1:]),
+    "date": datetime.datetime.now().isoformat(timespec="seconds"),
+    "machine": f"{_cpu_name()}, {os.cpu_count()} cores; jax device: {device.platform} "
+    f"({device.device_kind})",
+    "versions": f"python {platform.python_version()}, jax {jax.__version__}, jaxlib "
+    f"{jaxlib.__version__}, optax {optax.__version__}, torch {_torch_version()}",
   }
   if run & {"train", "standalone"}:
-    meta["train tree"] = (f"GPT-2 small shapes / {shrink}: {_trees.num_params(shapes) / 1e6:.1f}M "
-                          f"float32 params in {len(shapes)} leaves")
+    meta["train tree"] = (
+      f"GPT-2 small shapes / {shrink}: {_trees.num_params(shapes) / 1e6:.1f}M "
+      f"float32 params in {len(shapes)} leaves"
+    )
     meta["clip tree"] = f"the same {len(shapes)} leaves"
   meta["load average (1, 5, 15 min) at start"] = " ".join(f"{x:.2f}" for x in load_before)
   t_start = time.perf_counter()
@@ -117,8 +152,7 @@ def main(argv: list[str] | None = None) -> str:
     compile_rows = _cases.run_compile_sweep(leaves, timeout, mixed_at, repeats)
     if leaves:
       print("transform compiles ...", flush=True)
-      transform_rows = _cases.run_transform_compiles(max(leaves), timeout, repeats,
-                                                     mixed=not quick)
+      transform_rows = _cases.run_transform_compiles(max(leaves), timeout, repeats, mixed=not quick)
     meta["compiles per impl and leaf count (median kept)"] = str(repeats)
   if "transforms" in run and "compile" not in run:
     # Only the table of every transform's compile time, at each --leaves count.
@@ -133,8 +167,17 @@ def main(argv: list[str] | None = None) -> str:
     size_rows = _cases.run_size_sweep(shrinks, reps, with_torch)
   meta["load average (1, 5, 15 min) at end"] = " ".join(f"{x:.2f}" for x in os.getloadavg())
   meta["total benchmark time"] = f"{time.perf_counter() - t_start:.0f} s"
-  text = _report.markdown(meta, train, standalone, compile_rows, _cases.COMPILE_IMPLS,
-                          size_rows, temp_rows, transform_rows, full_step)
+  text = _report.markdown(
+    meta,
+    train,
+    standalone,
+    compile_rows,
+    _cases.COMPILE_IMPLS,
+    size_rows,
+    temp_rows,
+    transform_rows,
+    full_step,
+  )
   args.out.mkdir(parents=True, exist_ok=True)
   (args.out / "results.md").write_text(text + "\n")
   _report.plot(str(args.out / "results.png"), compile_rows, _cases.COMPILE_IMPLS, size_rows)

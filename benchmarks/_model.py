@@ -46,9 +46,11 @@ class GPTConfig:
 
   def describe(self) -> str:
     """A one-line summary of the sizes."""
-    return (f"vocab {self.vocab}, seq len {self.seq_len}, d_model {self.d_model}, "
-            f"{self.n_layers} layers of {self.n_heads} heads, MLP {4 * self.d_model}, "
-            f"{'tied' if self.tied else 'untied'} head, batch {self.batch}")
+    return (
+      f"vocab {self.vocab}, seq len {self.seq_len}, d_model {self.d_model}, "
+      f"{self.n_layers} layers of {self.n_heads} heads, MLP {4 * self.d_model}, "
+      f"{'tied' if self.tied else 'untied'} head, batch {self.batch}"
+    )
 
 
 # About 20.5M parameters: 14.2M in the blocks, 3.1M in each of the token
@@ -64,14 +66,22 @@ def param_shapes(cfg: GPTConfig) -> dict[str, tuple[int, ...]]:
   shapes = {"wte": (v, d), "wpe": (cfg.seq_len, d)}
   for i in range(cfg.n_layers):
     p = f"h{i:02d}."
-    shapes.update({
-        p + "ln_1.scale": (d,), p + "ln_1.bias": (d,),
-        p + "attn.qkv.kernel": (d, 3 * d), p + "attn.qkv.bias": (3 * d,),
-        p + "attn.proj.kernel": (d, d), p + "attn.proj.bias": (d,),
-        p + "ln_2.scale": (d,), p + "ln_2.bias": (d,),
-        p + "mlp.fc.kernel": (d, 4 * d), p + "mlp.fc.bias": (4 * d,),
-        p + "mlp.proj.kernel": (4 * d, d), p + "mlp.proj.bias": (d,),
-    })
+    shapes.update(
+      {
+        p + "ln_1.scale": (d,),
+        p + "ln_1.bias": (d,),
+        p + "attn.qkv.kernel": (d, 3 * d),
+        p + "attn.qkv.bias": (3 * d,),
+        p + "attn.proj.kernel": (d, d),
+        p + "attn.proj.bias": (d,),
+        p + "ln_2.scale": (d,),
+        p + "ln_2.bias": (d,),
+        p + "mlp.fc.kernel": (d, 4 * d),
+        p + "mlp.fc.bias": (4 * d,),
+        p + "mlp.proj.kernel": (4 * d, d),
+        p + "mlp.proj.bias": (d,),
+      }
+    )
   shapes.update({"ln_f.scale": (d,), "ln_f.bias": (d,)})
   if not cfg.tied:
     shapes["head.kernel"] = (d, v)
@@ -117,8 +127,7 @@ def _attention(params: dict, p: str, x: jax.Array, n_heads: int) -> jax.Array:
   # x is (..., t, d): one sequence or a batch of them.
   t, d = x.shape[-2:]
   qkv = x @ params[p + "attn.qkv.kernel"] + params[p + "attn.qkv.bias"]
-  q, k, v = (y.reshape(x.shape[:-1] + (n_heads, d // n_heads))
-             for y in jnp.split(qkv, 3, axis=-1))
+  q, k, v = (y.reshape(x.shape[:-1] + (n_heads, d // n_heads)) for y in jnp.split(qkv, 3, axis=-1))
   logits = jnp.einsum("...qhc,...khc->...hqk", q, k) / math.sqrt(d // n_heads)
   causal = np.tril(np.ones((t, t), bool))
   logits = jnp.where(causal, logits, jnp.finfo(logits.dtype).min)
@@ -141,8 +150,9 @@ def loss_fn(params: dict, tokens: jax.Array, cfg: GPTConfig) -> jax.Array:
   x = params["wte"][inputs] + params["wpe"][: inputs.shape[-1]]
   for i in range(cfg.n_layers):
     p = f"h{i:02d}."
-    x = x + _attention(params, p, _layer_norm(x, params[p + "ln_1.scale"],
-                                              params[p + "ln_1.bias"]), cfg.n_heads)
+    x = x + _attention(
+      params, p, _layer_norm(x, params[p + "ln_1.scale"], params[p + "ln_1.bias"]), cfg.n_heads
+    )
     x = x + _mlp(params, p, _layer_norm(x, params[p + "ln_2.scale"], params[p + "ln_2.bias"]))
   x = _layer_norm(x, params["ln_f.scale"], params["ln_f.bias"])
   logits = x @ (params["wte"].T if cfg.tied else params["head.kernel"])

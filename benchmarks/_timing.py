@@ -17,8 +17,9 @@ def compile_seconds(fn: Callable, *args: Any) -> float:
   return time.perf_counter() - t0
 
 
-def time_interleaved(steps: dict[str, tuple[Callable[[Any], tuple[Any, Any]], Any]], reps: int,
-                     warmup: int = 2) -> dict[str, float]:
+def time_interleaved(
+  steps: dict[str, tuple[Callable[[Any], tuple[Any, Any]], Any]], reps: int, warmup: int = 2
+) -> dict[str, float]:
   """Median seconds of each step, the steps timed in turn, one call each, ``reps`` times over.
 
   ``steps`` maps a name to ``(step, state)``; ``step(state)`` returns
@@ -30,8 +31,9 @@ def time_interleaved(steps: dict[str, tuple[Callable[[Any], tuple[Any, Any]], An
   return {name: statistics.median(ts) for name, ts in times.items()}
 
 
-def interleaved_samples(steps: dict[str, tuple[Callable[[Any], tuple[Any, Any]], Any]],
-                        reps: int, warmup: int = 2) -> dict[str, list[float]]:
+def interleaved_samples(
+  steps: dict[str, tuple[Callable[[Any], tuple[Any, Any]], Any]], reps: int, warmup: int = 2
+) -> dict[str, list[float]]:
   """The seconds of every timed call of :func:`time_interleaved`, round by round.
 
   ``result[name][i]`` is the time of ``name``'s call in round ``i``, so that

@@ -13,14 +13,22 @@ def gpt2_shapes(shrink: int = 1) -> dict[str, tuple[int, ...]]:
   shapes = {"wte": (vocab, d), "wpe": (ctx, d)}
   for i in range(12):
     p = f"h{i:02d}."
-    shapes.update({
-        p + "ln_1.scale": (d,), p + "ln_1.bias": (d,),
-        p + "attn.c_attn.kernel": (d, 3 * d), p + "attn.c_attn.bias": (3 * d,),
-        p + "attn.c_proj.kernel": (d, d), p + "attn.c_proj.bias": (d,),
-        p + "ln_2.scale": (d,), p + "ln_2.bias": (d,),
-        p + "mlp.c_fc.kernel": (d, 4 * d), p + "mlp.c_fc.bias": (4 * d,),
-        p + "mlp.c_proj.kernel": (4 * d, d), p + "mlp.c_proj.bias": (d,),
-    })
+    shapes.update(
+      {
+        p + "ln_1.scale": (d,),
+        p + "ln_1.bias": (d,),
+        p + "attn.c_attn.kernel": (d, 3 * d),
+        p + "attn.c_attn.bias": (3 * d,),
+        p + "attn.c_proj.kernel": (d, d),
+        p + "attn.c_proj.bias": (d,),
+        p + "ln_2.scale": (d,),
+        p + "ln_2.bias": (d,),
+        p + "mlp.c_fc.kernel": (d, 4 * d),
+        p + "mlp.c_fc.bias": (4 * d,),
+        p + "mlp.c_proj.kernel": (4 * d, d),
+        p + "mlp.c_proj.bias": (d,),
+      }
+    )
   shapes["ln_f.scale"] = (d,)
   shapes["ln_f.bias"] = (d,)
   return shapes
@@ -40,5 +48,7 @@ def num_params(shapes: dict[str, tuple[int, ...]]) -> int:
 def make_tree(shapes: dict[str, tuple[int, ...]], dtype=jnp.float32, seed: int = 0) -> dict:
   """A dict of arrays of ``shapes``, values ~ N(0, 1e-2), made on device."""
   key = jax.random.key(seed)
-  return {name: (1e-2 * jax.random.normal(jax.random.fold_in(key, i), shape)).astype(dtype)
-          for i, (name, shape) in enumerate(shapes.items())}
+  return {
+    name: (1e-2 * jax.random.normal(jax.random.fold_in(key, i), shape)).astype(dtype)
+    for i, (name, shape) in enumerate(shapes.items())
+  }

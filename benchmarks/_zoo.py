@@ -72,12 +72,15 @@ class Model:
 
 
 # Sizes of the sequence models: vocabulary, tokens, width, layers, heads.
-_LM = {"tiny": {"vocab": 40, "seq": 8, "d": 16, "layers": 2, "heads": 2},
-       "bench": {"vocab": 256, "seq": 32, "d": 64, "layers": 4, "heads": 4}}
+_LM = {
+  "tiny": {"vocab": 40, "seq": 8, "d": 16, "layers": 2, "heads": 2},
+  "bench": {"vocab": 256, "seq": 32, "d": 64, "layers": 4, "heads": 4},
+}
 # Sizes of the image models: side, channels (ResNet stages / ViT width), classes.
-_IMG = {"tiny": {"side": 8, "width": 8, "layers": 2, "heads": 2, "patch": 4, "classes": 5},
-        "bench": {"side": 16, "width": 16, "layers": 4, "heads": 4, "patch": 4,
-                  "classes": 10}}
+_IMG = {
+  "tiny": {"side": 8, "width": 8, "layers": 2, "heads": 2, "patch": 4, "classes": 5},
+  "bench": {"side": 16, "width": 16, "layers": 4, "heads": 4, "patch": 4, "classes": 10},
+}
 
 
 # XLA options for programs run once (the initialisations): XLA:CPU compiles a
@@ -101,12 +104,12 @@ def _tokens(cfg: dict) -> Callable[[int, int], tuple[jax.Array, jax.Array]]:
   return make
 
 
-def _images(shape: tuple[int, ...], classes: int
-            ) -> Callable[[int, int], tuple[jax.Array, jax.Array]]:
+def _images(
+  shape: tuple[int, ...], classes: int
+) -> Callable[[int, int], tuple[jax.Array, jax.Array]]:
   def make(batch: int, seed: int) -> tuple[jax.Array, jax.Array]:
     kx, ky = jax.random.split(jax.random.key(seed))
-    return (jax.random.normal(kx, (batch, *shape)),
-            jax.random.randint(ky, (batch,), 0, classes))
+    return (jax.random.normal(kx, (batch, *shape)), jax.random.randint(ky, (batch,), 0, classes))
 
   return make
 
@@ -128,7 +131,8 @@ class _LinenBlock(nn.Module):
     d = h.shape[-1]
     x = nn.LayerNorm()(h)
     h = h + nn.MultiHeadDotProductAttention(num_heads=self.heads)(
-        x, mask=nn.make_causal_mask(jnp.ones(h.shape[0])))
+      x, mask=nn.make_causal_mask(jnp.ones(h.shape[0]))
+    )
     x = nn.Dense(4 * d)(nn.LayerNorm()(h))
     return h + nn.Dense(d)(nn.gelu(x)), None
 
@@ -145,8 +149,13 @@ class _LinenGPT(nn.Module):
     embed = nn.Embed(self.vocab, self.d)
     pos = self.param("pos", nn.initializers.normal(0.02), (self.seq, self.d))
     h = embed(tokens) + pos[: tokens.shape[0]]
-    blocks = nn.scan(nn.remat(_LinenBlock), variable_axes={"params": 0},
-                     split_rngs={"params": True}, in_axes=nn.broadcast, length=self.layers)
+    blocks = nn.scan(
+      nn.remat(_LinenBlock),
+      variable_axes={"params": 0},
+      split_rngs={"params": True},
+      in_axes=nn.broadcast,
+      length=self.layers,
+    )
     h, _ = blocks(self.heads, name="blocks")(h, None)
     return embed.attend(nn.LayerNorm()(h))
 
@@ -160,11 +169,16 @@ def _linen_scan_gpt(size: str) -> Model:
   def loss_fn(params, x, y):
     return _xent(model.apply({"params": params}, x), y)
 
-  return Model("linen_scan_gpt",
-               f"flax linen GPT: nn.Embed (tied head via attend), learned positions, "
-               f"{cfg['layers']} blocks of LayerNorm + causal MultiHeadDotProductAttention "
-               f"({cfg['heads']} heads) + Dense MLP under nn.scan(nn.remat(Block)); vocab "
-               f"{cfg['vocab']}, d {cfg['d']}, T {cfg['seq']}", params, loss_fn, make)
+  return Model(
+    "linen_scan_gpt",
+    f"flax linen GPT: nn.Embed (tied head via attend), learned positions, "
+    f"{cfg['layers']} blocks of LayerNorm + causal MultiHeadDotProductAttention "
+    f"({cfg['heads']} heads) + Dense MLP under nn.scan(nn.remat(Block)); vocab "
+    f"{cfg['vocab']}, d {cfg['d']}, T {cfg['seq']}",
+    params,
+    loss_fn,
+    make,
+  )
 
 
 # ----------------------------------------------------------------------------
@@ -194,8 +208,9 @@ class _LinenResNet(nn.Module):
 
   @nn.compact
   def __call__(self, x: jax.Array) -> jax.Array:  # (batch, side, side, 3)
-    x = nn.relu(nn.GroupNorm(num_groups=4)(
-        nn.Conv(self.width, (3, 3), padding="SAME", use_bias=False)(x)))
+    x = nn.relu(
+      nn.GroupNorm(num_groups=4)(nn.Conv(self.width, (3, 3), padding="SAME", use_bias=False)(x))
+    )
     x = _LinenResBlock(self.width)(x)
     x = _LinenResBlock(2 * self.width, strides=2)(x)
     return nn.Dense(self.classes)(jnp.mean(x, axis=(1, 2)))
@@ -210,11 +225,16 @@ def _linen_resnet(size: str) -> Model:
   def loss_fn(params, x, y):  # GroupNorm needs the batch axis: a batch of one
     return _xent(model.apply({"params": params}, x[None])[0], y)
 
-  return Model("linen_resnet",
-               f"flax linen ResNet: Conv 3x3 stem + 2 residual blocks of Conv + GroupNorm "
-               f"(widths {cfg['width']}, {2 * cfg['width']}, the second strided with a 1x1 "
-               f"projection), mean pool, Dense head; images {cfg['side']}x{cfg['side']}x3, "
-               f"{cfg['classes']} classes", params, loss_fn, make)
+  return Model(
+    "linen_resnet",
+    f"flax linen ResNet: Conv 3x3 stem + 2 residual blocks of Conv + GroupNorm "
+    f"(widths {cfg['width']}, {2 * cfg['width']}, the second strided with a 1x1 "
+    f"projection), mean pool, Dense head; images {cfg['side']}x{cfg['side']}x3, "
+    f"{cfg['classes']} classes",
+    params,
+    loss_fn,
+    make,
+  )
 
 
 # ----------------------------------------------------------------------------
@@ -223,7 +243,6 @@ def _linen_resnet(size: str) -> Model:
 
 
 class _NnxBlock(nnx.Module):
-
   def __init__(self, d: int, heads: int, rngs: nnx.Rngs):
     self.heads = heads
     self.attn_norm = nnx.RMSNorm(d, rngs=rngs)
@@ -236,8 +255,9 @@ class _NnxBlock(nnx.Module):
 
   def __call__(self, h: jax.Array) -> jax.Array:
     t, d = h.shape
-    q, k, v = jnp.split(self.qkv(self.attn_norm(h)).reshape(t, 3, self.heads, d // self.heads),
-                        3, axis=1)
+    q, k, v = jnp.split(
+      self.qkv(self.attn_norm(h)).reshape(t, 3, self.heads, d // self.heads), 3, axis=1
+    )
     a = jax.nn.dot_product_attention(q[:, 0], k[:, 0], v[:, 0], is_causal=True)
     h = h + self.out(a.reshape(t, d))
     x = self.mlp_norm(h)
@@ -245,7 +265,6 @@ class _NnxBlock(nnx.Module):
 
 
 class _NnxLlama(nnx.Module):
-
   def __init__(self, vocab: int, d: int, layers: int, heads: int, rngs: nnx.Rngs):
     self.embed = nnx.Embed(vocab, d, rngs=rngs)
 
@@ -275,12 +294,17 @@ def _nnx_llama(size: str) -> Model:
   def loss_fn(params, x, y):
     return _xent(nnx.merge(graphdef, params)(x), y)
 
-  return Model("nnx_llama",
-               f"flax nnx Llama-like: nnx.Embed, {cfg['layers']} blocks of RMSNorm + bias-free "
-               f"Linear qkv/out + causal jax.nn.dot_product_attention ({cfg['heads']} heads) + "
-               f"SwiGLU MLP created with nnx.split_rngs/nnx.vmap and applied with nnx.scan, "
-               f"RMSNorm, untied Linear head; vocab {cfg['vocab']}, d {cfg['d']}, "
-               f"T {cfg['seq']}", params, loss_fn, _tokens(cfg))
+  return Model(
+    "nnx_llama",
+    f"flax nnx Llama-like: nnx.Embed, {cfg['layers']} blocks of RMSNorm + bias-free "
+    f"Linear qkv/out + causal jax.nn.dot_product_attention ({cfg['heads']} heads) + "
+    f"SwiGLU MLP created with nnx.split_rngs/nnx.vmap and applied with nnx.scan, "
+    f"RMSNorm, untied Linear head; vocab {cfg['vocab']}, d {cfg['d']}, "
+    f"T {cfg['seq']}",
+    params,
+    loss_fn,
+    _tokens(cfg),
+  )
 
 
 # ----------------------------------------------------------------------------
@@ -298,8 +322,15 @@ class _EqxBlock(eqx.Module):
   def __init__(self, d: int, heads: int, key: jax.Array):
     k1, k2, k3 = jax.random.split(key, 3)
     self.norm1 = eqx.nn.LayerNorm(d)
-    self.attn = eqx.nn.MultiheadAttention(heads, d, use_query_bias=True, use_key_bias=True,
-                                          use_value_bias=True, use_output_bias=True, key=k1)
+    self.attn = eqx.nn.MultiheadAttention(
+      heads,
+      d,
+      use_query_bias=True,
+      use_key_bias=True,
+      use_value_bias=True,
+      use_output_bias=True,
+      key=k1,
+    )
     self.norm2 = eqx.nn.LayerNorm(d)
     self.fc1 = eqx.nn.Linear(d, 4 * d, key=k2)
     self.fc2 = eqx.nn.Linear(4 * d, d, key=k3)
@@ -318,13 +349,13 @@ class _EqxViT(eqx.Module):
   norm: eqx.nn.LayerNorm
   head: eqx.nn.Linear
 
-  def __init__(self, side: int, patch: int, d: int, layers: int, heads: int, classes: int,
-               key: jax.Array):
+  def __init__(
+    self, side: int, patch: int, d: int, layers: int, heads: int, classes: int, key: jax.Array
+  ):
     kp, kpos, kb, kh = jax.random.split(key, 4)
     self.patch = eqx.nn.Conv2d(3, d, patch, stride=patch, key=kp)
     self.pos = 0.02 * jax.random.normal(kpos, ((side // patch) ** 2, d))
-    self.blocks = eqx.filter_vmap(lambda k: _EqxBlock(d, heads, k))(
-        jax.random.split(kb, layers))
+    self.blocks = eqx.filter_vmap(lambda k: _EqxBlock(d, heads, k))(jax.random.split(kb, layers))
     self.norm = eqx.nn.LayerNorm(d)
     self.head = eqx.nn.Linear(d, classes, key=kh)
 
@@ -344,8 +375,15 @@ def _eqx_vit(size: str) -> Model:
   cfg = dict(_IMG[size])
   if size == "bench":  # 36 patches of 4 x 4, width 64
     cfg.update(side=24, width=64)
-  create = lambda: _EqxViT(cfg["side"], cfg["patch"], cfg["width"], cfg["layers"],
-                           cfg["heads"], cfg["classes"], jax.random.key(0))
+  create = lambda: _EqxViT(
+    cfg["side"],
+    cfg["patch"],
+    cfg["width"],
+    cfg["layers"],
+    cfg["heads"],
+    cfg["classes"],
+    jax.random.key(0),
+  )
   shapes = eqx.filter_eval_shape(create)  # the arrays as jax.ShapeDtypeStruct
   static = eqx.partition(shapes, lambda x: isinstance(x, jax.ShapeDtypeStruct))[1]
   params = _run_once(lambda: eqx.partition(create(), eqx.is_inexact_array)[0])
@@ -354,13 +392,17 @@ def _eqx_vit(size: str) -> Model:
     return _xent(eqx.combine(params, static)(x), y)
 
   n = (cfg["side"] // cfg["patch"]) ** 2
-  return Model("eqx_vit",
-               f"equinox ViT: Conv2d patch embedding ({cfg['patch']}x{cfg['patch']}, "
-               f"{n} patches), learned positions, {cfg['layers']} blocks of LayerNorm + "
-               f"MultiheadAttention ({cfg['heads']} heads) + Linear MLP created with "
-               f"eqx.filter_vmap and applied with jax.lax.scan, mean pool, Linear head; "
-               f"width {cfg['width']}, images 3x{cfg['side']}x{cfg['side']}", params, loss_fn,
-               _images((3, cfg["side"], cfg["side"]), cfg["classes"]))
+  return Model(
+    "eqx_vit",
+    f"equinox ViT: Conv2d patch embedding ({cfg['patch']}x{cfg['patch']}, "
+    f"{n} patches), learned positions, {cfg['layers']} blocks of LayerNorm + "
+    f"MultiheadAttention ({cfg['heads']} heads) + Linear MLP created with "
+    f"eqx.filter_vmap and applied with jax.lax.scan, mean pool, Linear head; "
+    f"width {cfg['width']}, images 3x{cfg['side']}x{cfg['side']}",
+    params,
+    loss_fn,
+    _images((3, cfg["side"], cfg["side"]), cfg["classes"]),
+  )
 
 
 # ----------------------------------------------------------------------------
@@ -372,10 +414,16 @@ def _stacked_params(cfg: dict) -> dict:
   d, f, n, v = cfg["d"], 4 * cfg["d"], cfg["layers"], cfg["vocab"]
   init = jax.nn.initializers.lecun_normal()
   ks = jax.random.split(jax.random.key(0), 4)
-  return {"embed": 0.02 * jax.random.normal(ks[0], (v, d)),
-          "layers": {"scale": jnp.ones((n, d)), "w_in": init(ks[1], (n, d, f)),
-                     "b_in": jnp.zeros((n, f)), "w_out": 0.5 * init(ks[2], (n, f, d))},
-          "head": init(ks[3], (d, v))}
+  return {
+    "embed": 0.02 * jax.random.normal(ks[0], (v, d)),
+    "layers": {
+      "scale": jnp.ones((n, d)),
+      "w_in": init(ks[1], (n, d, f)),
+      "b_in": jnp.zeros((n, f)),
+      "w_out": 0.5 * init(ks[2], (n, f, d)),
+    },
+    "head": init(ks[3], (d, v)),
+  }
 
 
 def _stacked_layer(h: jax.Array, layer: dict) -> jax.Array:
@@ -392,26 +440,29 @@ def _jax_stacked(size: str, loop: bool) -> Model:
       for i in range(cfg["layers"]):
         h = _stacked_layer(h, jax.tree.map(lambda w, i=i: w[i], params["layers"]))
     else:
-      h, _ = jax.lax.scan(lambda h, layer: (_stacked_layer(h, layer), None), h,
-                          params["layers"])
+      h, _ = jax.lax.scan(lambda h, layer: (_stacked_layer(h, layer), None), h, params["layers"])
     return _xent(h @ params["head"], y)
 
   how = "a Python loop over static slices w[l]" if loop else "jax.lax.scan"
-  return Model("jax_loop_mlp" if loop else "jax_scan_mlp",
-               f"plain JAX: token embedding (E[ids]), {cfg['layers']} residual MLP blocks "
-               f"(standardize * scale, GELU MLP of {4 * cfg['d']}) whose weights are one "
-               f"stacked pytree applied by {how}, Dense head; vocab {cfg['vocab']}, "
-               f"d {cfg['d']}, T {cfg['seq']}", _run_once(lambda: _stacked_params(cfg)), loss_fn,
-               _tokens(cfg))
+  return Model(
+    "jax_loop_mlp" if loop else "jax_scan_mlp",
+    f"plain JAX: token embedding (E[ids]), {cfg['layers']} residual MLP blocks "
+    f"(standardize * scale, GELU MLP of {4 * cfg['d']}) whose weights are one "
+    f"stacked pytree applied by {how}, Dense head; vocab {cfg['vocab']}, "
+    f"d {cfg['d']}, T {cfg['seq']}",
+    _run_once(lambda: _stacked_params(cfg)),
+    loss_fn,
+    _tokens(cfg),
+  )
 
 
 MODELS: dict[str, Callable[[str], Model]] = {
-    "linen_scan_gpt": _linen_scan_gpt,
-    "linen_resnet": _linen_resnet,
-    "nnx_llama": _nnx_llama,
-    "eqx_vit": _eqx_vit,
-    "jax_scan_mlp": lambda size: _jax_stacked(size, loop=False),
-    "jax_loop_mlp": lambda size: _jax_stacked(size, loop=True),
+  "linen_scan_gpt": _linen_scan_gpt,
+  "linen_resnet": _linen_resnet,
+  "nnx_llama": _nnx_llama,
+  "eqx_vit": _eqx_vit,
+  "jax_scan_mlp": lambda size: _jax_stacked(size, loop=False),
+  "jax_loop_mlp": lambda size: _jax_stacked(size, loop=True),
 }
 SIZES = ("tiny", "bench")
 

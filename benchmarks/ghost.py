@@ -67,33 +67,68 @@ NORM_SAMPLE = 16
 
 
 def _parser() -> argparse.ArgumentParser:
-  p = argparse.ArgumentParser(prog="python -m benchmarks.ghost",
-                              description=__doc__.split("\n\n")[0])
-  p.add_argument("--quick", action="store_true",
-                 help="tiny model and batches, two repetitions (a smoke test)")
-  p.add_argument("--mask", action="store_true",
-                 help="only the masked Poisson case (benchmarks/_ghost_mask.py): "
-                      "writes ghost_mask.md")
-  p.add_argument("--out", type=Path, default=HERE,
-                 help="folder for ghost.md and ghost.png (default: benchmarks/)")
-  p.add_argument("--reps", type=int, default=None,
-                 help="timed repetitions per case (default 10; 2 with --quick)")
-  p.add_argument("--batch", type=int, nargs="+", default=None,
-                 help=f"batch sizes B (default {' '.join(map(str, BATCHES))})")
-  p.add_argument("--seq", type=int, nargs="+", default=None,
-                 help=f"sequence lengths T (default {' '.join(map(str, SEQ_LENS))})")
-  p.add_argument("--time-budget", type=float, default=20.0,
-                 help="seconds one step may take to be timed (default 20)")
-  p.add_argument("--max-gb", type=float, default=8.0,
-                 help="largest compiled temporary memory (GiB) of a case that is run (default 8)")
-  p.add_argument("--zoo", action="store_true",
-                 help="the model zoo (benchmarks/_zoo.py) instead of the GPT: writes ghost_zoo.md "
-                      "(batches 16 and 128; with --quick, the tiny models at batch 4)")
-  p.add_argument("--models", nargs="+", default=None,
-                 help="with --zoo: the zoo models to run (default: all)")
-  p.add_argument("--clip", type=float, default=None,
-                 help="l2_norm_clip of the private cases (default: for each T, the median "
-                      f"per-example gradient norm of {NORM_SAMPLE} random sequences)")
+  p = argparse.ArgumentParser(
+    prog="python -m benchmarks.ghost", description=__doc__.split("\n\n")[0]
+  )
+  p.add_argument(
+    "--quick", action="store_true", help="tiny model and batches, two repetitions (a smoke test)"
+  )
+  p.add_argument(
+    "--mask",
+    action="store_true",
+    help="only the masked Poisson case (benchmarks/_ghost_mask.py): writes ghost_mask.md",
+  )
+  p.add_argument(
+    "--out",
+    type=Path,
+    default=HERE,
+    help="folder for ghost.md and ghost.png (default: benchmarks/)",
+  )
+  p.add_argument(
+    "--reps", type=int, default=None, help="timed repetitions per case (default 10; 2 with --quick)"
+  )
+  p.add_argument(
+    "--batch",
+    type=int,
+    nargs="+",
+    default=None,
+    help=f"batch sizes B (default {' '.join(map(str, BATCHES))})",
+  )
+  p.add_argument(
+    "--seq",
+    type=int,
+    nargs="+",
+    default=None,
+    help=f"sequence lengths T (default {' '.join(map(str, SEQ_LENS))})",
+  )
+  p.add_argument(
+    "--time-budget",
+    type=float,
+    default=20.0,
+    help="seconds one step may take to be timed (default 20)",
+  )
+  p.add_argument(
+    "--max-gb",
+    type=float,
+    default=8.0,
+    help="largest compiled temporary memory (GiB) of a case that is run (default 8)",
+  )
+  p.add_argument(
+    "--zoo",
+    action="store_true",
+    help="the model zoo (benchmarks/_zoo.py) instead of the GPT: writes ghost_zoo.md "
+    "(batches 16 and 128; with --quick, the tiny models at batch 4)",
+  )
+  p.add_argument(
+    "--models", nargs="+", default=None, help="with --zoo: the zoo models to run (default: all)"
+  )
+  p.add_argument(
+    "--clip",
+    type=float,
+    default=None,
+    help="l2_norm_clip of the private cases (default: for each T, the median "
+    f"per-example gradient norm of {NORM_SAMPLE} random sequences)",
+  )
   return p
 
 
@@ -106,8 +141,9 @@ def _has_method_arg() -> bool:
   return "method" in inspect.signature(jaxclip.per_example_clipped_grad).parameters
 
 
-def private_grad_fn(loss_fn: Callable, clip: float, method: str
-                    ) -> tuple[Callable | None, str | None]:
+def private_grad_fn(
+  loss_fn: Callable, clip: float, method: str
+) -> tuple[Callable | None, str | None]:
   """``(per_example_clipped_grad(loss_fn, clip, method=method), None)``, or ``(None, why)``.
 
   Before ``per_example_clipped_grad`` had a ``method`` argument, vmap was its
@@ -158,8 +194,11 @@ def _compare(vmap_out: Any, ghost_out: Any) -> dict:
   """How far ghost's clipped sum is from vmap's, and both clip counts."""
   (gv, nv), (gg, ng) = vmap_out, ghost_out
   diff = _tree_max_abs(jax.tree.map(lambda a, b: a.astype(jnp.float32) - b, gg, gv))
-  return {"max_rel_diff": diff / max(_tree_max_abs(gv), 1e-30),
-          "clipped_vmap": int(nv), "clipped_ghost": int(ng)}
+  return {
+    "max_rel_diff": diff / max(_tree_max_abs(gv), 1e-30),
+    "clipped_vmap": int(nv),
+    "clipped_ghost": int(ng),
+  }
 
 
 def median_norm(cfg: _model.GPTConfig) -> float:
@@ -174,15 +213,20 @@ def median_norm(cfg: _model.GPTConfig) -> float:
   @jax.jit
   def median(params, tokens):
     grads = jax.vmap(jax.grad(lambda p, x: _model.loss_fn(p, x, cfg)), (None, 0))(params, tokens)
-    sq = sum(jnp.sum(jnp.square(g.reshape(g.shape[0], -1)), axis=1)
-             for g in jax.tree.leaves(grads))
+    sq = sum(jnp.sum(jnp.square(g.reshape(g.shape[0], -1)), axis=1) for g in jax.tree.leaves(grads))
     return jnp.median(jnp.sqrt(sq))
 
   return float(median(params, tokens))
 
 
-def run_config(cfg: _model.GPTConfig, clip: float, reps: int, time_budget_s: float,
-               max_mb: float, estimates: dict[str, float | None]) -> dict:
+def run_config(
+  cfg: _model.GPTConfig,
+  clip: float,
+  reps: int,
+  time_budget_s: float,
+  max_mb: float,
+  estimates: dict[str, float | None],
+) -> dict:
   """Compile every case at ``cfg``'s batch and length, then time those within budget.
 
   ``estimates`` maps a method to a predicted step time in seconds (``None``:
@@ -191,8 +235,12 @@ def run_config(cfg: _model.GPTConfig, clip: float, reps: int, time_budget_s: flo
   """
   params = _model.init_params(cfg, seed=0)
   tokens = _model.make_tokens(cfg, seed=1)
-  row: dict[str, Any] = {"B": cfg.batch, "T": cfg.seq_len, "params": _model.num_params(cfg),
-                         "clip": clip}
+  row: dict[str, Any] = {
+    "B": cfg.batch,
+    "T": cfg.seq_len,
+    "params": _model.num_params(cfg),
+    "clip": clip,
+  }
   compiled, outputs = {}, {}
   for name, (fn, why) in make_cases(cfg, clip).items():
     res: dict[str, Any] = {"status": "n/a", "temp_mb": None, "ms": None, "why": why}
@@ -209,13 +257,17 @@ def run_config(cfg: _model.GPTConfig, clip: float, reps: int, time_budget_s: flo
     res["temp_mb"] = _cases._temp_mb(c)
     est = estimates.get(name)
     if res["temp_mb"] is not None and res["temp_mb"] > max_mb:
-      res.update(status="not run",
-                 why=f"temp memory {res['temp_mb']:.4g} MiB > {max_mb:.4g} MiB")
+      res.update(status="not run", why=f"temp memory {res['temp_mb']:.4g} MiB > {max_mb:.4g} MiB")
       continue
     if est is not None and est > time_budget_s:
-      res.update(status="not run", why=(
-          "not timed at a smaller batch already" if math.isinf(est) else
-          f"one step predicted at {est:.3g} s > {time_budget_s:g} s from a smaller batch"))
+      res.update(
+        status="not run",
+        why=(
+          "not timed at a smaller batch already"
+          if math.isinf(est)
+          else f"one step predicted at {est:.3g} s > {time_budget_s:g} s from a smaller batch"
+        ),
+      )
       continue
     t0 = time.perf_counter()
     outputs[name] = jax.block_until_ready(c(params, tokens))
@@ -236,8 +288,15 @@ def run_config(cfg: _model.GPTConfig, clip: float, reps: int, time_budget_s: flo
   return row
 
 
-def run(batches: list[int], seq_lens: list[int], model: dict, clip: float | None, reps: int,
-        time_budget_s: float, max_mb: float) -> list[dict]:
+def run(
+  batches: list[int],
+  seq_lens: list[int],
+  model: dict,
+  clip: float | None,
+  reps: int,
+  time_budget_s: float,
+  max_mb: float,
+) -> list[dict]:
   """One row per ``(B, T)``, the batches of each ``T`` in increasing order.
 
   A case's step time at the next batch is predicted proportional to the
@@ -259,10 +318,12 @@ def run(batches: list[int], seq_lens: list[int], model: dict, clip: float | None
           last[m] = (b, res["ms"] / 1e3)
         elif res["status"] == "not run":
           last[m] = (b, math.inf)
-        print(f"    {m:5s} temp {_report._f(res['temp_mb'], '{:.1f}'):>8s} MiB  "
-              f"{_report._f(res['ms'], '{:.2f}') if res['status'] == 'ok' else res['status']:>8s}"
-              f" ms{'  (' + res['why'] + ')' if res['why'] and res['status'] != 'ok' else ''}",
-              flush=True)
+        print(
+          f"    {m:5s} temp {_report._f(res['temp_mb'], '{:.1f}'):>8s} MiB  "
+          f"{_report._f(res['ms'], '{:.2f}') if res['status'] == 'ok' else res['status']:>8s}"
+          f" ms{'  (' + res['why'] + ')' if res['why'] and res['status'] != 'ok' else ''}",
+          flush=True,
+        )
       rows.append(row)
   return rows
 
@@ -293,37 +354,63 @@ def _ratio(a: float | None, b: float | None) -> str:
   return f"{a / b:.2f}" if a is not None and b else "n/a"
 
 
-HEADER = ["B", "T", "B x P x 4 MiB", "grad MiB", "vmap MiB", "ghost MiB", "grad ms", "vmap ms",
-          "ghost ms", "vmap/grad mem", "ghost/grad mem", "ghost/vmap mem", "vmap/grad time",
-          "ghost/grad time", "ghost/vmap time"]
+HEADER = [
+  "B",
+  "T",
+  "B x P x 4 MiB",
+  "grad MiB",
+  "vmap MiB",
+  "ghost MiB",
+  "grad ms",
+  "vmap ms",
+  "ghost ms",
+  "vmap/grad mem",
+  "ghost/grad mem",
+  "ghost/vmap mem",
+  "vmap/grad time",
+  "ghost/grad time",
+  "ghost/vmap time",
+]
 
 
 def table(rows: list[dict]) -> str:
   body = []
   for r in rows:
     g, v, h = r["grad"], r["vmap"], r["ghost"]
-    body.append([str(r["B"]), str(r["T"]), _num(_grad_mb(r["B"], r["params"]))]
-                + [_cell(x, "temp_mb") for x in (g, v, h)] + [_cell(x, "ms") for x in (g, v, h)]
-                + [_ratio(v["temp_mb"], g["temp_mb"]), _ratio(h["temp_mb"], g["temp_mb"]),
-                   _ratio(h["temp_mb"], v["temp_mb"]), _ratio(v["ms"], g["ms"]),
-                   _ratio(h["ms"], g["ms"]), _ratio(h["ms"], v["ms"])])
+    body.append(
+      [str(r["B"]), str(r["T"]), _num(_grad_mb(r["B"], r["params"]))]
+      + [_cell(x, "temp_mb") for x in (g, v, h)]
+      + [_cell(x, "ms") for x in (g, v, h)]
+      + [
+        _ratio(v["temp_mb"], g["temp_mb"]),
+        _ratio(h["temp_mb"], g["temp_mb"]),
+        _ratio(h["temp_mb"], v["temp_mb"]),
+        _ratio(v["ms"], g["ms"]),
+        _ratio(h["ms"], g["ms"]),
+        _ratio(h["ms"], v["ms"]),
+      ]
+    )
   return _report._table(HEADER, body)
 
 
 def markdown(meta: dict, rows: list[dict]) -> str:
   out = ["# Per-example clipping of a small GPT: ghost norms against vmap", ""]
   out += [f"- {k}: {v}" for k, v in meta.items()]
-  out += ["", "`grad` is the non-private gradient (`jax.grad` of the summed per-example "
-          "losses); `vmap` and `ghost` are `jaxclip.per_example_clipped_grad(loss_fn, clip, "
-          "method=...)`, the whole batch at once (no `microbatch_size`). `MiB` is the compiled "
-          "program's temporary memory (XLA's memory analysis: activations, per-example "
-          "gradients; not the params, tokens or output), read at compile time. `B x P x 4 MiB` "
-          "is the size of the batch's float32 per-example gradients, which vmap holds at "
-          "once. `ms` is the median step time, the cases of a row timed interleaved. "
-          "`not run`: compiled (so its memory is known) but not timed, one step being over "
-          "the time budget or its memory over the memory budget (see below). `n/a`: the "
-          "method is not in this jaxclip. Ratios divide the two cases' figures of the same "
-          "row.", ""]
+  out += [
+    "",
+    "`grad` is the non-private gradient (`jax.grad` of the summed per-example "
+    "losses); `vmap` and `ghost` are `jaxclip.per_example_clipped_grad(loss_fn, clip, "
+    "method=...)`, the whole batch at once (no `microbatch_size`). `MiB` is the compiled "
+    "program's temporary memory (XLA's memory analysis: activations, per-example "
+    "gradients; not the params, tokens or output), read at compile time. `B x P x 4 MiB` "
+    "is the size of the batch's float32 per-example gradients, which vmap holds at "
+    "once. `ms` is the median step time, the cases of a row timed interleaved. "
+    "`not run`: compiled (so its memory is known) but not timed, one step being over "
+    "the time budget or its memory over the memory budget (see below). `n/a`: the "
+    "method is not in this jaxclip. Ratios divide the two cases' figures of the same "
+    "row.",
+    "",
+  ]
   out.append(table(rows))
   out.append("")
   notes = []
@@ -340,13 +427,17 @@ def markdown(meta: dict, rows: list[dict]) -> str:
   for r in rows:
     c = r.get("check")
     if c:
-      checks.append(f"- B={r['B']}, T={r['T']}, l2_norm_clip {r['clip']:.3g}: examples "
-                    f"clipped: vmap {c['clipped_vmap']}, ghost {c['clipped_ghost']} of "
-                    f"{r['B']}; ghost's clipped sum differs from vmap's by at most "
-                    f"{c['max_rel_diff']:.1e} of its largest entry")
+      checks.append(
+        f"- B={r['B']}, T={r['T']}, l2_norm_clip {r['clip']:.3g}: examples "
+        f"clipped: vmap {c['clipped_vmap']}, ghost {c['clipped_ghost']} of "
+        f"{r['B']}; ghost's clipped sum differs from vmap's by at most "
+        f"{c['max_rel_diff']:.1e} of its largest entry"
+      )
     elif "clipped_vmap" in r:
-      checks.append(f"- B={r['B']}, T={r['T']}, l2_norm_clip {r['clip']:.3g}: examples "
-                    f"clipped (vmap): {r['clipped_vmap']} of {r['B']}")
+      checks.append(
+        f"- B={r['B']}, T={r['T']}, l2_norm_clip {r['clip']:.3g}: examples "
+        f"clipped (vmap): {r['clipped_vmap']} of {r['B']}"
+      )
   if checks:
     out += ["## Checks (the probe step of each case)", ""] + checks + [""]
   return "\n".join(out)
@@ -369,11 +460,19 @@ def plot(path: str, rows: list[dict]) -> None:
         ax.plot(*zip(*pts, strict=True), marker=marker, label=m)
       else:
         ax.plot([], [], marker=marker, label=f"{m}: n/a")
-    ax.plot([r["B"] for r in rs], [_grad_mb(r["B"], r["params"]) for r in rs], "k:",
-            label="B x P float32 (per-example grads)")
-    ax.set(xscale="log", yscale="log", xlabel="batch size B",
-           ylabel="compiled temp memory (MiB)",
-           title=f"T = {t} (P = {rs[0]['params']:,} params)")
+    ax.plot(
+      [r["B"] for r in rs],
+      [_grad_mb(r["B"], r["params"]) for r in rs],
+      "k:",
+      label="B x P float32 (per-example grads)",
+    )
+    ax.set(
+      xscale="log",
+      yscale="log",
+      xlabel="batch size B",
+      ylabel="compiled temp memory (MiB)",
+      title=f"T = {t} (P = {rs[0]['params']:,} params)",
+    )
     ax.set_xticks([r["B"] for r in rs], [str(r["B"]) for r in rs])
     ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
     ax.legend(fontsize=8)
@@ -390,38 +489,47 @@ def main(argv: list[str] | None = None) -> str:
 
     return _ghost_zoo.main(args, " ".join(argv if argv is not None else sys.argv[1:]))
   if args.mask:  # what a Poisson batch's mask costs, ghost and vmap
-    return _ghost_mask.main(args.out, args.quick, QUICK_MODEL if args.quick else MODEL,
-                            args.reps or (2 if args.quick else 20), args.clip)
+    return _ghost_mask.main(
+      args.out,
+      args.quick,
+      QUICK_MODEL if args.quick else MODEL,
+      args.reps or (2 if args.quick else 20),
+      args.clip,
+    )
   quick = args.quick
   reps = args.reps or (2 if quick else 10)
   batches = args.batch or list(QUICK_BATCHES if quick else BATCHES)
   seq_lens = args.seq or list(QUICK_SEQ_LENS if quick else SEQ_LENS)
   model = QUICK_MODEL if quick else MODEL
   device = jax.devices()[0]
-  sizes = ", ".join(f"{_model.num_params(_model.GPTConfig(seq_len=t, tied=True, **model)):,} "
-                    f"at T={t}" for t in seq_lens)
+  sizes = ", ".join(
+    f"{_model.num_params(_model.GPTConfig(seq_len=t, tied=True, **model)):,} at T={t}"
+    for t in seq_lens
+  )
   meta = {
-      "command": "python -m benchmarks.ghost " + " ".join(
-          argv if argv is not None else sys.argv[1:]),
-      "date": datetime.datetime.now().isoformat(timespec="seconds"),
-      "machine": f"{_main._cpu_name()}, {os.cpu_count()} cores; jax device: {device.platform} "
-                 f"({device.device_kind}); jax {jax.__version__}, jaxlib {jaxlib.__version__}, "
-                 f"python {platform.python_version()}",
-      "model": f"GPT-like (benchmarks/_model.py), vocab {model['vocab']}, d_model "
-               f"{model['d_model']}, {model['n_layers']} pre-LayerNorm blocks of "
-               f"{model['n_heads']} causal attention heads and a GELU MLP of "
-               f"{4 * model['d_model']}, token and position embeddings, output head tied to "
-               f"the token embedding; per-example loss: next-token cross-entropy of one "
-               f"sequence, mean over its T positions; float32 params: {sizes}",
-      "methods": "ghost: " + ("available" if ghost_available() else
-                              "n/a (not in this jaxclip)")
-                 + "; l2_norm_clip " + (f"{args.clip:g}" if args.clip is not None else
-                                        f"for each T, the median per-example gradient norm "
-                                        f"of {NORM_SAMPLE} random sequences")
-                 + f"; {reps} timed steps per case",
-      "budgets": f"a case is timed if one step takes at most {args.time_budget:g} s and its "
-                 f"temporary memory is at most {args.max_gb:g} GiB",
-      "load average (1, 5, 15 min) at start": " ".join(f"{x:.2f}" for x in os.getloadavg()),
+    "command": "python -m benchmarks.ghost " + " ".join(argv if argv is not None else sys.argv[1:]),
+    "date": datetime.datetime.now().isoformat(timespec="seconds"),
+    "machine": f"{_main._cpu_name()}, {os.cpu_count()} cores; jax device: {device.platform} "
+    f"({device.device_kind}); jax {jax.__version__}, jaxlib {jaxlib.__version__}, "
+    f"python {platform.python_version()}",
+    "model": f"GPT-like (benchmarks/_model.py), vocab {model['vocab']}, d_model "
+    f"{model['d_model']}, {model['n_layers']} pre-LayerNorm blocks of "
+    f"{model['n_heads']} causal attention heads and a GELU MLP of "
+    f"{4 * model['d_model']}, token and position embeddings, output head tied to "
+    f"the token embedding; per-example loss: next-token cross-entropy of one "
+    f"sequence, mean over its T positions; float32 params: {sizes}",
+    "methods": "ghost: "
+    + ("available" if ghost_available() else "n/a (not in this jaxclip)")
+    + "; l2_norm_clip "
+    + (
+      f"{args.clip:g}"
+      if args.clip is not None
+      else f"for each T, the median per-example gradient norm of {NORM_SAMPLE} random sequences"
+    )
+    + f"; {reps} timed steps per case",
+    "budgets": f"a case is timed if one step takes at most {args.time_budget:g} s and its "
+    f"temporary memory is at most {args.max_gb:g} GiB",
+    "load average (1, 5, 15 min) at start": " ".join(f"{x:.2f}" for x in os.getloadavg()),
   }
   print(f"{meta['model']}\n{meta['methods']}", flush=True)
   t_start = time.perf_counter()

@@ -136,8 +136,12 @@ def init_transformer(key: jax.Array, vocab: int, length: int, d: int, layers: in
   }
   for i in range(layers):
     params[f"layer{i}"] = {
-      "ln1": jnp.ones(d), "qkv": dense(d, 3 * d), "out": dense(d, d),
-      "ln2": jnp.ones(d), "up": dense(d, 4 * d), "b_up": jnp.zeros(4 * d),
+      "ln1": jnp.ones(d),
+      "qkv": dense(d, 3 * d),
+      "out": dense(d, d),
+      "ln2": jnp.ones(d),
+      "up": dense(d, 4 * d),
+      "b_up": jnp.zeros(4 * d),
       "down": dense(4 * d, d),
     }
   return params
@@ -176,8 +180,10 @@ def copy_task(tiny: bool = False, learning_rate: float = 0.05) -> Task:
 
   return Task(
     name="copy",
-    description=(f"causal transformer, {layers} layer(s), d_model {d}, {heads} heads; copy "
-                 f"{half} random tokens (vocabulary {vocab}), batch {batch}"),
+    description=(
+      f"causal transformer, {layers} layer(s), d_model {d}, {heads} heads; copy "
+      f"{half} random tokens (vocabulary {vocab}), batch {batch}"
+    ),
     init=functools.partial(init_transformer, vocab=vocab, length=2 * half, d=d, layers=layers),
     batch=functools.partial(copy_batch, batch=batch, half=half, vocab=vocab),
     loss=loss,
@@ -228,12 +234,15 @@ def heavy_tail_task(tiny: bool = False, learning_rate: float = 0.005) -> Task:
 
   # The teacher's output variance, the clean MSE of predicting zero.
   x = jax.random.normal(jax.random.key(0), (4096, dim))
-  baseline = float(jnp.mean((2.0 * mlp(init_mlp(jax.random.key(TEACHER_KEY), (dim, 32, 1)), x))
-                            ** 2))
+  baseline = float(
+    jnp.mean((2.0 * mlp(init_mlp(jax.random.key(TEACHER_KEY), (dim, 32, 1)), x)) ** 2)
+  )
   return Task(
     name="heavy-tail",
-    description=(f"MLP {dim}-{width}-{width}-1 (tanh) fitting a random teacher MLP; label noise "
-                 f"{scale:g} * Student-t({df:g} dof), batch {batch}"),
+    description=(
+      f"MLP {dim}-{width}-{width}-1 (tanh) fitting a random teacher MLP; label noise "
+      f"{scale:g} * Student-t({df:g} dof), batch {batch}"
+    ),
     init=functools.partial(init_mlp, sizes=(dim, width, width, 1)),
     batch=functools.partial(heavy_tail_batch, batch=batch, dim=dim, df=df, scale=scale),
     loss=loss,
@@ -265,7 +274,8 @@ def stacked_batches(batch: Callable, seeds: jax.Array, first: jax.Array, steps: 
   steps_ = first + jnp.arange(steps)
   return jax.lax.map(
     lambda s: jax.lax.map(
-      lambda i: batch(jax.random.fold_in(jax.random.key(s + 10_000), i)), steps_),
+      lambda i: batch(jax.random.fold_in(jax.random.key(s + 10_000), i)), steps_
+    ),
     seeds,
   )
 
@@ -273,9 +283,14 @@ def stacked_batches(batch: Callable, seeds: jax.Array, first: jax.Array, steps: 
 def run(task: Task, method: eg.Method, seeds: list[int], chunk: int, progress=None) -> eg.History:
   seed_array = jnp.asarray(seeds)
   return eg.train_loop(
-    method, task.optimizer, task.loss, stacked_init(task.init, seed_array),
+    method,
+    task.optimizer,
+    task.loss,
+    stacked_init(task.init, seed_array),
     lambda first, n: stacked_batches(task.batch, seed_array, first, n),
-    task.steps, chunk, progress,
+    task.steps,
+    chunk,
+    progress,
   )
 
 
@@ -305,7 +320,9 @@ def record_thresholds(task: Task, steps: int) -> Thresholds:
       updates, state = task.optimizer.update(grads, state, params)
       biggest = jax.tree.reduce(jnp.maximum, jax.tree.map(lambda g: jnp.max(jnp.abs(g)), grads))
       return (optax.apply_updates(params, updates), state), (
-        jaxclip.ops.global_norm(grads), biggest)
+        jaxclip.ops.global_norm(grads),
+        biggest,
+      )
 
     return jax.lax.scan(step, (params, task.optimizer.init(params)), data)[1]
 
@@ -334,13 +351,16 @@ def study_methods(t: Thresholds) -> dict[str, eg.Method]:
     "no clipping": main_job["no clipping"],
     "clip_by_value(p90 max|g|)": eg.Method(jaxclip.clip_by_value(-t.value, t.value)),
     "clip_by_norm(p90/√k)": eg.Method(jaxclip.clip_by_norm(t.per_tensor)),
-    **{f"clip_by_global_norm(p{p})": eg.Method(jaxclip.clip_by_global_norm(t.global_norm[p]))
-       for p in PERCENTILES},
+    **{
+      f"clip_by_global_norm(p{p})": eg.Method(jaxclip.clip_by_global_norm(t.global_norm[p]))
+      for p in PERCENTILES
+    },
     "autoclip(percentile=10)": main_job["autoclip(percentile=10)"],
     "zclip()": main_job["zclip()"],
     "adagc()": main_job["adagc()"],
-    "adaptive_value_clip + adaptive_norm_scale":
-      main_job["adaptive_value_clip + adaptive_norm_scale"],
+    "adaptive_value_clip + adaptive_norm_scale": main_job[
+      "adaptive_value_clip + adaptive_norm_scale"
+    ],
     "skip_on_spike(opt)": main_job["skip_on_spike(opt)"],
   }
 
@@ -382,19 +402,31 @@ def plot(rows: list[dict[str, Any]], all_tasks: dict[str, Task], out: Path) -> N
   colors = mpl.colormaps["tab10"].colors
   for ax, (tname, task) in zip(axes, all_tasks.items(), strict=True):
     task_rows = {r["method"]: r for r in rows if r["task"] == tname}
-    finite = [v for r in task_rows.values() for v in (r["q25"], r["median"], r["q75"])
-              if np.isfinite(v) and v > 0]
+    finite = [
+      v
+      for r in task_rows.values()
+      for v in (r["q25"], r["median"], r["q75"])
+      if np.isfinite(v) and v > 0
+    ]
     lo = min([*finite, task.target]) / 2
     hi = max([*finite, task.baseline]) * 3
     for y, name in enumerate(names):
       r = task_rows[name]
       color = colors[y % 10]
-      left, mid, right = (min(v, hi) if np.isfinite(v) else hi for v in
-                          (r["q25"], r["median"], r["q75"]))
+      left, mid, right = (
+        min(v, hi) if np.isfinite(v) else hi for v in (r["q25"], r["median"], r["q75"])
+      )
       ax.plot([left, right], [y, y], color=color, lw=3, alpha=0.5, solid_capstyle="butt")
       ax.plot([mid], [y], "o" if np.isfinite(r["median"]) else "x", color=color, ms=7)
-      ax.text(0.99, y, f"{r['success']}/{r['seeds']}", transform=ax.get_yaxis_transform(),
-              va="center", ha="right", fontsize=8)
+      ax.text(
+        0.99,
+        y,
+        f"{r['success']}/{r['seeds']}",
+        transform=ax.get_yaxis_transform(),
+        va="center",
+        ha="right",
+        fontsize=8,
+      )
     ax.axvline(task.target, color="gray", ls="--", lw=1)
     ax.axvline(task.baseline, color="gray", ls=":", lw=1)
     ax.set_xscale("log")
@@ -402,12 +434,16 @@ def plot(rows: list[dict[str, Any]], all_tasks: dict[str, Task], out: Path) -> N
     ax.set_xlim(lo, hi)
     ax.set_title(f"{tname}: {task.optimizer_text}", fontsize=10)
     ax.set_xlabel(
-      f"final {task.loss_text}\n(-- target, ··· nothing learned; x: median diverged)", fontsize=8)
+      f"final {task.loss_text}\n(-- target, ··· nothing learned; x: median diverged)", fontsize=8
+    )
   axes[0].set_yticks(range(len(names)), names, fontsize=8)
   axes[0].invert_yaxis()
   seeds = rows[0]["seeds"]
-  fig.suptitle(f"Median final loss over {seeds} seeds, bar: interquartile range; "
-               "k/n: seeds that reached the target", fontsize=10)
+  fig.suptitle(
+    f"Median final loss over {seeds} seeds, bar: interquartile range; "
+    "k/n: seeds that reached the target",
+    fontsize=10,
+  )
   out.parent.mkdir(parents=True, exist_ok=True)
   fig.savefig(out, dpi=100)
 
@@ -419,8 +455,18 @@ def load_average() -> str:
     return "unknown"
 
 
-def write_page(path: Path, rows, all_tasks, thresholds, seeds, wall, load_start, load_end,
-               figure_name: str, command: str) -> None:
+def write_page(
+  path: Path,
+  rows,
+  all_tasks,
+  thresholds,
+  seeds,
+  wall,
+  load_start,
+  load_end,
+  figure_name: str,
+  command: str,
+) -> None:
   settings = "\n".join(
     f"| {t.name} | {t.description} | {t.optimizer_text} | {t.steps} | {t.loss_text} "
     f"| < {t.target:.3g} | {t.baseline:.3g} |"
@@ -490,14 +536,26 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--seeds", type=int, default=8, help="seeds per task and method")
   parser.add_argument("--seed", type=int, default=0, help="base seed")
-  parser.add_argument("--record-steps", type=int, default=100,
-                      help="steps of the unclipped run that sets the fixed thresholds")
+  parser.add_argument(
+    "--record-steps",
+    type=int,
+    default=100,
+    help="steps of the unclipped run that sets the fixed thresholds",
+  )
   parser.add_argument("--tasks", nargs="+", default=None, help="a subset of adding copy heavy-tail")
-  parser.add_argument("--out", type=Path, default=DOCS,
-                      help="folder for clipping_study.md and clipping_study.png (default docs/)")
+  parser.add_argument(
+    "--out",
+    type=Path,
+    default=DOCS,
+    help="folder for clipping_study.md and clipping_study.png (default docs/)",
+  )
   parser.add_argument("--tiny", action="store_true", help="a seconds-long run (smoke tests)")
-  parser.add_argument("--replot", type=Path, default=None,
-                      help="redraw the page and figure from a saved clipping_study.json")
+  parser.add_argument(
+    "--replot",
+    type=Path,
+    default=None,
+    help="redraw the page and figure from a saved clipping_study.json",
+  )
   args = parser.parse_args(argv)
   if args.seeds < 1:
     parser.error("--seeds must be at least 1")
@@ -509,13 +567,23 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
   if args.replot is not None:
     saved = json.loads(args.replot.read_text())
     all_tasks = {n: all_tasks[n] for n in saved["thresholds"]}
-    thresholds = {n: Thresholds(**{**t, "global_norm": {int(p): v for p, v in
-                                                         t["global_norm"].items()}})
-                  for n, t in saved["thresholds"].items()}
+    thresholds = {
+      n: Thresholds(**{**t, "global_norm": {int(p): v for p, v in t["global_norm"].items()}})
+      for n, t in saved["thresholds"].items()
+    }
     plot(saved["rows"], all_tasks, args.out / "clipping_study.png")
-    write_page(args.out / "clipping_study.md", saved["rows"], all_tasks, thresholds,
-               saved["rows"][0]["seeds"], saved["wall"], saved["load_start"], saved["load_end"],
-               "clipping_study.png", saved["command"])
+    write_page(
+      args.out / "clipping_study.md",
+      saved["rows"],
+      all_tasks,
+      thresholds,
+      saved["rows"][0]["seeds"],
+      saved["wall"],
+      saved["load_start"],
+      saved["load_end"],
+      "clipping_study.png",
+      saved["command"],
+    )
     return saved["rows"]
   load_start = load_average()
   start = time.perf_counter()
@@ -528,23 +596,46 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
       with tqdm(total=task.steps, desc=f"{tname} {name:>26}", unit="step") as bar:
         h = run(task, method, seeds, chunk=20 if args.tiny else 200, progress=bar.update)
       histories[tname][name] = h
-      rows.append({"task": tname, "threshold": threshold_of(name, th),
-                   **eg.summary_row(name, h, task.target),
-                   "max post-clip norm": float(np.max(h.post_clip_norm))})
+      rows.append(
+        {
+          "task": tname,
+          "threshold": threshold_of(name, th),
+          **eg.summary_row(name, h, task.target),
+          "max post-clip norm": float(np.max(h.post_clip_norm)),
+        }
+      )
     print(f"\n{tname}: success = final loss < {task.target:.3g} on k of {len(seeds)} seeds")
-    print(eg.format_table([eg.summary_row(n, h, task.target)
-                           for n, h in histories[tname].items()]))
+    print(eg.format_table([eg.summary_row(n, h, task.target) for n, h in histories[tname].items()]))
   wall = time.perf_counter() - start
   args.out.mkdir(parents=True, exist_ok=True)
   plot(rows, all_tasks, args.out / "clipping_study.png")
   command = "python examples/clipping_study.py" + (" " + " ".join(argv) if argv else "")
   load_end = load_average()
-  (args.out / "clipping_study.json").write_text(json.dumps({
-    "rows": rows, "wall": wall, "load_start": load_start, "load_end": load_end,
-    "command": command, "thresholds": {n: t._asdict() for n, t in thresholds.items()},
-  }, indent=1))
-  write_page(args.out / "clipping_study.md", rows, all_tasks, thresholds, len(seeds), wall,
-             load_start, load_end, "clipping_study.png", command)
+  (args.out / "clipping_study.json").write_text(
+    json.dumps(
+      {
+        "rows": rows,
+        "wall": wall,
+        "load_start": load_start,
+        "load_end": load_end,
+        "command": command,
+        "thresholds": {n: t._asdict() for n, t in thresholds.items()},
+      },
+      indent=1,
+    )
+  )
+  write_page(
+    args.out / "clipping_study.md",
+    rows,
+    all_tasks,
+    thresholds,
+    len(seeds),
+    wall,
+    load_start,
+    load_end,
+    "clipping_study.png",
+    command,
+  )
   print(f"\nwall time {wall:.0f} s; load average {load_start} -> {load_average()}")
   print(f"wrote {args.out / 'clipping_study.md'} and {args.out / 'clipping_study.png'}")
   return rows

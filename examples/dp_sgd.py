@@ -129,8 +129,10 @@ def gradient_noise_multiplier(z: float, count_std: float) -> float:
     return 0.0
   rest = z**-2 - (2 * count_std) ** -2
   if rest <= 0:
-    raise ValueError(f"noise multiplier z={z} is too large for count noise σ_b={count_std}: "
-                     "the count alone would spend more than the budget.")
+    raise ValueError(
+      f"noise multiplier z={z} is too large for count noise σ_b={count_std}: "
+      "the count alone would spend more than the budget."
+    )
   return rest**-0.5
 
 
@@ -161,20 +163,24 @@ def epsilon(q: float, z: float, steps: int, delta: float, accountant: str = "pld
   if z == 0:
     return math.inf
   event = dp_event.SelfComposedDpEvent(
-    dp_event.PoissonSampledDpEvent(q, dp_event.GaussianDpEvent(z)), steps)
+    dp_event.PoissonSampledDpEvent(q, dp_event.GaussianDpEvent(z)), steps
+  )
   account = {"rdp": rdp.RdpAccountant, "pld": pld.PLDAccountant}[accountant]()
   return float(account.compose(event).get_epsilon(delta))
 
 
-def epsilon_curve(q: float, z: float, steps: int, delta: float, points: int
-                  ) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+def epsilon_curve(
+  q: float, z: float, steps: int, delta: float, points: int
+) -> dict[str, tuple[np.ndarray, np.ndarray]]:
   """ε against steps, RDP and PLD, at ``points`` step counts up to ``steps``."""
   import absl.logging  # dp_accounting's RDP warns for orders it skips
 
   absl.logging.set_verbosity(absl.logging.ERROR)
   at = np.unique(np.linspace(0, steps, points + 1).round().astype(int))[1:]
-  return {name: (at, np.array([epsilon(q, z, int(t), delta, name) for t in at]))
-          for name in ("rdp", "pld")}
+  return {
+    name: (at, np.array([epsilon(q, z, int(t), delta, name) for t in at]))
+    for name in ("rdp", "pld")
+  }
 
 
 # --- data and model -----------------------------------------------------------
@@ -212,8 +218,10 @@ def init_mlp(key: jax.Array, dim: int, hidden: int, classes: int) -> dict[str, A
   k1, k2, k3 = jax.random.split(key, 3)
 
   def dense(k, n_in, n_out, gain=2.0):
-    return {"w": jax.random.normal(k, (n_in, n_out)) * math.sqrt(gain / n_in),
-            "b": jnp.zeros(n_out)}
+    return {
+      "w": jax.random.normal(k, (n_in, n_out)) * math.sqrt(gain / n_in),
+      "b": jnp.zeros(n_out),
+    }
 
   return {
     "dense1": dense(k1, dim, hidden),
@@ -280,12 +288,14 @@ class History(NamedTuple):
 
 def draw_batch(config: Config, keys: Keys, i: jax.Array, rows: int) -> jaxclip.PoissonBatch:
   """Step ``i``'s Poisson batch (from ``fold_in(keys.batches, i)``: both runs draw the same)."""
-  return jaxclip.poisson_batch(jax.random.fold_in(keys.batches, i), config.train_size,
-                               config.batch / config.train_size, rows)
+  return jaxclip.poisson_batch(
+    jax.random.fold_in(keys.batches, i), config.train_size, config.batch / config.train_size, rows
+  )
 
 
-def add_noise(config: Config, keys: Keys, i: jax.Array, clipped_sum: Any, clip_norm: jax.Array,
-              sigma: float) -> Any:
+def add_noise(
+  config: Config, keys: Keys, i: jax.Array, clipped_sum: Any, clip_norm: jax.Array, sigma: float
+) -> Any:
   """``clipped_sum + σ C N(0, I)``: jaxclip's own noise, or jax_privacy's privatizer."""
   key = jax.random.fold_in(keys.grad_noise, i)
   if config.privatizer == "jax_privacy":
@@ -299,8 +309,10 @@ def add_noise(config: Config, keys: Keys, i: jax.Array, clipped_sum: Any, clip_n
     return jax.tree.map(lambda g: g * clip_norm, noisy)
   leaves, treedef = jax.tree.flatten(clipped_sum)
   noise_keys = jax.random.split(key, len(leaves))
-  noisy = [g + sigma * clip_norm * jax.random.normal(k, g.shape, g.dtype)
-           for g, k in zip(leaves, noise_keys, strict=True)]
+  noisy = [
+    g + sigma * clip_norm * jax.random.normal(k, g.shape, g.dtype)
+    for g, k in zip(leaves, noise_keys, strict=True)
+  ]
   return jax.tree.unflatten(treedef, noisy)
 
 
@@ -314,28 +326,38 @@ def dp_step(config: Config, tx: optax.GradientTransformation, keys: Keys, data: 
     batch = draw_batch(config, keys, i, rows)
     x, y = data.x_train[batch.indices], data.y_train[batch.indices]
     grad_fn = jaxclip.per_example_clipped_grad(
-      example_loss, clip_norm, method="ghost", return_norms=True, has_aux=True)
+      example_loss, clip_norm, method="ghost", return_norms=True, has_aux=True
+    )
     clipped_sum, num_clipped, norms, losses = grad_fn(params, x, y, example_mask=batch.mask)
     noisy = add_noise(config, keys, i, clipped_sum, clip_norm, sigma)
     grads = jax.tree.map(lambda g: g / b, noisy)  # the expected batch size: B is public
     updates, opt_state = tx.update(grads, opt_state, params)
     params = optax.apply_updates(params, updates)
     new_clip = jaxclip.quantile_clip_norm_update(
-      clip_norm, norms, target_quantile=config.target_quantile,
-      learning_rate=config.clip_learning_rate, count_stddev=count_stddev(config),
-      key=jax.random.fold_in(keys.count_noise, i), example_mask=batch.mask,
-      expected_batch_size=b)
+      clip_norm,
+      norms,
+      target_quantile=config.target_quantile,
+      learning_rate=config.clip_learning_rate,
+      count_stddev=count_stddev(config),
+      key=jax.random.fold_in(keys.count_noise, i),
+      example_mask=batch.mask,
+      expected_batch_size=b,
+    )
     real = jnp.maximum(jnp.sum(batch.mask), 1)
-    record = (jnp.sum(jnp.where(batch.mask, losses, 0)) / real, clip_norm,
-              jnp.nanmedian(jnp.where(batch.mask, norms, jnp.nan)), num_clipped / real,
-              jnp.sum(batch.mask), batch.overflow)
+    record = (
+      jnp.sum(jnp.where(batch.mask, losses, 0)) / real,
+      clip_norm,
+      jnp.nanmedian(jnp.where(batch.mask, norms, jnp.nan)),
+      num_clipped / real,
+      jnp.sum(batch.mask),
+      batch.overflow,
+    )
     return (params, opt_state, new_clip), record
 
   return step
 
 
-def plain_step(config: Config, tx: optax.GradientTransformation, keys: Keys, data: Data,
-               rows: int):
+def plain_step(config: Config, tx: optax.GradientTransformation, keys: Keys, data: Data, rows: int):
   """The non-private step: same batches, the summed loss over ``B``, same optimizer."""
 
   def masked_loss(params, x, y, mask):
@@ -352,8 +374,14 @@ def plain_step(config: Config, tx: optax.GradientTransformation, keys: Keys, dat
     nan = jnp.full((), jnp.nan)
     real = jnp.maximum(jnp.sum(batch.mask), 1)
     loss = jnp.sum(jnp.where(batch.mask, losses, 0)) / real
-    return (params, opt_state, clip_norm), (loss, nan, nan, nan, jnp.sum(batch.mask),
-                                           batch.overflow)
+    return (params, opt_state, clip_norm), (
+      loss,
+      nan,
+      nan,
+      nan,
+      jnp.sum(batch.mask),
+      batch.overflow,
+    )
 
   return step
 
@@ -366,8 +394,9 @@ def train(
   data = make_data(keys.data, config)
   params = init_mlp(keys.init, config.dim, config.hidden, config.classes)
   tx = optax.sgd(config.learning_rate, momentum=config.momentum)
-  rows, _ = max_batch_size(config.train_size, config.batch / config.train_size, config.steps,
-                           config.delta)
+  rows, _ = max_batch_size(
+    config.train_size, config.batch / config.train_size, config.steps, config.delta
+  )
   step = (dp_step if private else plain_step)(config, tx, keys, data, rows)
   carry = (params, tx.init(params), jnp.float32(config.initial_clip))
   run_chunk = jax.jit(lambda carry, steps: jax.lax.scan(step, carry, steps))
@@ -382,10 +411,17 @@ def train(
       progress(n)
   params = carry[0]
   loss, clip_norm, median_norm, clipped, size, overflow = (
-    np.concatenate(r) for r in zip(*records, strict=True))
+    np.concatenate(r) for r in zip(*records, strict=True)
+  )
   history = History(
-    loss, clip_norm, median_norm, clipped, size, overflow,
-    eval_steps=np.array([t for t, _ in evals]), eval_accuracy=np.array([a for _, a in evals]),
+    loss,
+    clip_norm,
+    median_norm,
+    clipped,
+    size,
+    overflow,
+    eval_steps=np.array([t for t, _ in evals]),
+    eval_accuracy=np.array([a for _, a in evals]),
     train_accuracy=float(accuracy(params, data.x_train, data.y_train)),
     test_accuracy=float(accuracy(params, data.x_test, data.y_test)),
     seconds=time.perf_counter() - start,
@@ -400,28 +436,38 @@ def jax_privacy_epsilon(config: Config) -> float:
   """ε from jax_privacy's own DP-SGD accountant (RDP), for the same q, z, steps and δ."""
   from jax_privacy.accounting import accountants, analysis
 
-  params = analysis.DpParams(noise_multipliers=config.noise_multiplier,
-                             num_samples=config.train_size, delta=config.delta,
-                             batch_size=config.batch)
+  params = analysis.DpParams(
+    noise_multipliers=config.noise_multiplier,
+    num_samples=config.train_size,
+    delta=config.delta,
+    batch_size=config.batch,
+  )
   accountant = analysis.DpsgdTrainingAccountant(accountants.RdpAccountantConfig())
   return float(accountant.compute_epsilon(config.steps, params))
 
 
 def tail_mean(x: np.ndarray) -> float:
   """Mean over the last 10% of steps."""
-  return float(np.mean(x[-max(1, len(x) // 10):]))
+  return float(np.mean(x[-max(1, len(x) // 10) :]))
 
 
 def format_table(results: dict[str, History]) -> str:
-  header = (f"{'run':<12}  {'final loss':>10}  {'train acc':>9}  {'test acc':>8}  "
-            f"{'final C':>7}  {'median norm':>11}  {'clipped':>7}  {'seconds':>7}")
+  header = (
+    f"{'run':<12}  {'final loss':>10}  {'train acc':>9}  {'test acc':>8}  "
+    f"{'final C':>7}  {'median norm':>11}  {'clipped':>7}  {'seconds':>7}"
+  )
   lines = [header, "-" * len(header)]
   for name, h in results.items():
     private = not np.all(np.isnan(h.clip_norm))
-    extra = (f"{h.clip_norm[-1]:>7.3g}  {tail_mean(h.median_norm):>11.3g}  "
-             f"{tail_mean(h.clipped):>7.1%}" if private else f"{'–':>7}  {'–':>11}  {'–':>7}")
-    lines.append(f"{name:<12}  {tail_mean(h.loss):>10.4f}  {h.train_accuracy:>9.1%}  "
-                 f"{h.test_accuracy:>8.1%}  {extra}  {h.seconds:>7.1f}")
+    extra = (
+      f"{h.clip_norm[-1]:>7.3g}  {tail_mean(h.median_norm):>11.3g}  {tail_mean(h.clipped):>7.1%}"
+      if private
+      else f"{'–':>7}  {'–':>11}  {'–':>7}"
+    )
+    lines.append(
+      f"{name:<12}  {tail_mean(h.loss):>10.4f}  {h.train_accuracy:>9.1%}  "
+      f"{h.test_accuracy:>8.1%}  {extra}  {h.seconds:>7.1f}"
+    )
   return "\n".join(lines)
 
 
@@ -441,24 +487,40 @@ def plot(results: dict[str, History], config: Config, eps: dict[str, Any], out: 
   window = max(1, config.steps // 50)
   colors = {"non-private": "tab:blue", "DP-SGD": "tab:red"}
   for name, h in results.items():
-    ax_loss.plot(steps, smooth(h.loss, window), color=colors.get(name), lw=1.5,
-                 label=f"{name} (test accuracy {h.test_accuracy:.1%})")
+    ax_loss.plot(
+      steps,
+      smooth(h.loss, window),
+      color=colors.get(name),
+      lw=1.5,
+      label=f"{name} (test accuracy {h.test_accuracy:.1%})",
+    )
   ax_loss.set_yscale("log")
   ax_loss.set_xlabel("step")
   ax_loss.set_ylabel(f"training loss (batch cross-entropy, {window}-step moving average)")
-  ax_loss.set_title(f"SGD lr={config.learning_rate:g} momentum {config.momentum:g}, "
-                    f"expected batch {config.batch} of {config.train_size}", fontsize=10)
+  ax_loss.set_title(
+    f"SGD lr={config.learning_rate:g} momentum {config.momentum:g}, "
+    f"expected batch {config.batch} of {config.train_size}",
+    fontsize=10,
+  )
   ax_loss.legend()
   dp = results["DP-SGD"]
   ax_clip.plot(steps, dp.clip_norm, color="tab:red", lw=1.5, label="clip norm C")
-  ax_clip.plot(steps, dp.median_norm, color="gray", lw=1, alpha=0.8,
-               label="median per-example gradient norm (pre-clip)")
+  ax_clip.plot(
+    steps,
+    dp.median_norm,
+    color="gray",
+    lw=1,
+    alpha=0.8,
+    label="median per-example gradient norm (pre-clip)",
+  )
   ax_clip.set_yscale("log")
   ax_clip.set_xlabel("step")
   ax_clip.set_ylabel("L2 norm")
   ax_clip.set_title(
     f"DP-SGD: z={config.noise_multiplier:g}, C from {config.initial_clip:g} towards the "
-    f"{config.target_quantile:g}-quantile (count noise B/20)", fontsize=10)
+    f"{config.target_quantile:g}-quantile (count noise B/20)",
+    fontsize=10,
+  )
   ax_clip.legend()
   for name, style in (("pld", "-"), ("rdp", "--")):
     at, values = eps[name]
@@ -467,17 +529,24 @@ def plot(results: dict[str, History], config: Config, eps: dict[str, Any], out: 
   ax_eps.set_ylabel(f"ε at δ={config.delta:g}")
   ax_acc = ax_eps.twinx()
   for name, h in results.items():
-    ax_acc.plot(h.eval_steps, h.eval_accuracy, color=colors.get(name), lw=1.5, marker=".",
-                label=f"{name} test accuracy")
+    ax_acc.plot(
+      h.eval_steps,
+      h.eval_accuracy,
+      color=colors.get(name),
+      lw=1.5,
+      marker=".",
+      label=f"{name} test accuracy",
+    )
   ax_acc.set_ylabel("test accuracy")
   ax_acc.set_ylim(0, 1)
   lines = ax_eps.get_legend_handles_labels()
   more = ax_acc.get_legend_handles_labels()
   ax_eps.legend(lines[0] + more[0], lines[1] + more[1], loc="lower right")
-  ax_eps.set_title(f"Poisson q={config.batch / config.train_size:.3g}, dp_accounting",
-                   fontsize=10)
-  fig.suptitle(f"DP-SGD vs non-private: MLP on a {config.classes}-class Gaussian mixture "
-               f"({config.dim} features)")
+  ax_eps.set_title(f"Poisson q={config.batch / config.train_size:.3g}, dp_accounting", fontsize=10)
+  fig.suptitle(
+    f"DP-SGD vs non-private: MLP on a {config.classes}-class Gaussian mixture "
+    f"({config.dim} features)"
+  )
   out.parent.mkdir(parents=True, exist_ok=True)
   fig.savefig(out, dpi=100)
 
@@ -487,16 +556,32 @@ def main(argv: list[str] | None = None) -> dict[str, History]:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--steps", type=int, default=defaults.steps, help="training steps per run")
   parser.add_argument("--seed", type=int, default=defaults.seed)
-  parser.add_argument("--batch", type=int, default=defaults.batch,
-                      help="expected batch size B (Poisson sampling rate B / n)")
-  parser.add_argument("--noise-multiplier", type=float, default=defaults.noise_multiplier,
-                      help="z: the noise multiplier of the whole step (gradient and count "
-                           "noise together); the gradient gets σ ≥ z")
+  parser.add_argument(
+    "--batch",
+    type=int,
+    default=defaults.batch,
+    help="expected batch size B (Poisson sampling rate B / n)",
+  )
+  parser.add_argument(
+    "--noise-multiplier",
+    type=float,
+    default=defaults.noise_multiplier,
+    help="z: the noise multiplier of the whole step (gradient and count "
+    "noise together); the gradient gets σ ≥ z",
+  )
   parser.add_argument("--delta", type=float, default=defaults.delta, help="δ of the guarantee")
-  parser.add_argument("--privatizer", choices=("jaxclip", "jax_privacy"),
-                      default=defaults.privatizer, help="who adds the gradient noise")
-  parser.add_argument("--initial-clip", type=float, default=defaults.initial_clip,
-                      help="clip norm C before the first step")
+  parser.add_argument(
+    "--privatizer",
+    choices=("jaxclip", "jax_privacy"),
+    default=defaults.privatizer,
+    help="who adds the gradient noise",
+  )
+  parser.add_argument(
+    "--initial-clip",
+    type=float,
+    default=defaults.initial_clip,
+    help="clip norm C before the first step",
+  )
   parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="where to write the PNG")
   parser.add_argument("--tiny", action="store_true", help="a seconds-long run (smoke tests)")
   args = parser.parse_args(argv)
@@ -506,13 +591,23 @@ def main(argv: list[str] | None = None) -> dict[str, History]:
     parser.error("--delta must be in (0, 1)")
 
   config = defaults._replace(
-    steps=args.steps, seed=args.seed, batch=args.batch,
-    noise_multiplier=args.noise_multiplier, initial_clip=args.initial_clip, delta=args.delta,
+    steps=args.steps,
+    seed=args.seed,
+    batch=args.batch,
+    noise_multiplier=args.noise_multiplier,
+    initial_clip=args.initial_clip,
+    delta=args.delta,
     privatizer=args.privatizer,
   )
   if args.tiny:
-    config = config._replace(steps=min(args.steps, 60), train_size=1024, test_size=256,
-                             hidden=16, batch=min(args.batch, 64), chunk=30)
+    config = config._replace(
+      steps=min(args.steps, 60),
+      train_size=1024,
+      test_size=256,
+      hidden=16,
+      batch=min(args.batch, 64),
+      chunk=30,
+    )
   if config.batch > config.train_size:
     parser.error(f"--batch must be at most the {config.train_size} training examples")
 
@@ -520,20 +615,29 @@ def main(argv: list[str] | None = None) -> dict[str, History]:
   count_std = count_stddev(config)
   sigma = gradient_noise_multiplier(config.noise_multiplier, count_std)
   rows, p_over = max_batch_size(config.train_size, q, config.steps, config.delta)
-  print(f"{config.train_size} training / {config.test_size} test examples, {config.classes} "
-        f"classes; Poisson batches, sampling rate q={q:.4g} (expected B={config.batch}), "
-        f"padded to {rows} rows; {config.steps} steps")
-  print(f"noise multiplier z={config.noise_multiplier:g} for the step: gradient noise "
-        f"σ={sigma:.5g}, count noise σ_b=B/20={count_std:g} (Andrew et al., Thm 1: "
-        f"z⁻² = σ⁻² + (2σ_b)⁻²); noise added by {config.privatizer}")
-  eps = epsilon_curve(q, config.noise_multiplier, config.steps, config.delta,
-                      points=4 if args.tiny else 10)
+  print(
+    f"{config.train_size} training / {config.test_size} test examples, {config.classes} "
+    f"classes; Poisson batches, sampling rate q={q:.4g} (expected B={config.batch}), "
+    f"padded to {rows} rows; {config.steps} steps"
+  )
+  print(
+    f"noise multiplier z={config.noise_multiplier:g} for the step: gradient noise "
+    f"σ={sigma:.5g}, count noise σ_b=B/20={count_std:g} (Andrew et al., Thm 1: "
+    f"z⁻² = σ⁻² + (2σ_b)⁻²); noise added by {config.privatizer}"
+  )
+  eps = epsilon_curve(
+    q, config.noise_multiplier, config.steps, config.delta, points=4 if args.tiny else 10
+  )
   final = {name: float(values[-1]) for name, (_, values) in eps.items()}
-  print(f"privacy after {config.steps} steps at δ={config.delta:g} (dp_accounting, Poisson "
-        f"subsampled Gaussian): ε={final['pld']:.3f} (PLD), ε={final['rdp']:.3f} (RDP)")
+  print(
+    f"privacy after {config.steps} steps at δ={config.delta:g} (dp_accounting, Poisson "
+    f"subsampled Gaussian): ε={final['pld']:.3f} (PLD), ε={final['rdp']:.3f} (RDP)"
+  )
   truncation = (1 + math.exp(final["pld"])) * config.steps * p_over
-  print(f"a draw over {rows} rows (truncated) has probability {p_over:.2g} per step: "
-        f"it adds (1 + e^ε)·T·p = {truncation:.2g} to δ")
+  print(
+    f"a draw over {rows} rows (truncated) has probability {p_over:.2g} per step: "
+    f"it adds (1 + e^ε)·T·p = {truncation:.2g} to δ"
+  )
   if config.privatizer == "jax_privacy":
     print(f"jax_privacy's DpsgdTrainingAccountant: ε={jax_privacy_epsilon(config):.3f} (RDP)")
   results: dict[str, History] = {}
@@ -545,13 +649,21 @@ def main(argv: list[str] | None = None) -> dict[str, History]:
   print(format_table(results))
   dp = results["DP-SGD"]
   checkpoints = sorted({0, config.steps // 10, config.steps // 2, config.steps - 1})
-  print("DP-SGD clip norm C: " + ", ".join(
-    f"step {i}: {dp.clip_norm[i]:.3g} (median norm {dp.median_norm[i]:.3g})" for i in checkpoints))
-  print(f"Poisson batch sizes: mean {dp.batch_size.mean():.1f}, min {dp.batch_size.min()}, max "
-        f"{dp.batch_size.max()} (expected {config.batch}); truncated draws: "
-        f"{int(dp.overflow.sum())}")
-  print("ε (PLD) and test accuracy against steps: " + ", ".join(
-    f"step {t}: ε={e:.2f}" for t, e in zip(*eps["pld"], strict=True)))
+  print(
+    "DP-SGD clip norm C: "
+    + ", ".join(
+      f"step {i}: {dp.clip_norm[i]:.3g} (median norm {dp.median_norm[i]:.3g})" for i in checkpoints
+    )
+  )
+  print(
+    f"Poisson batch sizes: mean {dp.batch_size.mean():.1f}, min {dp.batch_size.min()}, max "
+    f"{dp.batch_size.max()} (expected {config.batch}); truncated draws: "
+    f"{int(dp.overflow.sum())}"
+  )
+  print(
+    "ε (PLD) and test accuracy against steps: "
+    + ", ".join(f"step {t}: ε={e:.2f}" for t, e in zip(*eps["pld"], strict=True))
+  )
   plot(results, config, eps, args.out)
   print(f"\nplot written to {args.out}")
   return results

@@ -164,7 +164,8 @@ def methods() -> dict[str, Method]:
     "skip_on_spike(opt)": Method(wrap=jaxclip.skip_on_spike),
     "adagc()": Method(jaxclip.adagc()),
     "adaptive_value_clip + adaptive_norm_scale": Method(
-        optax.chain(jaxclip.adaptive_value_clip(), jaxclip.adaptive_norm_scale())),
+      optax.chain(jaxclip.adaptive_value_clip(), jaxclip.adaptive_norm_scale())
+    ),
   }
   return out
 
@@ -240,10 +241,14 @@ def train(
     return loss, loss
 
   return train_loop(
-    method, optimizer(opt, config), loss_fn,
+    method,
+    optimizer(opt, config),
+    loss_fn,
     initial_params(seed_array, config.hidden, config.gain),
     lambda first, steps: batches(seed_array, first, steps, config.batch, config.length),
-    config.steps, config.chunk, progress,
+    config.steps,
+    config.chunk,
+    progress,
   )
 
 
@@ -389,8 +394,9 @@ def plot(results: dict[str, dict[str, History]], config: Config, out: Path) -> N
       color = colors[i % 10]
       q25, med, q75 = seed_quartiles(h.loss, window)
       ax_loss.plot(steps, np.where(np.isfinite(med), med, np.nan), color=color, lw=1.6, label=name)
-      ax_loss.fill_between(steps, np.minimum(q25, 1e3), np.minimum(q75, 1e3), color=color,
-                           alpha=0.15, lw=0)
+      ax_loss.fill_between(
+        steps, np.minimum(q25, 1e3), np.minimum(q75, 1e3), color=color, alpha=0.15, lw=0
+      )
       _, norm_med, _ = seed_quartiles(h.pre_clip_norm, window)
       ax_norm.plot(steps, np.where(np.isfinite(norm_med), norm_med, np.nan), color=color, lw=1.2)
     ax_loss.axhline(1 / 6, color="gray", ls=":", lw=1)
@@ -401,15 +407,18 @@ def plot(results: dict[str, dict[str, History]], config: Config, out: Path) -> N
     ax_loss.set_ylim(1e-3, 1.0)
     lr = config.sgd_learning_rate if opt == "sgd" else config.adam_learning_rate
     extra = f", momentum {config.momentum:g}" if opt == "sgd" else ""
-    ax_loss.set_title(f"{opt} lr={lr:g}{extra}: median over {config.seeds} seeds, IQR band",
-                      fontsize=10)
+    ax_loss.set_title(
+      f"{opt} lr={lr:g}{extra}: median over {config.seeds} seeds, IQR band", fontsize=10
+    )
     ax_loss.set_ylabel(f"training loss (MSE, {window}-step moving average)")
     ax_norm.set_yscale("log")
     ax_norm.set_ylabel("median pre-clip global gradient norm")
     ax_norm.set_xlabel("step")
   axes[0, 0].legend(loc="lower left", fontsize=8)
-  fig.suptitle(f"Adding problem, tanh RNN, T={config.length}, hidden {config.hidden}, "
-               f"recurrent gain {config.gain:g}")
+  fig.suptitle(
+    f"Adding problem, tanh RNN, T={config.length}, hidden {config.hidden}, "
+    f"recurrent gain {config.gain:g}"
+  )
   out.parent.mkdir(parents=True, exist_ok=True)
   fig.savefig(out, dpi=100)
 
@@ -422,7 +431,10 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, History]]:
   parser.add_argument("--seeds", type=int, default=defaults.seeds, help="seeds per method")
   parser.add_argument("--length", type=int, default=defaults.length, help="sequence length T")
   parser.add_argument(
-    "--optimizer", nargs="+", choices=["sgd", "adam"], default=list(defaults.optimizers),
+    "--optimizer",
+    nargs="+",
+    choices=["sgd", "adam"],
+    default=list(defaults.optimizers),
     help="optimizer(s) behind the clips: sgd (with momentum) and/or adam",
   )
   parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="where to write the PNG")
@@ -432,7 +444,10 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, History]]:
     parser.error("--seeds must be at least 1")
 
   config = Config(
-    steps=args.steps, seed=args.seed, seeds=args.seeds, length=args.length,
+    steps=args.steps,
+    seed=args.seed,
+    seeds=args.seeds,
+    length=args.length,
     optimizers=tuple(dict.fromkeys(args.optimizer)),
   )
   if args.tiny:
@@ -440,8 +455,10 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, History]]:
       steps=min(args.steps, 40), length=min(args.length, 10), hidden=8, batch=8, chunk=20
     )
 
-  print(f"{config.seeds} seeds ({config.seed}..{config.seed + config.seeds - 1}) per method; "
-        f"success: final loss (mean of the last 10% of steps) below {config.target:g}")
+  print(
+    f"{config.seeds} seeds ({config.seed}..{config.seed + config.seeds - 1}) per method; "
+    f"success: final loss (mean of the last 10% of steps) below {config.target:g}"
+  )
   results: dict[str, dict[str, History]] = {}
   for opt in config.optimizers:
     results[opt] = {}

@@ -49,10 +49,10 @@ IN, HIDDEN, OUT, BATCH = 32, 64, 8, 64
 # Where each parameter lives: dim 0 of every matrix over 'data' (FSDP), the
 # hidden dimension over 'model' (tensor parallelism).
 SPECS = {
-    "w1": P("data", "model"),  # (IN, HIDDEN)
-    "b1": P("model"),  # (HIDDEN,)
-    "w2": P("model", "data"),  # (HIDDEN, OUT)
-    "b2": P(),  # (OUT,): replicated
+  "w1": P("data", "model"),  # (IN, HIDDEN)
+  "b1": P("model"),  # (HIDDEN,)
+  "w2": P("model", "data"),  # (HIDDEN, OUT)
+  "b2": P(),  # (OUT,): replicated
 }
 # What the forward pass needs: the weights gathered over 'data' only.
 COMPUTE_SPECS = {"w1": P(None, "model"), "w2": P("model", None)}
@@ -61,10 +61,10 @@ COMPUTE_SPECS = {"w1": P(None, "model"), "w2": P("model", None)}
 def init_params(key):
   k1, k2 = jax.random.split(key)
   return {
-      "w1": jax.random.normal(k1, (IN, HIDDEN)) / np.sqrt(IN),
-      "b1": jnp.zeros(HIDDEN),
-      "w2": jax.random.normal(k2, (HIDDEN, OUT)) / np.sqrt(HIDDEN),
-      "b2": jnp.zeros(OUT),
+    "w1": jax.random.normal(k1, (IN, HIDDEN)) / np.sqrt(IN),
+    "b1": jnp.zeros(HIDDEN),
+    "w2": jax.random.normal(k2, (HIDDEN, OUT)) / np.sqrt(HIDDEN),
+    "b2": jnp.zeros(OUT),
   }
 
 
@@ -111,8 +111,9 @@ def main(steps: int, max_norm: float = 1.0) -> None:
     return optax.apply_updates(params, updates), opt_state, loss, grads
 
   with jax.set_mesh(mesh):
-    params = jax.tree.map(lambda p, s: jax.device_put(p, NamedSharding(mesh, s)),
-                          init_params(jax.random.key(0)), SPECS)
+    params = jax.tree.map(
+      lambda p, s: jax.device_put(p, NamedSharding(mesh, s)), init_params(jax.random.key(0)), SPECS
+    )
     opt_state = tx.init(params)
     xs, ys = make_data(jax.random.key(1), steps)
     batch_sharding = NamedSharding(mesh, P("data", None))
@@ -125,8 +126,10 @@ def main(steps: int, max_norm: float = 1.0) -> None:
       norms.append(float(optax.tree.get(opt_state, "pre_clip_norm")))
       if step % max(steps // 5, 1) == 0 or step == steps - 1:
         print(f"step {step:4d}  loss {losses[-1]:.4f}  pre-clip grad norm {norms[-1]:.3f}")
-    print(f"{steps} steps in {time.perf_counter() - start:.1f}s; "
-          f"{np.mean(np.array(norms) > max_norm):.0%} of steps clipped")
+    print(
+      f"{steps} steps in {time.perf_counter() - start:.1f}s; "
+      f"{np.mean(np.array(norms) > max_norm):.0%} of steps clipped"
+    )
 
     # The gradients come back sharded like the parameters, and so do the
     # parameters and Adam's moments after the update.
@@ -135,7 +138,9 @@ def main(steps: int, max_norm: float = 1.0) -> None:
       want = NamedSharding(mesh, spec)
       for tree in (params, grads, mu):
         assert tree[name].sharding.is_equivalent_to(want, tree[name].ndim), (
-            name, tree[name].sharding)
+          name,
+          tree[name].sharding,
+        )
     print("parameters, gradients and Adam moments keep their FSDP shardings")
 
     # The clipping step on its own: scalar all-reduces, never an all-gather.
@@ -146,8 +151,10 @@ def main(steps: int, max_norm: float = 1.0) -> None:
     print(f"clipping step collectives: {found}; all-reduces of scalars only: {scalars}")
     assert found["all-reduce"] >= 1 and found["all-gather"] == 0 and scalars, found
     step_hlo = train_step.lower(params, opt_state, x, y).compile().as_text()
-    print(f"whole train step collectives: {collectives(step_hlo)} (all-gathers: FSDP's "
-          "weight gathers in the forward pass)")
+    print(
+      f"whole train step collectives: {collectives(step_hlo)} (all-gathers: FSDP's "
+      "weight gathers in the forward pass)"
+    )
 
   first, last = np.mean(losses[:5]), np.mean(losses[-5:])
   assert last < 0.5 * first, (first, last)

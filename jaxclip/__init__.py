@@ -9,7 +9,6 @@ from jaxclip import ops as ops
 from jaxclip._accumulation import skip_bad_microbatches as skip_bad_microbatches
 from jaxclip._autoclip import AutoClipState as AutoClipState
 from jaxclip._autoclip import autoclip as autoclip
-from jaxclip._per_example import per_example_clipped_grad as per_example_clipped_grad
 from jaxclip._ghost_plan import GhostLeafPlan as GhostLeafPlan
 from jaxclip._ghost_plan import GhostPlan as GhostPlan
 from jaxclip._ghost_plan import ghost_plan as ghost_plan
@@ -20,6 +19,7 @@ from jaxclip._optax_compat import per_example_global_norm_clip as per_example_gl
 from jaxclip._optax_compat import per_example_layer_norm_clip as per_example_layer_norm_clip
 from jaxclip._optax_compat import unitwise_clip as unitwise_clip
 from jaxclip._optax_compat import unitwise_norm as unitwise_norm
+from jaxclip._per_example import per_example_clipped_grad as per_example_clipped_grad
 from jaxclip._poisson import PoissonBatch as PoissonBatch
 from jaxclip._poisson import poisson_batch as poisson_batch
 from jaxclip._quantile import quantile_clip_norm_update as quantile_clip_norm_update
@@ -50,51 +50,51 @@ from jaxclip._transforms import clip_by_value as clip_by_value
 from jaxclip._zclip import ZClipState as ZClipState
 from jaxclip._zclip import zclip as zclip
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = (
-    "AdaGCState",
-    "AdaptiveNormScaleState",
-    "AdaptiveValueClipState",
-    "AutoClipState",
-    "ClipByGlobalNormState",
-    "GhostLeafPlan",
-    "GhostPlan",
-    "PoissonBatch",
-    "RecordNormsState",
-    "SkipAboveState",
-    "SkipNonfiniteState",
-    "SkipOnSpikeState",
-    "ThresholdSuggestion",
-    "ZClipState",
-    "ZeroNonfiniteState",
-    "adagc",
-    "adaptive_grad_clip",
-    "adaptive_norm_scale",
-    "adaptive_value_clip",
-    "autoclip",
-    "clip",
-    "clip_by_average_norm",
-    "clip_by_block_rms",
-    "clip_by_global_norm",
-    "clip_by_norm",
-    "clip_by_value",
-    "clipped",
-    "ghost_plan",
-    "ops",
-    "per_example_clipped_grad",
-    "per_example_global_norm_clip",
-    "per_example_layer_norm_clip",
-    "poisson_batch",
-    "quantile_clip_norm_update",
-    "record_norms",
-    "skip_above",
-    "skip_bad_microbatches",
-    "skip_nonfinite",
-    "skip_on_spike",
-    "suggest_threshold",
-    "unitwise_clip",
-    "unitwise_norm",
-    "zclip",
-    "zero_nonfinite",
+  "AdaGCState",
+  "AdaptiveNormScaleState",
+  "AdaptiveValueClipState",
+  "AutoClipState",
+  "ClipByGlobalNormState",
+  "GhostLeafPlan",
+  "GhostPlan",
+  "PoissonBatch",
+  "RecordNormsState",
+  "SkipAboveState",
+  "SkipNonfiniteState",
+  "SkipOnSpikeState",
+  "ThresholdSuggestion",
+  "ZClipState",
+  "ZeroNonfiniteState",
+  "adagc",
+  "adaptive_grad_clip",
+  "adaptive_norm_scale",
+  "adaptive_value_clip",
+  "autoclip",
+  "clip",
+  "clip_by_average_norm",
+  "clip_by_block_rms",
+  "clip_by_global_norm",
+  "clip_by_norm",
+  "clip_by_value",
+  "clipped",
+  "ghost_plan",
+  "ops",
+  "per_example_clipped_grad",
+  "per_example_global_norm_clip",
+  "per_example_layer_norm_clip",
+  "poisson_batch",
+  "quantile_clip_norm_update",
+  "record_norms",
+  "skip_above",
+  "skip_bad_microbatches",
+  "skip_nonfinite",
+  "skip_on_spike",
+  "suggest_threshold",
+  "unitwise_clip",
+  "unitwise_norm",
+  "zclip",
+  "zero_nonfinite",
 )

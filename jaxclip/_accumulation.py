@@ -14,11 +14,11 @@ ArrayLike = jax.typing.ArrayLike
 
 
 def skip_bad_microbatches(
-    max_norm: ArrayLike | None = None,
-    *,
-    axis_name: Any = None,
-    replicated: Any = None,
-    partition_specs: Any = None,
+  max_norm: ArrayLike | None = None,
+  *,
+  axis_name: Any = None,
+  replicated: Any = None,
+  partition_specs: Any = None,
 ) -> Callable[[Any, jax.Array, Any], tuple[jax.Array, dict[str, jax.Array]]]:
   r"""A ``should_skip_update_fn`` for ``optax.MultiSteps`` that drops bad microbatches.
 
@@ -87,8 +87,9 @@ def skip_bad_microbatches(
     if max_norm is None:
       skip = jnp.logical_not(_robust.all_finite(updates, axis_name))
       return skip, {"microbatch_skipped": skip}
-    norm = _distributed.tree_norm(
-        updates, 2, axis_name, replicated, partition_specs).astype(jnp.float32)
+    norm = _distributed.tree_norm(updates, 2, axis_name, replicated, partition_specs).astype(
+      jnp.float32
+    )
     # Written so that a NaN norm fails the comparison and is skipped.
     skip = jnp.logical_not(norm <= jnp.asarray(max_norm).astype(jnp.float32))
     return skip, {"microbatch_skipped": skip, "microbatch_norm": norm}

@@ -34,13 +34,13 @@ class AutoClipState(NamedTuple):
 
 
 def autoclip(
-    percentile: ArrayLike = 10.0,
-    history: int = 1000,
-    *,
-    ord: int | float | str | None = None,
-    axis_name: Any = None,
-    replicated: Any = None,
-    partition_specs: Any = None,
+  percentile: ArrayLike = 10.0,
+  history: int = 1000,
+  *,
+  ord: int | float | str | None = None,
+  axis_name: Any = None,
+  replicated: Any = None,
+  partition_specs: Any = None,
 ) -> optax.GradientTransformationExtraArgs:
   r"""AutoClip: clips to the ``percentile``-th percentile of the norms seen so far.
 
@@ -114,11 +114,11 @@ def autoclip(
     del params
     buf = _history.empty(_validation.require_size(history, "history"))
     return AutoClipState(
-        autoclip_norm_history=buf.values,
-        autoclip_norm_count=buf.size,
-        autoclip_norm_index=buf.index,
-        autoclip_threshold=jnp.array(jnp.inf, jnp.float32),
-        autoclip_pre_clip_norm=jnp.zeros((), jnp.float32),
+      autoclip_norm_history=buf.values,
+      autoclip_norm_count=buf.size,
+      autoclip_norm_index=buf.index,
+      autoclip_threshold=jnp.array(jnp.inf, jnp.float32),
+      autoclip_pre_clip_norm=jnp.zeros((), jnp.float32),
     )
 
   def update_fn(updates, state, params=None, **extra_args):
@@ -127,16 +127,19 @@ def autoclip(
     updates = _validation.numeric_leaves(updates, "autoclip")
     norm = _distributed.tree_norm(updates, ord, axis_name, replicated, partition_specs)
     buf = _history.push(
-        _history.History(state.autoclip_norm_history, state.autoclip_norm_count,
-                         state.autoclip_norm_index), norm)
+      _history.History(
+        state.autoclip_norm_history, state.autoclip_norm_count, state.autoclip_norm_index
+      ),
+      norm,
+    )
     threshold = _history.percentile(buf, percentile)
     clipped, _ = _ops.clip_by_global_norm(updates, threshold, use_norm=norm)
     return clipped, AutoClipState(
-        autoclip_norm_history=buf.values,
-        autoclip_norm_count=buf.size,
-        autoclip_norm_index=buf.index,
-        autoclip_threshold=threshold,
-        autoclip_pre_clip_norm=norm.astype(jnp.float32),
+      autoclip_norm_history=buf.values,
+      autoclip_norm_count=buf.size,
+      autoclip_norm_index=buf.index,
+      autoclip_threshold=threshold,
+      autoclip_pre_clip_norm=norm.astype(jnp.float32),
     )
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)

@@ -65,8 +65,9 @@ def reduction_input(x: jax.Array) -> jax.Array:
 _SEQUENTIAL_BLOCK = 1024
 
 
-def plain_reduce(terms: jax.Array, op: str, axes: tuple[int, ...] | None,
-                 keepdims: bool) -> jax.Array:
+def plain_reduce(
+  terms: jax.Array, op: str, axes: tuple[int, ...] | None, keepdims: bool
+) -> jax.Array:
   """``jnp.sum`` (``op="sum"``) or ``jnp.max`` (0 for empty) of ``terms``."""
   if op == "sum":
     return jnp.sum(terms, axis=axes, keepdims=keepdims)
@@ -74,8 +75,9 @@ def plain_reduce(terms: jax.Array, op: str, axes: tuple[int, ...] | None,
   return jnp.max(terms, axis=axes, keepdims=keepdims, initial=0.0)
 
 
-def float16_reduce(terms: jax.Array, op: str, axes: tuple[int, ...] | None,
-                   keepdims: bool) -> jax.Array:
+def float16_reduce(
+  terms: jax.Array, op: str, axes: tuple[int, ...] | None, keepdims: bool
+) -> jax.Array:
   """:func:`plain_reduce` of terms computed from float16 values.
 
   On XLA:CPU the float32 conversion of a float16 leaf is never fused into a
@@ -86,8 +88,11 @@ def float16_reduce(terms: jax.Array, op: str, axes: tuple[int, ...] | None,
   if not terms.size:
     return plain_reduce(terms, op, axes, keepdims)
   axes = tuple(range(terms.ndim)) if axes is None else tuple(axes)
-  return on_cpu(lambda t: _float16_reduce_cpu(t, op, axes, keepdims),
-                lambda t: plain_reduce(t, op, axes, keepdims), terms)
+  return on_cpu(
+    lambda t: _float16_reduce_cpu(t, op, axes, keepdims),
+    lambda t: plain_reduce(t, op, axes, keepdims),
+    terms,
+  )
 
 
 def _two_output_reduce(terms: jax.Array, op: str, axes: tuple[int, ...]) -> jax.Array:
@@ -111,8 +116,9 @@ def _largest_divisor(n: int, at_most: int, at_least: int) -> int | None:
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(1, 2, 3))
-def _float16_reduce_cpu(terms: jax.Array, op: str, axes: tuple[int, ...],
-                        keepdims: bool) -> jax.Array:
+def _float16_reduce_cpu(
+  terms: jax.Array, op: str, axes: tuple[int, ...], keepdims: bool
+) -> jax.Array:
   """:func:`plain_reduce` of float16-derived terms without a float32 copy (XLA:CPU).
 
   A reduction over at most ``_SEQUENTIAL_BLOCK`` terms is one two-output
@@ -167,8 +173,9 @@ def stack(leaves: Sequence[jax.Array], shape: tuple[int, ...], nested: bool) -> 
     width = FAN_IN
     while width * FAN_IN < len(leaves):
       width *= FAN_IN
-    return jax.lax.concatenate([stack(leaves[i:i + width], shape, True)
-                                for i in range(0, len(leaves), width)], 0)
+    return jax.lax.concatenate(
+      [stack(leaves[i : i + width], shape, True) for i in range(0, len(leaves), width)], 0
+    )
   joined = leaves[0] if len(leaves) == 1 else jax.lax.concatenate(list(leaves), 0)
   return jax.lax.reshape(joined, (len(leaves),) + shape)
 
@@ -191,15 +198,14 @@ def opaque_indices(k: int, like: jax.Array) -> tuple[jax.Array, ...]:
   first = jax.lax.reshape(like, (like.size,))[0]
   false = jax.lax.bitwise_and(jax.lax.ne(first, first), jax.lax.eq(first, first))
   zero = jax.lax.convert_element_type(false, jnp.int32)
-  operands = tuple(jax.lax.broadcast_in_dim(jax.lax.add(zero, np.int32(j)), (2,), ())
-                   for j in range(k))
+  operands = tuple(
+    jax.lax.broadcast_in_dim(jax.lax.add(zero, np.int32(j)), (2,), ()) for j in range(k)
+  )
   lowest = tuple(np.int32(np.iinfo(np.int32).min) for _ in range(k))
-  return tuple(jax.lax.reduce(operands, lowest,
-                              lambda a, b: tuple(map(jax.lax.max, a, b)), (0,)))
+  return tuple(jax.lax.reduce(operands, lowest, lambda a, b: tuple(map(jax.lax.max, a, b)), (0,)))
 
 
-def rows(stacked: jax.Array, first: int, indices: tuple[jax.Array, ...] | None
-         ) -> list[jax.Array]:
+def rows(stacked: jax.Array, first: int, indices: tuple[jax.Array, ...] | None) -> list[jax.Array]:
   """Rows ``first, first + 1, ...`` of ``stacked``, each of the stack's row shape.
 
   With ``indices`` (from :func:`opaque_indices`) row ``j`` is taken at
@@ -218,10 +224,10 @@ def rows(stacked: jax.Array, first: int, indices: tuple[jax.Array, ...] | None
 
 
 def _split(stacked: jax.Array, first: int, axis: int) -> list[jax.Array]:
-  shape = stacked.shape[:axis] + stacked.shape[axis + 1:]
+  shape = stacked.shape[:axis] + stacked.shape[axis + 1 :]
   k = stacked.shape[axis]
   parts = jax.lax.split(stacked, (first,) + (1,) * (k - first) if first else (1,) * k, axis)
-  return [jax.lax.reshape(p, shape) for p in parts[1 if first else 0:]]
+  return [jax.lax.reshape(p, shape) for p in parts[1 if first else 0 :]]
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(1,))
@@ -250,9 +256,15 @@ def _indexed_rows_from(first: int) -> Callable[..., list[jax.Array]]:
     shape = stacked.shape[1:]
     # An array, not a Python 0: dynamic_slice then stages no conversion of it.
     zero = jnp.zeros((), jnp.int32)
-    return [jax.lax.reshape(jax.lax.dynamic_slice(
-        stacked, (indices[j],) + (zero,) * len(shape), (1,) + shape,
-        allow_negative_indices=False), shape) for j in range(first, stacked.shape[0])]
+    return [
+      jax.lax.reshape(
+        jax.lax.dynamic_slice(
+          stacked, (indices[j],) + (zero,) * len(shape), (1,) + shape, allow_negative_indices=False
+        ),
+        shape,
+      )
+      for j in range(first, stacked.shape[0])
+    ]
 
   @indexed_rows.def_vmap
   def indexed_rows_vmap(axis_size, in_batched, stacked, indices):

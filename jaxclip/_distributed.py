@@ -73,8 +73,7 @@ def manual_axes() -> frozenset[Hashable]:
   manual = jax.sharding.AxisType.Manual
   if mesh.empty:
     return frozenset()
-  return frozenset(n for n, t in zip(mesh.axis_names, mesh.axis_types, strict=True)
-                   if t == manual)
+  return frozenset(n for n, t in zip(mesh.axis_names, mesh.axis_types, strict=True) if t == manual)
 
 
 def varying_axes(x: Any) -> frozenset[Hashable]:
@@ -118,7 +117,6 @@ def cast_varying(tree: PyTree, names: tuple[Hashable, ...]) -> PyTree:
   return jax.tree.map(one, tree)
 
 
-
 # ----------------------------------------------------------------------------
 # Which leaves are shards over which axes
 # ----------------------------------------------------------------------------
@@ -144,9 +142,9 @@ def _shard_axes(value: Any, names: tuple[Hashable, ...], where: str) -> tuple[Ha
   """The axes of ``names`` a leaf is a shard over, from its ``replicated=`` ``value``."""
   if isinstance(value, PartitionSpec):
     raise TypeError(
-        f"replicated: the leaf at {where} is described by {value!r}, a PartitionSpec "
-        "(where a leaf is sharded); pass PartitionSpecs as partition_specs=, and "
-        "keep replicated= for True/False or the axis names a leaf is replicated over."
+      f"replicated: the leaf at {where} is described by {value!r}, a PartitionSpec "
+      "(where a leaf is sharded); pass PartitionSpecs as partition_specs=, and "
+      "keep replicated= for True/False or the axis names a leaf is replicated over."
     )
   if isinstance(value, bool):
     return () if value else names
@@ -155,33 +153,34 @@ def _shard_axes(value: Any, names: tuple[Hashable, ...], where: str) -> tuple[Ha
     unknown = [a for a in same if a not in names]
     if unknown:
       raise ValueError(
-          f"replicated: the leaf at {where} is marked replicated over {unknown}, "
-          f"which is not among axis_name={names}."
+        f"replicated: the leaf at {where} is marked replicated over {unknown}, "
+        f"which is not among axis_name={names}."
       )
     return tuple(n for n in names if n not in same)
   raise TypeError(
-      f"replicated: the leaf at {where} is described by {value!r}; use True "
-      "(replicated over every axis of axis_name), False (a shard), or an axis "
-      "name or tuple of names it is replicated over."
+    f"replicated: the leaf at {where} is described by {value!r}; use True "
+    "(replicated over every axis of axis_name), False (a shard), or an axis "
+    "name or tuple of names it is replicated over."
   )
 
 
-def _per_leaf(prefix: Any, tree: PyTree, is_leaf: Callable[[Any], bool], arg: str,
-              expected: str) -> list[Any]:
+def _per_leaf(
+  prefix: Any, tree: PyTree, is_leaf: Callable[[Any], bool], arg: str, expected: str
+) -> list[Any]:
   """The leaf of the pytree prefix ``prefix`` that covers each leaf of ``tree``."""
   values, treedef = jax.tree.flatten(prefix, is_leaf=is_leaf)
   try:
     subtrees = treedef.flatten_up_to(tree)
   except ValueError as e:
     raise ValueError(
-        f"{arg} must be a pytree prefix of the tree (with {expected} as leaves); "
-        f"it does not match the tree: {e}"
+      f"{arg} must be a pytree prefix of the tree (with {expected} as leaves); "
+      f"it does not match the tree: {e}"
     ) from None
   return [v for v, sub in zip(values, subtrees, strict=True) for _ in jax.tree.leaves(sub)]
 
 
 def leaf_reduction_axes(
-    tree: PyTree, axis_name: AxisName, replicated: Any = None, partition_specs: Any = None
+  tree: PyTree, axis_name: AxisName, replicated: Any = None, partition_specs: Any = None
 ) -> list[tuple[Hashable, ...]]:
   """For each leaf of ``tree`` (``jax.tree.leaves`` order), the axes to sum it over.
 
@@ -217,21 +216,26 @@ def leaf_reduction_axes(
   paths_leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
   if replicated is not None and partition_specs is not None:
     raise ValueError(
-        "Pass either replicated= (where leaves are replicated) or partition_specs= "
-        "(where they are sharded), not both."
+      "Pass either replicated= (where leaves are replicated) or partition_specs= "
+      "(where they are sharded), not both."
     )
   if partition_specs is not None:
     if isinstance(partition_specs, PartitionSpec):
       specs = [partition_specs] * len(paths_leaves)
     else:
-      specs = _per_leaf(partition_specs, tree, lambda x: isinstance(x, PartitionSpec),
-                        "partition_specs", "PartitionSpecs")
+      specs = _per_leaf(
+        partition_specs,
+        tree,
+        lambda x: isinstance(x, PartitionSpec),
+        "partition_specs",
+        "PartitionSpecs",
+      )
     out = []
     for spec, (path, _) in zip(specs, paths_leaves, strict=True):
       if not isinstance(spec, PartitionSpec):
         raise TypeError(
-            f"partition_specs: the leaf at {jax.tree_util.keystr(path) or '<root>'} is "
-            f"described by {spec!r}; partition_specs= takes PartitionSpecs only."
+          f"partition_specs: the leaf at {jax.tree_util.keystr(path) or '<root>'} is "
+          f"described by {spec!r}; partition_specs= takes PartitionSpecs only."
         )
       sharded = _spec_axes(spec)
       out.append(tuple(n for n in names if n in sharded))
@@ -248,14 +252,15 @@ def leaf_reduction_axes(
   if callable(replicated) and not isinstance(replicated, PartitionSpec):
     values = [replicated(path, leaf) for path, leaf in paths_leaves]
   else:
-    values = _per_leaf(replicated, tree, _is_description, "replicated",
-                       "True/False or axis names")
-  return [_shard_axes(v, names, jax.tree_util.keystr(p) or "<root>")
-          for v, (p, _) in zip(values, paths_leaves, strict=True)]
+    values = _per_leaf(replicated, tree, _is_description, "replicated", "True/False or axis names")
+  return [
+    _shard_axes(v, names, jax.tree_util.keystr(p) or "<root>")
+    for v, (p, _) in zip(values, paths_leaves, strict=True)
+  ]
 
 
 def _leaf_groups(
-    tree: PyTree, axis_name: AxisName, replicated: Any, partition_specs: Any
+  tree: PyTree, axis_name: AxisName, replicated: Any, partition_specs: Any
 ) -> dict[tuple[Any, ...], list[int]]:
   """Leaf indices grouped by the axes they are summed over (and, typed, their vma).
 
@@ -279,14 +284,14 @@ def _combine(parts: list[jax.Array], op: str) -> jax.Array:
 
 
 def sum_across_devices(
-    tree: PyTree,
-    partials: Callable[[list[Any]], list[jax.Array]],
-    axis_name: AxisName,
-    replicated: Any = None,
-    partition_specs: Any = None,
-    *,
-    op: str = "sum",
-    dtype: Any = jnp.float32,
+  tree: PyTree,
+  partials: Callable[[list[Any]], list[jax.Array]],
+  axis_name: AxisName,
+  replicated: Any = None,
+  partition_specs: Any = None,
+  *,
+  op: str = "sum",
+  dtype: Any = jnp.float32,
 ) -> jax.Array:
   """The total over every device of scalars computed from the leaves of ``tree``.
 
@@ -313,8 +318,11 @@ def sum_across_devices(
 
 
 def tree_norm(
-    tree: Any, ord: float = 2, axis_name: AxisName | None = None, replicated: Any = None,
-    partition_specs: Any = None,
+  tree: Any,
+  ord: float = 2,
+  axis_name: AxisName | None = None,
+  replicated: Any = None,
+  partition_specs: Any = None,
 ) -> jax.Array:
   """The global ``ord``-norm of every leaf of ``tree`` together.
 
@@ -336,13 +344,20 @@ def tree_norm(
   if axis_name is None:
     if replicated is not None or partition_specs is not None:
       raise ValueError(
-          "replicated= and partition_specs= only have a meaning together with axis_name=.")
+        "replicated= and partition_specs= only have a meaning together with axis_name=."
+      )
     parts = _numerics._grouped_parts(jax.tree.leaves(tree), ord, acc)
     total = _combine(parts, op) if parts else jnp.zeros((), acc)
   else:
     total = sum_across_devices(
-        tree, lambda leaves: _numerics._grouped_parts(leaves, ord, acc), axis_name,
-        replicated, partition_specs, op=op, dtype=acc)
+      tree,
+      lambda leaves: _numerics._grouped_parts(leaves, ord, acc),
+      axis_name,
+      replicated,
+      partition_specs,
+      op=op,
+      dtype=acc,
+    )
   return _numerics.safe_sqrt(total) if ord == 2 else total
 
 
@@ -359,8 +374,11 @@ def any_across_devices(flag: jax.Array, axis_name: AxisName | None) -> jax.Array
 
 
 def tree_leaf_norms(
-    tree: Any, ord: float = 2, axis_name: AxisName | None = None, replicated: Any = None,
-    partition_specs: Any = None,
+  tree: Any,
+  ord: float = 2,
+  axis_name: AxisName | None = None,
+  replicated: Any = None,
+  partition_specs: Any = None,
 ) -> tuple[list[jax.Array], jax.Array]:
   """``(norms, global_norm)``: each leaf's ``ord``-norm and the norm of them all.
 
@@ -374,8 +392,11 @@ def tree_leaf_norms(
 
 
 def tree_leaf_parts(
-    tree: Any, ord: float = 2, axis_name: AxisName | None = None, replicated: Any = None,
-    partition_specs: Any = None,
+  tree: Any,
+  ord: float = 2,
+  axis_name: AxisName | None = None,
+  replicated: Any = None,
+  partition_specs: Any = None,
 ) -> tuple[list[jax.Array], jax.Array]:
   """``(parts, total)``: each leaf's share of the ``ord``-norm, and the tree's.
 
@@ -396,7 +417,8 @@ def tree_leaf_parts(
   if axis_name is None:
     if replicated is not None or partition_specs is not None:
       raise ValueError(
-          "replicated= and partition_specs= only have a meaning together with axis_name=.")
+        "replicated= and partition_specs= only have a meaning together with axis_name=."
+      )
     totals = _numerics.leaf_parts(leaves, ord, acc)
   else:
     totals: list[Any] = [None] * len(leaves)

@@ -67,8 +67,7 @@ import jax.extend.core as jex
 import jax.numpy as jnp
 import numpy as np
 
-from jaxclip import _distributed
-from jaxclip import _numerics
+from jaxclip import _distributed, _numerics
 
 PARAM, DATA, CONST = "param", "data", "const"
 # Call primitives whose body is walked when a parameter goes in (so that the
@@ -78,8 +77,19 @@ _CALLS = frozenset({"jit", "pjit", "closed_call", "core_call", "checkpoint", "re
 _REMATS = frozenset({"checkpoint", "remat", "remat2"})
 # Primitives that rearrange a parameter without changing its values: the
 # gradient of the result has the norm of the parameter's gradient.
-_VIEWS = frozenset({"reshape", "transpose", "squeeze", "expand_dims", "copy", "copy_p",
-                    "convert_element_type", "broadcast_in_dim", "slice"})
+_VIEWS = frozenset(
+  {
+    "reshape",
+    "transpose",
+    "squeeze",
+    "expand_dims",
+    "copy",
+    "copy_p",
+    "convert_element_type",
+    "broadcast_in_dim",
+    "slice",
+  }
+)
 # Elements of per-example gradients one chunk of a group may hold at once.
 _CHUNK_ELEMENTS = 1 << 24
 _HIGHEST = jax.lax.Precision.HIGHEST
@@ -194,19 +204,23 @@ def _slice_of(eqn: Any, info: _Info, deps: frozenset[int]) -> _Info:
     return _Info(PARAM, deps)
   region = dict((a, (lo, hi)) for a, lo, hi in info.region)
   shape = eqn.invars[0].aval.shape
-  for j, (lo, hi) in enumerate(zip(eqn.params["start_indices"], eqn.params["limit_indices"],
-                                   strict=True)):
+  for j, (lo, hi) in enumerate(
+    zip(eqn.params["start_indices"], eqn.params["limit_indices"], strict=True)
+  ):
     if (lo, hi) != (0, shape[j]):
       base = region.get(info.axes[j], (0, None))[0]
       region[info.axes[j]] = (base + lo, base + hi)
-  return _Info(PARAM, deps, info.view, info.axes,
-               tuple(sorted((a, lo, hi) for a, (lo, hi) in region.items())))
+  return _Info(
+    PARAM, deps, info.view, info.axes, tuple(sorted((a, lo, hi) for a, (lo, hi) in region.items()))
+  )
 
 
 def _disjoint(a: _Info, b: _Info) -> bool:
   """Whether two views of regions of one leaf share no element."""
-  ra, rb = dict((x, (lo, hi)) for x, lo, hi in a.region), dict(
-      (x, (lo, hi)) for x, lo, hi in b.region)
+  ra, rb = (
+    dict((x, (lo, hi)) for x, lo, hi in a.region),
+    dict((x, (lo, hi)) for x, lo, hi in b.region),
+  )
   return any(ax in rb and (ra[ax][1] <= rb[ax][0] or rb[ax][1] <= ra[ax][0]) for ax in ra)
 
 
@@ -216,10 +230,15 @@ def _gather_is_lookup(eqn: Any) -> bool:
   op, idx = eqn.invars[0].aval, eqn.invars[1].aval
   rest = tuple(op.shape[1:])
   lead = idx.ndim - 1
-  return (idx.ndim >= 1 and idx.shape[-1] == 1 and tuple(dn.collapsed_slice_dims) == (0,)
-          and tuple(dn.start_index_map) == (0,) and not tuple(dn.operand_batching_dims)
-          and tuple(eqn.params["slice_sizes"]) == (1,) + rest
-          and tuple(dn.offset_dims) == tuple(range(lead, lead + len(rest))))
+  return (
+    idx.ndim >= 1
+    and idx.shape[-1] == 1
+    and tuple(dn.collapsed_slice_dims) == (0,)
+    and tuple(dn.start_index_map) == (0,)
+    and not tuple(dn.operand_batching_dims)
+    and tuple(eqn.params["slice_sizes"]) == (1,) + rest
+    and tuple(dn.offset_dims) == tuple(range(lead, lead + len(rest)))
+  )
 
 
 def _rule(eqn: Any, roles: tuple[str, ...], pos: int) -> str:
@@ -245,9 +264,16 @@ class _Walker:
     records the param and const inputs of every site (``records``).
   """
 
-  def __init__(self, mode: str, zs: Sequence[Sequence[Any]] | None = None,
-               sites: Sequence[Site] = (), *, base: int = 0,
-               stack: tuple[tuple[int, int], ...] = (), scans: int = 0):
+  def __init__(
+    self,
+    mode: str,
+    zs: Sequence[Sequence[Any]] | None = None,
+    sites: Sequence[Site] = (),
+    *,
+    base: int = 0,
+    stack: tuple[tuple[int, int], ...] = (),
+    scans: int = 0,
+  ):
     self.mode = mode
     self.zs = zs  # indexed from ``base``
     self.sites: list[Site] = list(sites)  # analyze: found; otherwise: from the analysis
@@ -262,31 +288,44 @@ class _Walker:
       roles = (PARAM,)
       avals = [aval]
     else:
-      roles = tuple(PARAM if i.kind == PARAM and _is_float(v.aval) else
-                    DATA if i.kind == DATA else CONST for i, v in zip(infos, eqn.invars))
+      roles = tuple(
+        PARAM if i.kind == PARAM and _is_float(v.aval) else DATA if i.kind == DATA else CONST
+        for i, v in zip(infos, eqn.invars, strict=True)
+      )
       avals = [v.aval for v in eqn.outvars]
     outs = tuple(j for j, a in enumerate(avals) if _is_float(a))
     if self.mode == "analyze":
-      self.sites.append(Site(
-          eqn, roles, tuple(i for i, r in zip(infos, roles) if r == PARAM), outs,
+      self.sites.append(
+        Site(
+          eqn,
+          roles,
+          tuple(i for i, r in zip(infos, roles, strict=True) if r == PARAM),
+          outs,
           tuple(avals[j] for j in outs),
-          tuple(_rule(eqn, roles, p) for p, r in enumerate(roles) if r == PARAM), self.stack))
+          tuple(_rule(eqn, roles, p) for p, r in enumerate(roles) if r == PARAM),
+          self.stack,
+        )
+      )
       self.records.append(None)
       return [None] * len(avals)
     if self.mode == "params":
-      self.records.append((
-          [v for v, r in zip(vals, roles) if r == PARAM],
-          [v for v, r in zip(vals, roles) if r == CONST]))
+      self.records.append(
+        (
+          [v for v, r in zip(vals, roles, strict=True) if r == PARAM],
+          [v for v, r in zip(vals, roles, strict=True) if r == CONST],
+        )
+      )
       return [None] * len(avals)
-    self.records.append([v for v, r in zip(vals, roles) if r == DATA])
+    self.records.append([v for v, r in zip(vals, roles, strict=True) if r == DATA])
     out = list(vals) if eqn is None else _bind(eqn, vals)
     if self.zs is not None:
-      for j, z in zip(outs, self.zs[index]):
+      for j, z in zip(outs, self.zs[index], strict=True):
         out[j] = out[j] + z
     return out
 
-  def walk(self, jaxpr: Any, consts: Sequence[Any], ins: Sequence[tuple[Any, _Info]]
-           ) -> list[tuple[Any, _Info]]:
+  def walk(
+    self, jaxpr: Any, consts: Sequence[Any], ins: Sequence[tuple[Any, _Info]]
+  ) -> list[tuple[Any, _Info]]:
     env: dict[Any, tuple[Any, _Info]] = {}
 
     def read(v):
@@ -296,9 +335,9 @@ class _Walker:
       if not isinstance(v, jex.DropVar):
         env[v] = x
 
-    for v, c in zip(jaxpr.constvars, consts):
+    for v, c in zip(jaxpr.constvars, consts, strict=True):
       write(v, (c, _CONST))
-    for v, x in zip(jaxpr.invars, ins):
+    for v, x in zip(jaxpr.invars, ins, strict=True):
       write(v, x)
     for eqn in jaxpr.eqns:
       ins_e = [read(v) for v in eqn.invars]
@@ -306,17 +345,20 @@ class _Walker:
       infos = [i for _, i in ins_e]
       kinds = {i.kind for i in infos}
       body = _body(eqn) if PARAM in kinds else None
-      scanned = (self.scan(eqn, ins_e) if eqn.primitive.name == "scan" and PARAM in kinds
-                 else None)
+      scanned = self.scan(eqn, ins_e) if eqn.primitive.name == "scan" and PARAM in kinds else None
       if scanned is not None:
         outs = scanned
       elif body is not None and self.mode == "forward" and eqn.primitive.name in _REMATS:
         outs = self.remat(eqn, body, ins_e)
       elif body is not None:
         outs = self.walk(body[0], body[1], ins_e)
-      elif DATA in kinds and any(i.kind == PARAM and _is_float(v.aval)
-                                 for i, v in zip(infos, eqn.invars)) and any(
-                                     _is_float(v.aval) for v in eqn.outvars):
+      elif (
+        DATA in kinds
+        and any(
+          i.kind == PARAM and _is_float(v.aval) for i, v in zip(infos, eqn.invars, strict=True)
+        )
+        and any(_is_float(v.aval) for v in eqn.outvars)
+      ):
         outs = [(x, _DATA) for x in self.site(eqn, vals, infos)]
       else:
         if DATA in kinds:
@@ -328,7 +370,7 @@ class _Walker:
         skip = self.mode == "analyze" or (self.mode == "params" and info.kind == DATA)
         res = [None] * len(eqn.outvars) if skip else _bind(eqn, vals)
         outs = [(x, info) for x in res]
-      for v, x in zip(eqn.outvars, outs):
+      for v, x in zip(eqn.outvars, outs, strict=True):
         write(v, x)
     return [read(v) for v in jaxpr.outvars]
 
@@ -346,19 +388,26 @@ class _Walker:
     nc, nk, length = p["num_consts"], p["num_carry"], p["length"]
     closed = p["jaxpr"]
     infos = [i for _, i in ins]
-    if any(i.kind == PARAM for i in infos[nc:nc + nk]):
+    if any(i.kind == PARAM for i in infos[nc : nc + nk]):
       return None
     c_infos = [_Info(PARAM, i.deps) if i.kind == PARAM else i for i in infos[:nc]]
-    x_infos = [_Info(PARAM, i.deps, i.view, None if i.axes is None else i.axes[1:], i.region)
-               if i.kind == PARAM else i for i in infos[nc + nk:]]
-    k_infos = [_DATA if i.kind == DATA else _CONST for i in infos[nc:nc + nk]]
+    x_infos = [
+      _Info(PARAM, i.deps, i.view, None if i.axes is None else i.axes[1:], i.region)
+      if i.kind == PARAM
+      else i
+      for i in infos[nc + nk :]
+    ]
+    k_infos = [_DATA if i.kind == DATA else _CONST for i in infos[nc : nc + nk]]
     for _ in range(nk + 1):  # a carry becomes data once an iteration makes it so
-      probe = _Walker("analyze").walk(closed.jaxpr, closed.consts,
-                                      [(None, i) for i in c_infos + k_infos + x_infos])
+      probe = _Walker("analyze").walk(
+        closed.jaxpr, closed.consts, [(None, i) for i in c_infos + k_infos + x_infos]
+      )
       if any(i.kind == PARAM for _, i in probe[:nk]):
         return None
-      new = [_DATA if DATA in (a.kind, b.kind) else _CONST
-             for a, (_, b) in zip(k_infos, probe[:nk], strict=True)]
+      new = [
+        _DATA if DATA in (a.kind, b.kind) else _CONST
+        for a, (_, b) in zip(k_infos, probe[:nk], strict=True)
+      ]
       if new == k_infos:
         break
       k_infos = new
@@ -373,37 +422,47 @@ class _Walker:
       return [(None, i) for i in k_infos + ys_infos]
     u0 = self.base + len(self.records)
     u1 = u0
-    while u1 < len(self.sites) and self.sites[u1].stack[:len(stack)] == stack:
+    while u1 < len(self.sites) and self.sites[u1].stack[: len(stack)] == stack:
       u1 += 1
     vals = [x for x, _ in ins]
     skip = self.mode == "params"  # data values are not computed in this mode
     consts = vals[:nc]
-    carry = [None if skip and i.kind == DATA else x
-             for x, i in zip(vals[nc:nc + nk], k_infos, strict=True)]
-    xs = [None if skip and i.kind == DATA else x
-          for x, i in zip(vals[nc + nk:], x_infos, strict=True)]
-    zs = None if self.zs is None else list(self.zs[u0 - self.base:u1 - self.base])
+    carry = [
+      None if skip and i.kind == DATA else x
+      for x, i in zip(vals[nc : nc + nk], k_infos, strict=True)
+    ]
+    xs = [
+      None if skip and i.kind == DATA else x for x, i in zip(vals[nc + nk :], x_infos, strict=True)
+    ]
+    zs = None if self.zs is None else list(self.zs[u0 - self.base : u1 - self.base])
     scans = [self.scans]
 
     def step(carry, x):
       xv, zv = x
       sub = _Walker(self.mode, zv, self.sites, base=u0, stack=stack, scans=self.scans)
-      outs = sub.walk(closed.jaxpr, closed.consts,
-                      list(zip(consts + list(carry) + list(xv), body_infos, strict=True)))
+      outs = sub.walk(
+        closed.jaxpr,
+        closed.consts,
+        list(zip(consts + list(carry) + list(xv), body_infos, strict=True)),
+      )
       assert len(sub.records) == u1 - u0, (len(sub.records), u1 - u0)
       scans[0] = sub.scans
-      outs = [None if skip and i.kind == DATA else x
-              for (x, _), i in zip(outs, k_infos + ys_infos, strict=True)]
+      outs = [
+        None if skip and i.kind == DATA else x
+        for (x, _), i in zip(outs, k_infos + ys_infos, strict=True)
+      ]
       return outs[:nk], (outs[nk:], sub.records)
 
-    carry, (ys, records) = jax.lax.scan(step, carry, (xs, zs), length=length,
-                                        reverse=p["reverse"], unroll=p["unroll"])
+    carry, (ys, records) = jax.lax.scan(
+      step, carry, (xs, zs), length=length, reverse=p["reverse"], unroll=p["unroll"]
+    )
     self.scans = scans[0]
     self.records.extend(records)
     return list(zip(list(carry) + list(ys), k_infos + ys_infos, strict=True))
 
-  def remat(self, eqn: Any, body: tuple[Any, list[Any]], ins: list[tuple[Any, _Info]]
-            ) -> list[tuple[Any, _Info]]:
+  def remat(
+    self, eqn: Any, body: tuple[Any, list[Any]], ins: list[tuple[Any, _Info]]
+  ) -> list[tuple[Any, _Info]]:
     """Walks a rematerialised layer's body under ``jax.checkpoint`` with the layer's policy.
 
     Only what the sites record (their data inputs) and the layer's outputs
@@ -413,18 +472,20 @@ class _Walker:
     probe.walk(body[0], body[1], [(None, i) for _, i in ins])
     count = len(probe.sites)
     u0 = len(self.records)
-    zs = list(self.zs[u0:u0 + count])
+    zs = list(self.zs[u0 : u0 + count])
     infos, found = [i for _, i in ins], {}
 
     def inner(vals, zs):
-      sub = _Walker("forward", zs, self.sites, base=self.base + u0, stack=self.stack,
-                    scans=self.scans)
+      sub = _Walker(
+        "forward", zs, self.sites, base=self.base + u0, stack=self.stack, scans=self.scans
+      )
       outs = sub.walk(body[0], body[1], list(zip(vals, infos, strict=True)))
       found.update(infos=[i for _, i in outs], scans=sub.scans)
       return [x for x, _ in outs], sub.records
 
-    outs, records = jax.checkpoint(inner, prevent_cse=eqn.params.get("prevent_cse", True),
-                                   policy=eqn.params.get("policy"))([x for x, _ in ins], zs)
+    outs, records = jax.checkpoint(
+      inner, prevent_cse=eqn.params.get("prevent_cse", True), policy=eqn.params.get("policy")
+    )([x for x, _ in ins], zs)
     self.scans = found["scans"]
     self.records.extend(records)
     return list(zip(outs, found["infos"], strict=True))
@@ -437,8 +498,9 @@ class _Walker:
     return [loss] + [x for x, _ in outs[1:]]
 
 
-def site_outputs(site: Site, pvals: Sequence[Any], cvals: Sequence[Any], dvals: Sequence[Any]
-                 ) -> list[Any]:
+def site_outputs(
+  site: Site, pvals: Sequence[Any], cvals: Sequence[Any], dvals: Sequence[Any]
+) -> list[Any]:
   """The floating-point outputs of ``site`` for the given inputs (of one example).
 
   Inside scans, every input and output has one leading axis per scan.
@@ -486,8 +548,7 @@ def _dot_dims(site: Site, pos: int) -> tuple[tuple[int, int, int, int], tuple[li
   return (nb, t, c, f), (list(batch), free, list(contract))
 
 
-def _dot_operands(site: Site, pos: int, a: jax.Array, g: jax.Array
-                  ) -> tuple[jax.Array, jax.Array]:
+def _dot_operands(site: Site, pos: int, a: jax.Array, g: jax.Array) -> tuple[jax.Array, jax.Array]:
   """A ``dot_general`` site's data operand and output gradient, canonicalised.
 
   Returns ``A`` of shape ``(examples, n, T, C)`` and ``G`` of shape
@@ -592,8 +653,14 @@ def conv_sumsq(site: Site, kernel: jax.Array, a: jax.Array, g: jax.Array) -> jax
   def patches(a_b):  # (positions, C * K), columns channel-major
     x = jnp.transpose(a_b, dn.lhs_spec)  # N, C, spatial...
     p = jax.lax.conv_general_dilated_patches(
-        x, filt, params["window_strides"], params["padding"], params["lhs_dilation"],
-        params["rhs_dilation"], precision=_HIGHEST)  # N, C * K, out spatial...
+      x,
+      filt,
+      params["window_strides"],
+      params["padding"],
+      params["lhs_dilation"],
+      params["rhs_dilation"],
+      precision=_HIGHEST,
+    )  # N, C * K, out spatial...
     return jnp.moveaxis(p, 1, -1).reshape(positions, -1)
 
   n = a.shape[0]
@@ -637,8 +704,9 @@ def gather_sumsq(site: Site, ids: jax.Array, g: jax.Array) -> jax.Array:
   return jnp.sum(table * table, axis=(1, 2))
 
 
-def tied_cross(lookup: Site, ids: jax.Array, g_rows: jax.Array, dot: Site, pos: int,
-               a: jax.Array, g: jax.Array) -> jax.Array:
+def tied_cross(
+  lookup: Site, ids: jax.Array, g_rows: jax.Array, dot: Site, pos: int, a: jax.Array, g: jax.Array
+) -> jax.Array:
   """Each example's ``<grad through the lookup, grad through the dot>`` of one table.
 
   For a table ``E`` (``rows x R``) read by ``E[ids]`` and used by a
@@ -651,13 +719,15 @@ def tied_cross(lookup: Site, ids: jax.Array, g_rows: jax.Array, dot: Site, pos: 
   a, g = _dot_operands(dot, pos, a, g)  # (b, 1, T, R) and (b, 1, T, rows)
   a, g = a[:, 0], g[:, 0]
   m = jnp.einsum("btr,bsr->bts", g_rows, a, precision=_HIGHEST)
-  picked = jnp.take_along_axis(g, jnp.broadcast_to(ids[:, None, :], g.shape[:2] + ids.shape[1:]),
-                               axis=2)  # (b, s, t): G[s, id_t]
+  picked = jnp.take_along_axis(
+    g, jnp.broadcast_to(ids[:, None, :], g.shape[:2] + ids.shape[1:]), axis=2
+  )  # (b, s, t): G[s, id_t]
   return jnp.sum(m * jnp.swapaxes(picked, 1, 2), axis=(1, 2))
 
 
-def _tied_pair(sites: Sequence[Site], leaf: int, bounds: Sequence[tuple[int, int]]
-               ) -> tuple[tuple[int, int], tuple[int, int]] | None:
+def _tied_pair(
+  sites: Sequence[Site], leaf: int, bounds: Sequence[tuple[int, int]]
+) -> tuple[tuple[int, int], tuple[int, int]] | None:
   """``(lookup, dot)`` boundaries if a 2-D leaf is an embedding table tied to a head."""
   if len(bounds) != 2 or any(sites[u].stack for u, _ in bounds):
     return None
@@ -749,13 +819,18 @@ def make_plan(sites: Sequence[Site], num_leaves: int) -> Plan:
   ghost_cost = sum(_site_cost(sites[u], k, rule)[0] for u, k, rule in ghost)
   for pair in tied:
     (gu, gk), (du, dk) = pair
-    ghost_cost += (_site_cost(sites[gu], gk, "gather")[0] + _site_cost(sites[du], dk, "dot")[0]
-                   + _tied_cross_cost(sites, pair))
-  ghost_cost += sum(_site_cost(sites[u], k, "generic")[1] for _, bounds in groups
-                    for u, k in bounds)
+    ghost_cost += (
+      _site_cost(sites[gu], gk, "gather")[0]
+      + _site_cost(sites[du], dk, "dot")[0]
+      + _tied_cross_cost(sites, pair)
+    )
+  ghost_cost += sum(
+    _site_cost(sites[u], k, "generic")[1] for _, bounds in groups for u, k in bounds
+  )
   per_example = sum(_site_cost(sites[u], k, sites[u].rules[k])[1] for u, k in boundaries)
-  return Plan(tuple(sites), tuple(ghost), tuple(tied), _merge_groups(groups),
-              (ghost_cost, per_example))
+  return Plan(
+    tuple(sites), tuple(ghost), tuple(tied), _merge_groups(groups), (ghost_cost, per_example)
+  )
 
 
 def _site_cost(site: Site, k: int, rule: str) -> tuple[int, int]:
@@ -773,15 +848,17 @@ def _site_cost(site: Site, k: int, rule: str) -> tuple[int, int]:
   elif rule == "conv":
     groups, positions, taps, outs = _conv_dims(site)
     grad = groups * positions * taps * outs
-    ghost = (groups * positions * positions * (taps + outs)
-             if _gram_is_cheaper(positions, taps, outs) else grad)
+    ghost = (
+      groups * positions * positions * (taps + outs)
+      if _gram_is_cheaper(positions, taps, outs)
+      else grad
+    )
   else:  # an elementwise or small operation: about its outputs' size
     grad = ghost = sum(math.prod(a.shape) for a in site.out_avals)
   return ghost * reps, grad * reps
 
 
-def _tied_cross_cost(sites: Sequence[Site], pair: tuple[tuple[int, int], tuple[int, int]]
-                     ) -> int:
+def _tied_cross_cost(sites: Sequence[Site], pair: tuple[tuple[int, int], tuple[int, int]]) -> int:
   (gu, _), (du, dk) = pair
   t_lookup = math.prod(sites[gu].eqn.invars[1].aval.shape[:-1])
   _, t, c, f = _dot_dims(sites[du], sites[du].param_positions()[dk])[0]
@@ -796,24 +873,30 @@ def _disjoint_uses(sites: Sequence[Site], leaf: int, bounds: Sequence[tuple[int,
   disjoint slices (a Python loop over ``W[l]``), in the same scans.
   """
   infos = [sites[u].infos[k] for u, k in bounds]
-  if any(i.view != leaf or sites[u].rules[k] == "generic"
-         for i, (u, k) in zip(infos, bounds, strict=True)):
+  if any(
+    i.view != leaf or sites[u].rules[k] == "generic"
+    for i, (u, k) in zip(infos, bounds, strict=True)
+  ):
     return False
   if len({sites[u].stack for u, _ in bounds}) != 1:
     return False
-  return all(_disjoint(a, b) for j, a in enumerate(infos) for b in infos[j + 1:])
+  return all(_disjoint(a, b) for j, a in enumerate(infos) for b in infos[j + 1 :])
 
 
 def _disjoint_views(sites: Sequence[Site], leaf: int, bounds: Sequence[tuple[int, int]]) -> bool:
   """Whether every use of the leaf is a view of its own part of it, in the same scans."""
   infos = [sites[u].infos[k] for u, k in bounds]
-  return (bool(infos) and all(i.view == leaf and i.deps == {leaf} for i in infos)
-          and len({sites[u].stack for u, _ in bounds}) == 1
-          and all(_disjoint(a, b) for j, a in enumerate(infos) for b in infos[j + 1:]))
+  return (
+    bool(infos)
+    and all(i.view == leaf and i.deps == {leaf} for i in infos)
+    and len({sites[u].stack for u, _ in bounds}) == 1
+    and all(_disjoint(a, b) for j, a in enumerate(infos) for b in infos[j + 1 :])
+  )
 
 
-def _merge_groups(groups: list[tuple[tuple[int, ...], tuple[tuple[int, int], ...]]]
-                  ) -> tuple[tuple[tuple[int, ...], tuple[tuple[int, int], ...]], ...]:
+def _merge_groups(
+  groups: list[tuple[tuple[int, ...], tuple[tuple[int, int], ...]]],
+) -> tuple[tuple[tuple[int, ...], tuple[tuple[int, int], ...]], ...]:
   """The instantiated groups as one: a single per-example pass, through each site once."""
   if not groups:
     return ()
@@ -830,8 +913,10 @@ def leaf_rules(plan: Plan, num_leaves: int) -> list[tuple[str, str | None]]:
   out: list[tuple[str, str | None]] = [("unused", None)] * num_leaves
   if plan.vmap_cheaper:
     ghost, per_example = plan.cost
-    why = (f"cheaper to instantiate: the ghost norms' {ghost:.3g} flops per example exceed "
-           f"{_VMAP_RATIO:g}x the per-example gradients' {per_example:.3g}")
+    why = (
+      f"cheaper to instantiate: the ghost norms' {ghost:.3g} flops per example exceed "
+      f"{_VMAP_RATIO:g}x the per-example gradients' {per_example:.3g}"
+    )
     used = {i for s in plan.sites for info in s.infos for i in info.deps}
     return [("instantiate", why) if i in used else ("unused", None) for i in range(num_leaves)]
   for u, k, rule in plan.ghost:
@@ -844,13 +929,14 @@ def leaf_rules(plan: Plan, num_leaves: int) -> list[tuple[str, str | None]]:
   return out
 
 
-def _fallback_reason(sites: Sequence[Site], leaf: int, leaves: Sequence[int],
-                     bounds: Sequence[tuple[int, int]]) -> str:
+def _fallback_reason(
+  sites: Sequence[Site], leaf: int, leaves: Sequence[int], bounds: Sequence[tuple[int, int]]
+) -> str:
   """Why a leaf's per-example gradient is instantiated, in a few words."""
   mine = [(u, k) for u, k in bounds if leaf in sites[u].infos[k].deps]
   if len(mine) > 1:
     return "used twice" if len(mine) == 2 else f"used {len(mine)} times"
-  (u, k), = mine
+  ((u, k),) = mine
   site, info = sites[u], sites[u].infos[k]
   if len(info.deps) > 1:
     return f"combined with another parameter before `{site.name}`"
@@ -863,8 +949,9 @@ def _fallback_reason(sites: Sequence[Site], leaf: int, leaves: Sequence[int],
 
 def input_infos(ndims: Sequence[int], batched: Sequence[bool]) -> list[_Info]:
   """The classes of the loss's inputs: the parameter leaves, then the arguments."""
-  return ([_Info(PARAM, frozenset({i}), i, tuple(range(ndim))) for i, ndim in enumerate(ndims)]
-          + [_DATA if b else _CONST for b in batched])
+  return [_Info(PARAM, frozenset({i}), i, tuple(range(ndim))) for i, ndim in enumerate(ndims)] + [
+    _DATA if b else _CONST for b in batched
+  ]
 
 
 def analyze(closed: Any, in_infos: Sequence[_Info]) -> list[Site]:
@@ -904,8 +991,14 @@ class Traced:
   plan: Plan
 
 
-def trace(example_loss: Callable[..., Any], params: Any, args: Sequence[Any],
-          batch_idx: Sequence[int], *, has_aux: bool) -> Traced:
+def trace(
+  example_loss: Callable[..., Any],
+  params: Any,
+  args: Sequence[Any],
+  batch_idx: Sequence[int],
+  *,
+  has_aux: bool,
+) -> Traced:
   """Traces one example's loss and plans each parameter's rule.
 
   Args:
@@ -917,20 +1010,24 @@ def trace(example_loss: Callable[..., Any], params: Any, args: Sequence[Any],
   """
   leaves, params_tree = jax.tree.flatten(params)
   if any(jnp.issubdtype(jnp.result_type(x), jnp.complexfloating) for x in leaves):
-    raise ValueError("per_example_clipped_grad(method='ghost') takes real parameters only; "
-                     "use method='vmap' for complex ones.")
+    raise ValueError(
+      "per_example_clipped_grad(method='ghost') takes real parameters only; "
+      "use method='vmap' for complex ones."
+    )
   flat, args_tree = jax.tree.flatten(list(args))
   which = [i for i, a in enumerate(args) for _ in jax.tree.leaves(a)]
-  static = {j: x for j, (x, i) in enumerate(zip(flat, which, strict=True))
-            if i not in batch_idx and _is_static(x)}
+  static = {
+    j: x
+    for j, (x, i) in enumerate(zip(flat, which, strict=True))
+    if i not in batch_idx and _is_static(x)
+  }
   arg_leaves = [jnp.asarray(x) for j, x in enumerate(flat) if j not in static]
   batched = [i in batch_idx for j, i in enumerate(which) if j not in static]
 
   def flat_loss(ls, xs):
     it = iter(xs)
     full = [static[j] if j in static else next(it) for j in range(len(flat))]
-    return example_loss(jax.tree.unflatten(params_tree, ls),
-                        *jax.tree.unflatten(args_tree, full))
+    return example_loss(jax.tree.unflatten(params_tree, ls), *jax.tree.unflatten(args_tree, full))
 
   def example(x, batched):
     # Inside shard_map the jaxpr must keep the axes each value varies over (and
@@ -938,31 +1035,34 @@ def trace(example_loss: Callable[..., Any], params: Any, args: Sequence[Any],
     if _distributed.varying_axes(x):
       return x[0] if batched else x
     aval = jax.typeof(x)
-    return jax.ShapeDtypeStruct(x.shape[1:] if batched else x.shape, x.dtype,
-                                weak_type=aval.weak_type)
+    return jax.ShapeDtypeStruct(
+      x.shape[1:] if batched else x.shape, x.dtype, weak_type=aval.weak_type
+    )
 
   closed, out_shape = jax.make_jaxpr(flat_loss, return_shape=True)(
-      leaves, [example(x, b) for x, b in zip(arg_leaves, batched, strict=True)])
+    leaves, [example(x, b) for x, b in zip(arg_leaves, batched, strict=True)]
+  )
   loss_shape = out_shape[0] if has_aux else out_shape
   if jnp.shape(loss_shape) or not jnp.issubdtype(loss_shape.dtype, jnp.floating):
     raise ValueError(
-        "per_example_clipped_grad needs loss_fn to return a real scalar for one example, "
-        f"got {loss_shape}.")
+      "per_example_clipped_grad needs loss_fn to return a real scalar for one example, "
+      f"got {loss_shape}."
+    )
   infos = input_infos([jnp.ndim(x) for x in leaves], batched)
   plan = make_plan(analyze(closed, infos), len(leaves))
   return Traced(closed, out_shape, leaves, params_tree, arg_leaves, batched, plan)
 
 
 def clipped_sum(
-    closed: Any,
-    plan: Plan,
-    leaves: list[jax.Array],
-    arg_leaves: list[Any],
-    batched: Sequence[bool],
-    weights_fn: Callable[[jax.Array], tuple[jax.Array, Any]],
-    *,
-    mask: jax.Array | None,
-    spmd_axis_name: Any,
+  closed: Any,
+  plan: Plan,
+  leaves: list[jax.Array],
+  arg_leaves: list[Any],
+  batched: Sequence[bool],
+  weights_fn: Callable[[jax.Array], tuple[jax.Array, Any]],
+  *,
+  mask: jax.Array | None,
+  spmd_axis_name: Any,
 ) -> tuple[list[jax.Array], jax.Array, Any, list[Any]]:
   """Per-example norms, then the weighted sum of per-example gradients.
 
@@ -987,24 +1087,29 @@ def clipped_sum(
   """
   sites = plan.sites
   in_infos = input_infos([jnp.ndim(x) for x in leaves], batched)
-  data = [x for x, b in zip(arg_leaves, batched) if b]
+  data = [x for x, b in zip(arg_leaves, batched, strict=True) if b]
   n = data[0].shape[0]
 
   def merge(data_b):
     it = iter(data_b)
-    return [next(it) if b else x for x, b in zip(arg_leaves, batched)]
+    return [next(it) if b else x for x, b in zip(arg_leaves, batched, strict=True)]
 
   def one(zs_b, data_b):
     walker = _Walker("forward", zs_b, sites)
-    outs = walker.run(closed, list(zip(leaves + merge(data_b), in_infos)))
+    outs = walker.run(closed, list(zip(leaves + merge(data_b), in_infos, strict=True)))
     return outs[0], (outs[1:], walker.records)
 
   def total(zs):
     loss, rest = jax.vmap(one, spmd_axis_name=spmd_axis_name)(zs, data)
     return jnp.sum(loss), rest
 
-  zs = [tuple(_batch_zeros((n,) + tuple(length for _, length in s.stack) + a.shape, a.dtype,
-                           data[0]) for a in s.out_avals) for s in sites]
+  zs = [
+    tuple(
+      _batch_zeros((n,) + tuple(length for _, length in s.stack) + a.shape, a.dtype, data[0])
+      for a in s.out_avals
+    )
+    for s in sites
+  ]
   # Inside shard_map the zeros must vary as the examples do: the gradient with
   # respect to a value that is the same on every device is summed over them.
   vary = frozenset().union(*map(_distributed.varying_axes, leaves + arg_leaves))
@@ -1014,8 +1119,16 @@ def clipped_sum(
 
   def params_pass(ls):
     walker = _Walker("params", None, sites)
-    walker.run(closed, list(zip(list(ls) + [None if b else x for x, b in zip(arg_leaves, batched)],
-                                in_infos)))
+    walker.run(
+      closed,
+      list(
+        zip(
+          list(ls) + [None if b else x for x, b in zip(arg_leaves, batched, strict=True)],
+          in_infos,
+          strict=True,
+        )
+      ),
+    )
     return [p for p, _ in walker.records], [c for _, c in walker.records]
 
   pvals, pull, cvals = jax.vjp(params_pass, leaves, has_aux=True)
@@ -1026,24 +1139,35 @@ def clipped_sum(
     site = sites[u]
     if rule == "dot":
       pos = site.param_positions()[k]
-      part = per_iteration(site, lambda a, g, site=site, pos=pos: dot_sumsq(site, pos, a, g),
-                           drecs[u][0], gs[u][0])
+      part = per_iteration(
+        site, lambda a, g, site=site, pos=pos: dot_sumsq(site, pos, a, g), drecs[u][0], gs[u][0]
+      )
     elif rule == "conv":
-      part = per_iteration(site, lambda k, a, g, site=site: conv_sumsq(site, k, a, g),
-                           _broadcast_batch(pvals[u][k], n), drecs[u][0], gs[u][0])
+      part = per_iteration(
+        site,
+        lambda k, a, g, site=site: conv_sumsq(site, k, a, g),
+        _broadcast_batch(pvals[u][k], n),
+        drecs[u][0],
+        gs[u][0],
+      )
     else:
-      part = per_iteration(site, lambda i, g, site=site: gather_sumsq(site, i, g),
-                           drecs[u][0], gs[u][0])
+      part = per_iteration(
+        site, lambda i, g, site=site: gather_sumsq(site, i, g), drecs[u][0], gs[u][0]
+      )
     sumsq = sumsq + part.astype(acc)
   for (gu, _), (du, dk) in plan.tied:
     pos = sites[du].param_positions()[dk]
     ids, rows, a, g = drecs[gu][0], gs[gu][0], drecs[du][0], gs[du][0]
-    part = (gather_sumsq(sites[gu], ids, rows) + dot_sumsq(sites[du], pos, a, g)
-            + 2 * tied_cross(sites[gu], ids, rows, sites[du], pos, a, g))
+    part = (
+      gather_sumsq(sites[gu], ids, rows)
+      + dot_sumsq(sites[du], pos, a, g)
+      + 2 * tied_cross(sites[gu], ids, rows, sites[du], pos, a, g)
+    )
     sumsq = sumsq + part.astype(acc)
   for group in plan.groups:
-    sumsq = sumsq + _group_sumsq(group, sites, leaves, params_pass, pvals, cvals, drecs, gs,
-                                 spmd_axis_name).astype(acc)
+    sumsq = sumsq + _group_sumsq(
+      group, sites, leaves, params_pass, pvals, cvals, drecs, gs, spmd_axis_name
+    ).astype(acc)
   norms = _numerics.safe_sqrt(sumsq)
   weights, extra = weights_fn(norms)
 
@@ -1052,7 +1176,8 @@ def clipped_sum(
   for u, site in enumerate(sites):  # every site has a float output
     wg = [_weighted(g, weights) for g in gs[u]]
     fn = lambda pv, site=site, c=cvals[u], d=drecs[u]: _batched_outputs(
-        site, pv, c, d, n, spmd_axis_name)
+      site, pv, c, d, n, spmd_axis_name
+    )
     vjp = _site_vjp(site, fn, pvals[u])
     cts.append(vjp(wg)[0])
   (grads,) = pull(cts)
@@ -1065,13 +1190,20 @@ def _broadcast_batch(x: jax.Array, n: int) -> jax.Array:
   return jnp.broadcast_to(x, (n,) + jnp.shape(x))
 
 
-def _batched_outputs(site: Site, pvals: Sequence[Any], cvals: Sequence[Any],
-                     dvals: Sequence[Any], n: int, spmd_axis_name: Any) -> list[Any]:
+def _batched_outputs(
+  site: Site,
+  pvals: Sequence[Any],
+  cvals: Sequence[Any],
+  dvals: Sequence[Any],
+  n: int,
+  spmd_axis_name: Any,
+) -> list[Any]:
   """The site's outputs for every example (``dvals`` with a leading batch axis)."""
   if not dvals:  # the site does not see the example: the same outputs for all
     return [jnp.broadcast_to(x, (n,) + jnp.shape(x)) for x in site_outputs(site, pvals, cvals, [])]
-  return jax.vmap(lambda db: site_outputs(site, pvals, cvals, db),
-                  spmd_axis_name=spmd_axis_name)(dvals)
+  return jax.vmap(lambda db: site_outputs(site, pvals, cvals, db), spmd_axis_name=spmd_axis_name)(
+    dvals
+  )
 
 
 def _site_vjp(site: Site, fn: Callable[[Any], Any], primals: Any) -> Callable[[Any], Any]:
@@ -1082,8 +1214,9 @@ def _site_vjp(site: Site, fn: Callable[[Any], Any], primals: Any) -> Callable[[A
       return call(*args)
     except Exception as exc:  # re-raised with the primitive's name
       raise ValueError(
-          "per_example_clipped_grad(method='ghost') cannot differentiate the loss with respect "
-          f"to the parameters through `{site.name}`: {exc}") from exc
+        "per_example_clipped_grad(method='ghost') cannot differentiate the loss with respect "
+        f"to the parameters through `{site.name}`: {exc}"
+      ) from exc
 
   vjp = named(lambda: jax.vjp(fn, primals)[1])
   return lambda cts: named(vjp, cts)
@@ -1113,11 +1246,13 @@ def _group_sumsq(group, sites, leaves, params_pass, pvals, cvals, drecs, gs, spm
   # A leaf whose uses are views of disjoint parts of it (a bias, a scale, a
   # slice per scan iteration) has the squared norm of its uses' gradients
   # summed: no pull-back to the leaf is needed.
-  direct = {i for i in members if _disjoint_views(
-      sites, i, [(u, k) for u, k in bounds if i in sites[u].infos[k].deps])}
+  direct = {
+    i
+    for i in members
+    if _disjoint_views(sites, i, [(u, k) for u, k in bounds if i in sites[u].infos[k].deps])
+  }
   pulled = [i for i in members if i not in direct]
-  order = [(u, k) for u in by_site for k in by_site[u]
-           if not sites[u].infos[k].deps <= direct]
+  order = [(u, k) for u in by_site for k in by_site[u] if not sites[u].infos[k].deps <= direct]
 
   def boundary_values(sub):
     full = list(leaves)
@@ -1155,7 +1290,8 @@ def _group_sumsq(group, sites, leaves, params_pass, pvals, cvals, drecs, gs, spm
   gg = {u: gs[u] for u in by_site}
   n = next(iter(gg.values()))[0].shape[0]
   size = sum(math.prod(jnp.shape(leaves[i])) for i in members) + sum(
-      math.prod(jnp.shape(pvals[u][k])) for u, k in order)
+    math.prod(jnp.shape(pvals[u][k])) for u, k in order
+  )
   chunk = max(1, min(n, _CHUNK_ELEMENTS // max(size, 1)))
   if spmd_axis_name is not None or chunk >= n:
     # One chunk: a plain vmap (lax.map would compile the per-example gradient

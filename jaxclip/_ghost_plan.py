@@ -60,24 +60,25 @@ class GhostPlan:
 
   def __str__(self) -> str:
     rows = [("path", "shape", "rule", "floats", "reason")] + [
-        (leaf.path, str(leaf.shape), leaf.rule, str(leaf.floats), leaf.reason or "")
-        for leaf in self.leaves]
+      (leaf.path, str(leaf.shape), leaf.rule, str(leaf.floats), leaf.reason or "")
+      for leaf in self.leaves
+    ]
     widths = [max(len(r[j]) for r in rows) for j in range(4)]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(r[:4], widths, strict=True)) + "  " + r[4]
-             for r in rows]
+    lines = [
+      "  ".join(c.ljust(w) for c, w in zip(r[:4], widths, strict=True)) + "  " + r[4] for r in rows
+    ]
     lines = [line.rstrip() for line in lines]
-    lines.append(f"{len(self.leaves)} leaves; {self.fallback_share:.1%} of the floats "
-                 "instantiated")
+    lines.append(f"{len(self.leaves)} leaves; {self.fallback_share:.1%} of the floats instantiated")
     return "\n".join(lines)
 
 
 def ghost_plan(
-    loss_fn: Callable[..., Any],
-    params: Any,
-    *args: Any,
-    batch_argnums: int | Sequence[int] | None = None,
-    keep_batch_dim: bool = False,
-    has_aux: bool = False,
+  loss_fn: Callable[..., Any],
+  params: Any,
+  *args: Any,
+  batch_argnums: int | Sequence[int] | None = None,
+  keep_batch_dim: bool = False,
+  has_aux: bool = False,
 ) -> GhostPlan:
   r"""The rule ``per_example_clipped_grad(method="ghost")`` gives each parameter.
 
@@ -147,20 +148,26 @@ def ghost_plan(
   batch_argnums = (batch_argnums,) if isinstance(batch_argnums, int) else tuple(batch_argnums)
   if not batch_argnums or any(i < 1 for i in batch_argnums) or max(batch_argnums) > len(args):
     raise ValueError(
-        f"batch_argnums must name some of the {len(args)} arguments after params (1, 2, ...), "
-        f"got {batch_argnums!r}.")
+      f"batch_argnums must name some of the {len(args)} arguments after params (1, 2, ...), "
+      f"got {batch_argnums!r}."
+    )
   _validation.check_inexact_leaves(params, "ghost_plan")
   idx = [i - 1 for i in batch_argnums]
 
   def example_loss(p, *xs):
     if keep_batch_dim:
-      xs = [jax.tree.map(lambda x: jnp.expand_dims(x, 0), a) if i in idx else a
-            for i, a in enumerate(xs)]
+      xs = [
+        jax.tree.map(lambda x: jnp.expand_dims(x, 0), a) if i in idx else a
+        for i, a in enumerate(xs)
+      ]
     return loss_fn(p, *xs)
 
   traced = _ghost.trace(example_loss, params, args, idx, has_aux=has_aux)
   rules = _ghost.leaf_rules(traced.plan, len(traced.leaves))
   paths = [jax.tree_util.keystr(k) for k, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
-  return GhostPlan(tuple(
+  return GhostPlan(
+    tuple(
       GhostLeafPlan(path, rule, reason, int(jnp.size(x)), tuple(jnp.shape(x)))
-      for path, (rule, reason), x in zip(paths, rules, traced.leaves, strict=True)))
+      for path, (rule, reason), x in zip(paths, rules, traced.leaves, strict=True)
+    )
+  )

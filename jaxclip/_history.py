@@ -31,9 +31,9 @@ class History(NamedTuple):
 def empty(capacity: int) -> History:
   """An empty history with room for ``capacity`` values."""
   return History(
-      values=jnp.zeros((capacity,), jnp.float32),
-      size=jnp.zeros((), jnp.int32),
-      index=jnp.zeros((), jnp.int32),
+    values=jnp.zeros((capacity,), jnp.float32),
+    size=jnp.zeros((), jnp.int32),
+    index=jnp.zeros((), jnp.int32),
   )
 
 
@@ -45,9 +45,9 @@ def push(history: History, value: jax.Array) -> History:
   keep = jnp.isfinite(value)
   written = values.at[index].set(jnp.where(keep, value, values[index]))
   return History(
-      values=written,
-      size=jnp.where(keep, jnp.minimum(size + 1, capacity), size),
-      index=jnp.where(keep, (index + 1) % capacity, index),
+    values=written,
+    size=jnp.where(keep, jnp.minimum(size + 1, capacity), size),
+    index=jnp.where(keep, (index + 1) % capacity, index),
   )
 
 

@@ -8,11 +8,11 @@ from jaxclip import _transforms, _validation
 
 
 def clipped(
-    optimizer: optax.GradientTransformation,
-    *,
-    clipnorm: float | None = None,
-    clipvalue: float | None = None,
-    global_clipnorm: float | None = None,
+  optimizer: optax.GradientTransformation,
+  *,
+  clipnorm: float | None = None,
+  clipvalue: float | None = None,
+  global_clipnorm: float | None = None,
 ) -> optax.GradientTransformationExtraArgs:
   r"""Wraps an optimizer so that gradients are clipped first, as Keras's arguments.
 
@@ -61,13 +61,21 @@ def clipped(
     Array([-0.06, -0.08], dtype=float32)
   """
   _validation.check_transform(optimizer, "optimizer")
-  given = {name: value for name, value in (
-      ("clipnorm", clipnorm), ("clipvalue", clipvalue),
-      ("global_clipnorm", global_clipnorm)) if value is not None}
+  given = {
+    name: value
+    for name, value in (
+      ("clipnorm", clipnorm),
+      ("clipvalue", clipvalue),
+      ("global_clipnorm", global_clipnorm),
+    )
+    if value is not None
+  }
   if len(given) > 1:
     raise ValueError(
-        "Only one of clipnorm, clipvalue and global_clipnorm can be set, got "
-        + ", ".join(f"{k}={v!r}" for k, v in given.items()) + ".")
+      "Only one of clipnorm, clipvalue and global_clipnorm can be set, got "
+      + ", ".join(f"{k}={v!r}" for k, v in given.items())
+      + "."
+    )
   for name, value in given.items():
     _validation.check_threshold(value, name)
   if global_clipnorm is not None:

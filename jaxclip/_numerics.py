@@ -150,8 +150,14 @@ def safe_abs(x: jax.Array) -> jax.Array:
   return jax.lax.abs(_convert(x, accumulation_dtype(x.dtype)))
 
 
-def _reduce(terms: jax.Array, op: str, axes: tuple[int, ...] | None = None,
-            keepdims: bool = False, *, of_float16: bool = False) -> jax.Array:
+def _reduce(
+  terms: jax.Array,
+  op: str,
+  axes: tuple[int, ...] | None = None,
+  keepdims: bool = False,
+  *,
+  of_float16: bool = False,
+) -> jax.Array:
   """``jnp.sum`` (``op="sum"``) or ``jnp.max`` of non-negative ``terms``.
 
   ``of_float16`` says that the terms are computed from float16 values, which
@@ -165,13 +171,12 @@ def _reduce(terms: jax.Array, op: str, axes: tuple[int, ...] | None = None,
 def leaf_sumsq(x: jax.Array, axis: Axes = None, keepdims: bool = False) -> jax.Array:
   """``sum(|x|**2)`` over ``axis`` (all axes if ``None``), accumulated in float32+."""
   x = jnp.asarray(x)
-  return _reduce(abs_sq(x), "sum", _canonical_axes(x.ndim, axis), keepdims,
-                 of_float16=x.dtype == jnp.float16)
+  return _reduce(
+    abs_sq(x), "sum", _canonical_axes(x.ndim, axis), keepdims, of_float16=x.dtype == jnp.float16
+  )
 
 
-def leaf_norm(
-    x: jax.Array, ord: float = 2, axis: Axes = None, keepdims: bool = False
-) -> jax.Array:
+def leaf_norm(x: jax.Array, ord: float = 2, axis: Axes = None, keepdims: bool = False) -> jax.Array:
   """The ``ord``-norm of ``x`` over ``axis`` (all axes if ``None``).
 
   Returned in the accumulation dtype of ``x``. ``ord`` must already be
@@ -181,8 +186,9 @@ def leaf_norm(
   axes = _canonical_axes(x.ndim, axis)
   if ord == 2:
     return safe_sqrt(leaf_sumsq(x, axes, keepdims))
-  return _reduce(safe_abs(x), "sum" if ord == 1 else "max", axes, keepdims,
-                 of_float16=x.dtype == jnp.float16)
+  return _reduce(
+    safe_abs(x), "sum" if ord == 1 else "max", axes, keepdims, of_float16=x.dtype == jnp.float16
+  )
 
 
 # Leaves of at most _SMALL_LEAF elements are reduced together (see
@@ -235,12 +241,18 @@ def layout(x: jax.Array) -> Any:
     if mesh.empty:
       return LOCAL if jax.device_count() == 1 else None
   manual = jax.sharding.AxisType.Manual
-  spread = [t for n, t in zip(mesh.axis_names, mesh.axis_types, strict=True)
-            if t != manual and mesh.shape[n] > 1]
+  spread = [
+    t
+    for n, t in zip(mesh.axis_names, mesh.axis_types, strict=True)
+    if t != manual and mesh.shape[n] > 1
+  ]
   if not spread:
     return LOCAL
-  if sharding is not None and not sharding.mesh.empty and all(
-      t == jax.sharding.AxisType.Explicit for t in spread):
+  if (
+    sharding is not None
+    and not sharding.mesh.empty
+    and all(t == jax.sharding.AxisType.Explicit for t in spread)
+  ):
     return sharding
   return None
 
@@ -302,10 +314,13 @@ def leaf_parts(leaves: list[Any], ord: float, acc: jnp.dtype) -> list[jax.Array]
   leaves = [as_array(x) for x in leaves]
   if not leaves:
     return []
-  return list(_backends.on_cpu(
+  return list(
+    _backends.on_cpu(
       lambda xs: _stacked_leaf_parts(ord, acc, xs),
       lambda xs: tuple(_leaf_part(x, ord).astype(acc) for x in xs),
-      leaves))
+      leaves,
+    )
+  )
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1))
@@ -322,7 +337,7 @@ def _stacked_leaf_parts(ord: float, acc: jnp.dtype, leaves: list[jax.Array]) -> 
       out[members[0]] = _leaf_part(leaves[members[0]], ord).astype(acc)
       continue
     for s in range(0, len(members), _FLAT_STACK):
-      batch = members[s:s + _FLAT_STACK]
+      batch = members[s : s + _FLAT_STACK]
       flat = [jax.lax.reshape(leaves[i], (size,)) for i in batch]
       stacked = _backends.stack(flat, (size,), nested=True)
       rows = _leaf_part_rows(stacked, ord).astype(acc)
@@ -372,7 +387,7 @@ def _group_plan(leaves: list[jax.Array]) -> tuple[tuple[Any, tuple[int, ...]], .
   for dtype_chunks in chunks.values():
     plan.extend(("concat", tuple(chunk)) for chunk in dtype_chunks)
   for key, group in groups.items():
-    plan.extend((key[0], tuple(group[s:s + _GROUP])) for s in range(0, len(group), _GROUP))
+    plan.extend((key[0], tuple(group[s : s + _GROUP])) for s in range(0, len(group), _GROUP))
   return tuple(plan)
 
 
@@ -422,9 +437,12 @@ def _grouped_sums_jvp(plan, ord, acc, primals, tangents):
 
 
 def scale_by_leaf_norms(
-    fn: Callable[..., jax.Array], leaves: Sequence[Any], ord: float = 2,
-    axis: Axes | Callable[[tuple[int, ...]], Axes] = None,
-    companions: Sequence[Any] | None = None, operands: tuple[Any, ...] = (),
+  fn: Callable[..., jax.Array],
+  leaves: Sequence[Any],
+  ord: float = 2,
+  axis: Axes | Callable[[tuple[int, ...]], Axes] = None,
+  companions: Sequence[Any] | None = None,
+  operands: tuple[Any, ...] = (),
 ) -> list[jax.Array]:
   """Each leaf times ``fn`` of its norm.
 
@@ -466,8 +484,11 @@ def scale_by_leaf_norms(
   out: list[Any] = [None] * len(leaves)
   groups: dict[Any, list[int]] = {}
   for i, x in enumerate(leaves):
-    if x.size <= _SMALL_LEAF and layout(x) is LOCAL and (
-        others is None or layout(others[i]) is LOCAL):
+    if (
+      x.size <= _SMALL_LEAF
+      and layout(x) is LOCAL
+      and (others is None or layout(others[i]) is LOCAL)
+    ):
       key = (x.shape, x.dtype, None if others is None else others[i].dtype)
       groups.setdefault(key, []).append(i)
     else:
@@ -475,14 +496,21 @@ def scale_by_leaf_norms(
   for members in groups.values():
     if len(members) == 1:
       i = members[0]
-      out[i] = _scale_one(fn, ord, axes_of, leaves[i], None if others is None else others[i],
-                          operands)
+      out[i] = _scale_one(
+        fn, ord, axes_of, leaves[i], None if others is None else others[i], operands
+      )
   stacked = tuple(members for members in groups.values() if len(members) > 1)
   if stacked:
     members = [i for group in stacked for i in group]
-    scaled = _scale_grouped(fn, ord, axes_of, tuple(len(g) for g in stacked),
-                            [leaves[i] for i in members],
-                            None if others is None else [others[i] for i in members], operands)
+    scaled = _scale_grouped(
+      fn,
+      ord,
+      axes_of,
+      tuple(len(g) for g in stacked),
+      [leaves[i] for i in members],
+      None if others is None else [others[i] for i in members],
+      operands,
+    )
     for i, y in zip(members, scaled, strict=True):
       out[i] = y
   return out
@@ -503,28 +531,35 @@ def _leaf_scaler(fn, ord, axes):
   jitted function whose argument types it has seen is one cached equation,
   and XLA inlines it: the compiled program is the same.
   """
+
   def scale(x, companion, operands):
     norms = leaf_norm(x, ord, axes, keepdims=True)
     if companion is None:
       return apply_scale(x, fn(norms, x.size, *operands))
-    return apply_scale(x, fn(norms, x.size, leaf_norm(companion, ord, axes, keepdims=True),
-                             *operands))
+    return apply_scale(
+      x, fn(norms, x.size, leaf_norm(companion, ord, axes, keepdims=True), *operands)
+    )
 
   return jax.jit(scale)
 
 
 def _scale_plain(fn, ord, axes_of, leaves, companions, operands) -> list[jax.Array]:
-  return [_scale_one(fn, ord, axes_of, x, None if companions is None else companions[j], operands)
-          for j, x in enumerate(leaves)]
+  return [
+    _scale_one(fn, ord, axes_of, x, None if companions is None else companions[j], operands)
+    for j, x in enumerate(leaves)
+  ]
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1, 2, 3))
 def _scale_grouped(fn, ord, axes_of, sizes, leaves, companions, operands):
   """:func:`_scale_stacks` on CPU, :func:`_scale_plain` elsewhere and under ``jax.jvp``."""
   return _backends.on_cpu(
-      lambda xs, cs, ops: _scale_stacks(fn, xs, cs, sizes, ord, axes_of, ops),
-      lambda xs, cs, ops: _scale_plain(fn, ord, axes_of, xs, cs, ops),
-      leaves, companions, operands)
+    lambda xs, cs, ops: _scale_stacks(fn, xs, cs, sizes, ord, axes_of, ops),
+    lambda xs, cs, ops: _scale_plain(fn, ord, axes_of, xs, cs, ops),
+    leaves,
+    companions,
+    operands,
+  )
 
 
 @_scale_grouped.defjvp
@@ -575,15 +610,16 @@ def _scale_stacks(fn, leaves, companions, sizes, ord, axes_of, operands) -> list
     nested = len(starts) >= _NESTED_STACKS
     done = 0
     for start in starts:
-      batch = members[start:start + k]
+      batch = members[start : start + k]
       stacked = _backends.stack([leaves[i] for i in batch], shape, nested)
       norms = leaf_norm(stacked, ord, axes, keepdims=True)
       if companions is None:
         factor = fn(norms, math.prod(shape), *operands)
       else:
         companion = _backends.stack([companions[i] for i in batch], shape, nested)
-        factor = fn(norms, math.prod(shape), leaf_norm(companion, ord, axes, keepdims=True),
-                    *operands)
+        factor = fn(
+          norms, math.prod(shape), leaf_norm(companion, ord, axes, keepdims=True), *operands
+        )
       scaled = apply_scale(stacked, factor)
       # Rows an earlier stack gave are skipped.
       out.extend(_backends.rows(scaled, done - start, None if static else index[:k]))
@@ -646,8 +682,8 @@ def check_ord(ord: Any) -> float:
   """
   if isinstance(ord, jax.core.Tracer):
     raise ValueError(
-        "ord must be a static Python value, not a traced array; with "
-        "optax.inject_hyperparams pass static_args=('ord',)."
+      "ord must be a static Python value, not a traced array; with "
+      "optax.inject_hyperparams pass static_args=('ord',)."
     )
   if hasattr(ord, "shape") and getattr(ord, "shape", None) == ():
     ord = ord.item()
@@ -657,6 +693,6 @@ def check_ord(ord: Any) -> float:
   except (KeyError, TypeError):
     pass
   raise ValueError(
-      f"Unsupported ord={ord!r}: jaxclip norms support ord=1, ord=2 and "
-      "ord=inf (as torch.nn.utils.get_total_norm)."
+    f"Unsupported ord={ord!r}: jaxclip norms support ord=1, ord=2 and "
+    "ord=inf (as torch.nn.utils.get_total_norm)."
   )

@@ -15,21 +15,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxclip import _distributed
-from jaxclip import _numerics
-from jaxclip import _validation
+from jaxclip import _distributed, _numerics, _validation
 
 PyTree = Any
 ArrayLike = jax.typing.ArrayLike
 
 
 def global_norm(
-    tree: PyTree,
-    *,
-    ord: int | float | str = 2,
-    axis_name: Any = None,
-    replicated: Any = None,
-    partition_specs: Any = None,
+  tree: PyTree,
+  *,
+  ord: int | float | str = 2,
+  axis_name: Any = None,
+  replicated: Any = None,
+  partition_specs: Any = None,
 ) -> jax.Array:
   r"""Computes the global norm of every leaf of a pytree taken together.
 
@@ -133,9 +131,7 @@ def global_norm(
   return _distributed.tree_norm(tree, ord, axis_name, replicated, partition_specs)
 
 
-def clip_by_value(
-    tree: PyTree, clip_value_min: ArrayLike, clip_value_max: ArrayLike
-) -> PyTree:
+def clip_by_value(tree: PyTree, clip_value_min: ArrayLike, clip_value_max: ArrayLike) -> PyTree:
   r"""Clips every entry of every leaf to ``[clip_value_min, clip_value_max]``.
 
   .. math::
@@ -174,8 +170,7 @@ def clip_by_value(
     >>> jaxclip.ops.clip_by_value({'w': jnp.array([-1.5, 0.5])}, -1.0, 1.0)
     {'w': Array([-1. ,  0.5], dtype=float32)}
   """
-  _validation.check_bounds(clip_value_min, clip_value_max, "clip_value_min",
-                           "clip_value_max")
+  _validation.check_bounds(clip_value_min, clip_value_max, "clip_value_min", "clip_value_max")
   _validation.check_real_leaves(tree, "clip_by_value")
 
   # The bounds are cast once per dtype and broadcast once per shape: a leaf
@@ -187,8 +182,10 @@ def clip_by_value(
     key = (x.shape, x.dtype)
     if key not in broadcast:
       if x.dtype not in cast:
-        cast[x.dtype] = (_bound_for(x.dtype, clip_value_min, up=True),
-                         _bound_for(x.dtype, clip_value_max, up=False))
+        cast[x.dtype] = (
+          _bound_for(x.dtype, clip_value_min, up=True),
+          _bound_for(x.dtype, clip_value_max, up=False),
+        )
       for b in cast[x.dtype]:
         try:
           fits = jnp.broadcast_shapes(x.shape, b.shape) == x.shape
@@ -204,9 +201,9 @@ def clip_by_value(
     pair, bad_shape = bounds_for(x)
     if pair is None:
       raise ValueError(
-          f"clip_by_value: a bound of shape {bad_shape} does not broadcast to "
-          f"the leaf at {jax.tree_util.keystr(path) or '<root>'} of shape "
-          f"{x.shape}."
+        f"clip_by_value: a bound of shape {bad_shape} does not broadcast to "
+        f"the leaf at {jax.tree_util.keystr(path) or '<root>'} of shape "
+        f"{x.shape}."
       )
     lo, hi = pair
     return jax.lax.min(jax.lax.max(x, lo), hi)
@@ -290,8 +287,9 @@ def clip_by_norm(tree: PyTree, clip_norm: ArrayLike, axes: Any = None) -> PyTree
   _validation.check_inexact_leaves(tree, "clip_by_norm")
 
   leaves, treedef = jax.tree.flatten(tree)
-  return treedef.unflatten(_numerics.scale_by_leaf_norms(
-      _norm_scale, leaves, 2, axes, operands=(clip_norm,)))
+  return treedef.unflatten(
+    _numerics.scale_by_leaf_norms(_norm_scale, leaves, 2, axes, operands=(clip_norm,))
+  )
 
 
 def clip_by_average_norm(tree: PyTree, clip_norm: ArrayLike) -> PyTree:
@@ -328,8 +326,9 @@ def clip_by_average_norm(tree: PyTree, clip_norm: ArrayLike) -> PyTree:
   _validation.check_inexact_leaves(tree, "clip_by_average_norm")
 
   leaves, treedef = jax.tree.flatten(tree)
-  return treedef.unflatten(_numerics.scale_by_leaf_norms(
-      _average_norm_scale, leaves, 2, operands=(clip_norm,)))
+  return treedef.unflatten(
+    _numerics.scale_by_leaf_norms(_average_norm_scale, leaves, 2, operands=(clip_norm,))
+  )
 
 
 def _norm_scale(norm, size, clip_norm):
@@ -342,14 +341,14 @@ def _average_norm_scale(norm, size, clip_norm):
 
 
 def clip_by_global_norm(
-    tree: PyTree,
-    clip_norm: ArrayLike,
-    use_norm: ArrayLike | None = None,
-    *,
-    ord: int | float | str = 2,
-    axis_name: Any = None,
-    replicated: Any = None,
-    partition_specs: Any = None,
+  tree: PyTree,
+  clip_norm: ArrayLike,
+  use_norm: ArrayLike | None = None,
+  *,
+  ord: int | float | str = 2,
+  axis_name: Any = None,
+  replicated: Any = None,
+  partition_specs: Any = None,
 ) -> tuple[PyTree, jax.Array]:
   r"""Scales every leaf by one common factor so the global norm is at most ``clip_norm``.
 
@@ -426,8 +425,11 @@ def clip_by_global_norm(
       given = jnp.result_type(use_norm)
     except (TypeError, ValueError):
       given = None
-    if given is None or given == np.bool_ or not (
-        jnp.issubdtype(given, jnp.floating) or jnp.issubdtype(given, jnp.integer)):
+    if (
+      given is None
+      or given == np.bool_
+      or not (jnp.issubdtype(given, jnp.floating) or jnp.issubdtype(given, jnp.integer))
+    ):
       raise TypeError(f"use_norm must be a real scalar, got {use_norm!r:.100}.")
     norm = jnp.asarray(use_norm)
     if not jnp.issubdtype(norm.dtype, jnp.floating):

@@ -16,9 +16,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxclip import _numerics
-from jaxclip import _transforms
-from jaxclip import _validation
+from jaxclip import _numerics, _transforms, _validation
 
 ArrayLike = jax.typing.ArrayLike
 Axis = int | tuple[int, ...] | None
@@ -53,8 +51,9 @@ def clip_by_block_rms(threshold: ArrayLike) -> optax.GradientTransformationExtra
   def update(updates):
     updates = _validation.numeric_leaves(updates, "clip_by_block_rms")
     leaves, treedef = jax.tree.flatten(updates)
-    return treedef.unflatten(_numerics.scale_by_leaf_norms(
-        _block_rms_scale, leaves, 2, operands=(threshold,)))
+    return treedef.unflatten(
+      _numerics.scale_by_leaf_norms(_block_rms_scale, leaves, 2, operands=(threshold,))
+    )
 
   return _transforms.stateless(update)
 
@@ -77,8 +76,8 @@ def _unitwise_axes(shape: tuple[int, ...], axis: Axis) -> Axis:
   if len(shape) == 5:
     return (0, 1, 2, 3)
   raise ValueError(
-      f"unitwise_norm: expected a leaf of rank 1 to 5, got shape {shape}; "
-      "pass axis= to name the reduction axes for other shapes."
+    f"unitwise_norm: expected a leaf of rank 1 to 5, got shape {shape}; "
+    "pass axis= to name the reduction axes for other shapes."
   )
 
 
@@ -121,15 +120,16 @@ def _unitwise_factor(g_norm: jax.Array, max_norm: jax.Array, div_eps: ArrayLike)
   """
   below = g_norm < max_norm
   one = jnp.ones_like(max_norm)
-  return (jnp.where(below, one, max_norm)
-          / jnp.where(below, one, jnp.maximum(g_norm, jnp.asarray(div_eps, g_norm.dtype))))
+  return jnp.where(below, one, max_norm) / jnp.where(
+    below, one, jnp.maximum(g_norm, jnp.asarray(div_eps, g_norm.dtype))
+  )
 
 
 def unitwise_clip(
-    g_norm: ArrayLike,
-    max_norm: ArrayLike,
-    grad: ArrayLike,
-    div_eps: ArrayLike = 1e-6,
+  g_norm: ArrayLike,
+  max_norm: ArrayLike,
+  grad: ArrayLike,
+  div_eps: ArrayLike = 1e-6,
 ) -> jax.Array:
   r"""Scales ``grad`` by ``max_norm / g_norm`` where ``g_norm >= max_norm``.
 
@@ -159,13 +159,14 @@ def unitwise_clip(
     >>> jaxclip.unitwise_clip(jnp.full(2, 5.), jnp.full(2, 1.), g)
     Array([0.6, 0.8], dtype=float32)
   """
-  g_norm, max_norm, grad = (jnp.asarray(_validation.numeric_leaves(v, "unitwise_clip", name))
-                            for v, name in ((g_norm, "g_norm"), (max_norm, "max_norm"),
-                                            (grad, "grad")))
+  g_norm, max_norm, grad = (
+    jnp.asarray(_validation.numeric_leaves(v, "unitwise_clip", name))
+    for v, name in ((g_norm, "g_norm"), (max_norm, "max_norm"), (grad, "grad"))
+  )
   if not g_norm.shape == max_norm.shape == grad.shape:
     raise ValueError(
-        "unitwise_clip needs g_norm, max_norm and grad of one shape, got "
-        f"{g_norm.shape}, {max_norm.shape} and {grad.shape}."
+      "unitwise_clip needs g_norm, max_norm and grad of one shape, got "
+      f"{g_norm.shape}, {max_norm.shape} and {grad.shape}."
     )
   acc = _numerics.accumulation_dtype(grad.dtype)
   g_norm, max_norm = g_norm.astype(acc), max_norm.astype(acc)
@@ -173,7 +174,7 @@ def unitwise_clip(
 
 
 def adaptive_grad_clip(
-    clipping: ArrayLike, eps: ArrayLike = 1e-3, axis: Axis = None
+  clipping: ArrayLike, eps: ArrayLike = 1e-3, axis: Axis = None
 ) -> optax.GradientTransformationExtraArgs:
   r"""Adaptive gradient clipping: unit-wise ``||g|| <= clipping * max(||w||, eps)``.
 
@@ -220,26 +221,36 @@ def adaptive_grad_clip(
     del extra_args
     if params is None:
       raise ValueError(
-          "adaptive_grad_clip needs the current parameters: call "
-          "update(updates, state, params).")
+        "adaptive_grad_clip needs the current parameters: call update(updates, state, params)."
+      )
 
     updates = _validation.numeric_leaves(updates, "adaptive_grad_clip")
     leaves, treedef = jax.tree.flatten(updates)
     if jax.tree.structure(params) != treedef:
       raise ValueError(
-          "adaptive_grad_clip needs params with the tree structure of the updates, "
-          f"got params {jax.tree.structure(params)} for updates {treedef}.")
+        "adaptive_grad_clip needs params with the tree structure of the updates, "
+        f"got params {jax.tree.structure(params)} for updates {treedef}."
+      )
     param_leaves = jax.tree.leaves(
-        _validation.numeric_leaves(params, "adaptive_grad_clip", "params"))
+      _validation.numeric_leaves(params, "adaptive_grad_clip", "params")
+    )
     for g, p in zip(leaves, param_leaves, strict=True):
       if jnp.shape(g) != jnp.shape(p):
         raise ValueError(
-            "adaptive_grad_clip needs params of the updates' shapes, got "
-            f"{jnp.shape(p)} for updates of shape {jnp.shape(g)}.")
+          "adaptive_grad_clip needs params of the updates' shapes, got "
+          f"{jnp.shape(p)} for updates of shape {jnp.shape(g)}."
+        )
 
-    return treedef.unflatten(_numerics.scale_by_leaf_norms(
-        _agc_factor, leaves, 2, lambda shape: _unitwise_axes(shape, axis), param_leaves,
-        operands=(clipping, eps))), state
+    return treedef.unflatten(
+      _numerics.scale_by_leaf_norms(
+        _agc_factor,
+        leaves,
+        2,
+        lambda shape: _unitwise_axes(shape, axis),
+        param_leaves,
+        operands=(clipping, eps),
+      )
+    ), state
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
@@ -247,17 +258,19 @@ def adaptive_grad_clip(
 def _agc_factor(g_norm, size, p_norm, clipping, eps):
   del size
   max_norm = jnp.asarray(clipping, g_norm.dtype) * jnp.maximum(
-      p_norm.astype(g_norm.dtype), jnp.asarray(eps, g_norm.dtype))
+    p_norm.astype(g_norm.dtype), jnp.asarray(eps, g_norm.dtype)
+  )
   return _unitwise_factor(g_norm, max_norm, 1e-6)
 
 
 def _check_batch_dim(grads: Any, fn_name: str) -> None:
   leaves = jax.tree.leaves(grads)
   if not leaves or any(
-      jnp.ndim(g) < 1 or jnp.shape(g)[0] != jnp.shape(leaves[0])[0] for g in leaves):
+    jnp.ndim(g) < 1 or jnp.shape(g)[0] != jnp.shape(leaves[0])[0] for g in leaves
+  ):
     raise ValueError(
-        f"{fn_name} expects every array in grads to have the same batch "
-        f"dimension in axis 0; got shapes {jax.tree.map(jnp.shape, grads)}."
+      f"{fn_name} expects every array in grads to have the same batch "
+      f"dimension in axis 0; got shapes {jax.tree.map(jnp.shape, grads)}."
     )
 
 
@@ -272,8 +285,8 @@ def _per_example_clip(grads, l2_norm_clip, *, mask=None, accumulate=False, retur
   leaves = jax.tree.leaves(grads)
   acc = _numerics.tree_accumulation_dtype(grads)
   sumsq = sum(
-      jnp.sum(_numerics.abs_sq(g).reshape(g.shape[0], -1), axis=1).astype(acc)
-      for g in leaves)
+    jnp.sum(_numerics.abs_sq(g).reshape(g.shape[0], -1), axis=1).astype(acc) for g in leaves
+  )
   norms = _numerics.safe_sqrt(sumsq)
   bound = jnp.asarray(l2_norm_clip, acc)
   multipliers, num_clipped = clip_multipliers(norms, bound, mask)
@@ -310,7 +323,7 @@ def clip_multipliers(norms, bound, mask=None):
 
 
 def per_example_global_norm_clip(
-    grads: Any, l2_norm_clip: ArrayLike, *, axis_name: Any = None
+  grads: Any, l2_norm_clip: ArrayLike, *, axis_name: Any = None
 ) -> tuple[Any, jax.Array]:
   r"""Clips each example's gradient to global norm ``l2_norm_clip`` and sums them.
 
@@ -365,7 +378,7 @@ def per_example_global_norm_clip(
 
 
 def per_example_layer_norm_clip(
-    grads: Any, global_l2_norm_clip: ArrayLike, uniform: bool = True, *, axis_name: Any = None
+  grads: Any, global_l2_norm_clip: ArrayLike, uniform: bool = True, *, axis_name: Any = None
 ) -> tuple[Any, Any]:
   r"""Clips each example's gradient layer by layer, then sums over the batch.
 
@@ -416,8 +429,8 @@ def per_example_layer_norm_clip(
     sizes = [g[0].size for g in leaves]
     shares = [s / sum(sizes) for s in sizes]
   results = [
-      _per_example_clip(g, global_l2_norm_clip * share**0.5)
-      for g, share in zip(leaves, shares)
+    _per_example_clip(g, global_l2_norm_clip * share**0.5)
+    for g, share in zip(leaves, shares, strict=True)
   ]
   treedef = jax.tree.structure(grads)
   clipped_sum = jax.tree.unflatten(treedef, [r[0] for r in results])

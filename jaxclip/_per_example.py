@@ -16,11 +16,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxclip import _distributed
-from jaxclip import _ghost
-from jaxclip import _numerics
-from jaxclip import _optax_compat
-from jaxclip import _validation
+from jaxclip import _distributed, _ghost, _numerics, _optax_compat, _validation
 
 PyTree = Any
 AxisName = _distributed.AxisName
@@ -39,13 +35,16 @@ def _mesh_axis_size(axis_name: AxisName | None) -> int | None:
 
 
 def _batch_size(args: Sequence[Any], batch_argnums: tuple[int, ...]) -> int:
-  sizes = {jnp.shape(x)[0] if jnp.ndim(x) else None
-           for i in batch_argnums for x in jax.tree.leaves(args[i])}
+  sizes = {
+    jnp.shape(x)[0] if jnp.ndim(x) else None
+    for i in batch_argnums
+    for x in jax.tree.leaves(args[i])
+  }
   if len(sizes) != 1 or None in sizes:
     shapes = [jax.tree.map(jnp.shape, args[i]) for i in batch_argnums]
     raise ValueError(
-        "per_example_clipped_grad needs every array of the batch arguments to "
-        f"share one batch dimension on axis 0; got shapes {shapes}."
+      "per_example_clipped_grad needs every array of the batch arguments to "
+      f"share one batch dimension on axis 0; got shapes {shapes}."
     )
   return sizes.pop()
 
@@ -60,8 +59,9 @@ def _check_mask(example_mask: Any, size: int) -> jax.Array | None:
     dtype = example_mask.dtype
   if dtype != jnp.bool_ or jnp.shape(example_mask) != (size,):
     raise ValueError(
-        "example_mask must be a boolean array of shape (batch,) = "
-        f"({size},), True for a real example; got {jax.typeof(example_mask)}.")
+      "example_mask must be a boolean array of shape (batch,) = "
+      f"({size},), True for a real example; got {jax.typeof(example_mask)}."
+    )
   return jnp.asarray(example_mask)
 
 
@@ -69,8 +69,9 @@ def _first_real_row(x: jax.Array, onehot: jax.Array) -> jax.Array:
   """Row ``argmax(onehot)`` of ``x``, as a masked sum: safe on a sharded batch axis."""
   x = jnp.asarray(x)
   work = jnp.int32 if x.dtype == jnp.bool_ else x.dtype
-  picked = jnp.where(onehot.reshape((-1,) + (1,) * (x.ndim - 1)), x.astype(work),
-                     jnp.zeros((), work))
+  picked = jnp.where(
+    onehot.reshape((-1,) + (1,) * (x.ndim - 1)), x.astype(work), jnp.zeros((), work)
+  )
   return jnp.sum(picked, axis=0, dtype=work).astype(x.dtype)
 
 
@@ -78,7 +79,7 @@ def _stand_in(x: Any, mask: jax.Array, padded: int) -> jax.Array:
   """``x`` padded to ``padded`` rows, every row where ``mask`` is False replaced by the first
   real example (so a loss that is non-finite on zeros or on masked rows stays finite)."""
   x = jnp.asarray(x)
-  onehot = jnp.arange(x.shape[0]) == jnp.argmax(mask[:x.shape[0]])
+  onehot = jnp.arange(x.shape[0]) == jnp.argmax(mask[: x.shape[0]])
   first = _first_real_row(x, onehot)
   if padded > x.shape[0]:
     x = jnp.pad(x, [(0, padded - x.shape[0])] + [(0, 0)] * (x.ndim - 1))
@@ -92,27 +93,30 @@ def _warn_shared_like_batch(args: Sequence[Any], idx: Sequence[int], size: int) 
       continue
     if any(getattr(x, "shape", None) and x.shape[0] == size for x in jax.tree.leaves(a)):
       warnings.warn(
-          f"per_example_clipped_grad: argument {i + 1} is shared (not in batch_argnums) but "
-          f"has a leading dimension of the batch size {size}: if it holds one row per "
-          "example, add it to batch_argnums, or it is given whole to every example. "
-          "(Warned once per function.)", UserWarning, stacklevel=4)
+        f"per_example_clipped_grad: argument {i + 1} is shared (not in batch_argnums) but "
+        f"has a leading dimension of the batch size {size}: if it holds one row per "
+        "example, add it to batch_argnums, or it is given whole to every example. "
+        "(Warned once per function.)",
+        UserWarning,
+        stacklevel=4,
+      )
       return True
   return False
 
 
 def per_example_clipped_grad(
-    loss_fn: Callable[..., jax.Array],
-    l2_norm_clip: jax.typing.ArrayLike,
-    *,
-    microbatch_size: int | None = None,
-    batch_argnums: int | Sequence[int] | None = None,
-    keep_batch_dim: bool = False,
-    spmd_axis_name: AxisName | None = None,
-    axis_name: AxisName | None = None,
-    has_aux: bool = False,
-    method: str = "vmap",
-    return_norms: bool = False,
-    group_size: int = 1,
+  loss_fn: Callable[..., jax.Array],
+  l2_norm_clip: jax.typing.ArrayLike,
+  *,
+  microbatch_size: int | None = None,
+  batch_argnums: int | Sequence[int] | None = None,
+  keep_batch_dim: bool = False,
+  spmd_axis_name: AxisName | None = None,
+  axis_name: AxisName | None = None,
+  has_aux: bool = False,
+  method: str = "vmap",
+  return_norms: bool = False,
+  group_size: int = 1,
 ) -> Callable[..., tuple[Any, ...]]:
   r"""Makes a function returning the sum of per-example gradients, each clipped.
 
@@ -354,21 +358,24 @@ def per_example_clipped_grad(
   """
   _validation.check_threshold(l2_norm_clip, "l2_norm_clip")
   if microbatch_size is not None and (
-      isinstance(microbatch_size, bool) or int(microbatch_size) != microbatch_size
-      or microbatch_size < 1):
+    isinstance(microbatch_size, bool)
+    or int(microbatch_size) != microbatch_size
+    or microbatch_size < 1
+  ):
     raise ValueError(f"microbatch_size must be a positive integer, got {microbatch_size!r}.")
   if isinstance(group_size, bool) or int(group_size) != group_size or group_size < 1:
     raise ValueError(f"group_size must be a positive integer, got {group_size!r}.")
   group_size = int(group_size)
   if microbatch_size is not None and microbatch_size % group_size:
-    raise ValueError(f"microbatch_size={microbatch_size} must be a multiple of "
-                     f"group_size={group_size}: each chunk holds whole groups.")
+    raise ValueError(
+      f"microbatch_size={microbatch_size} must be a multiple of "
+      f"group_size={group_size}: each chunk holds whole groups."
+    )
   if batch_argnums is not None:
     batch_argnums = (batch_argnums,) if isinstance(batch_argnums, int) else tuple(batch_argnums)
     if not batch_argnums or any(i < 1 for i in batch_argnums):
       raise ValueError(
-          "batch_argnums must name arguments after params (1, 2, ...), got "
-          f"{batch_argnums!r}."
+        f"batch_argnums must name arguments after params (1, 2, ...), got {batch_argnums!r}."
       )
   if method not in ("vmap", "ghost"):
     raise ValueError(f"method must be 'vmap' or 'ghost', got {method!r}.")
@@ -379,14 +386,17 @@ def per_example_clipped_grad(
 
     def example_loss(params, *args):
       if keep_batch_dim:
-        args = [jax.tree.map(lambda x: jnp.expand_dims(x, 0), a) if i in idx
-                else a for i, a in enumerate(args)]
+        args = [
+          jax.tree.map(lambda x: jnp.expand_dims(x, 0), a) if i in idx else a
+          for i, a in enumerate(args)
+        ]
       out = loss_fn(params, *args)
       loss = out[0] if has_aux and isinstance(out, (tuple, list)) and out else out
       if jnp.shape(loss) or not jnp.issubdtype(jnp.result_type(loss), jnp.floating):
         raise ValueError(
-            "per_example_clipped_grad needs loss_fn to return a real scalar for one example, "
-            f"got {jax.typeof(loss).str_short()}.")
+          "per_example_clipped_grad needs loss_fn to return a real scalar for one example, "
+          f"got {jax.typeof(loss).str_short()}."
+        )
       return out
 
     if group_size == 1:
@@ -405,11 +415,11 @@ def per_example_clipped_grad(
   def clipped_grad(params, *args, example_mask=None):
     nums = batch_argnums if batch_argnums is not None else tuple(range(1, len(args) + 1))
     if not nums:
-      raise ValueError("per_example_clipped_grad needs a batch: at least one argument after "
-                       "params.")
-    if max(nums) > len(args):
       raise ValueError(
-          f"batch_argnums={nums} but only {len(args)} arguments follow params.")
+        "per_example_clipped_grad needs a batch: at least one argument after params."
+      )
+    if max(nums) > len(args):
+      raise ValueError(f"batch_argnums={nums} but only {len(args)} arguments follow params.")
     _validation.check_inexact_leaves(params, "per_example_clipped_grad")
     idx = [i - 1 for i in nums]
     size = _batch_size(args, idx)
@@ -420,14 +430,21 @@ def per_example_clipped_grad(
     units, micro = size, microbatch_size
     if group_size > 1:
       if size % group_size:
-        raise ValueError(f"group_size={group_size} must divide the batch of {size} examples "
-                         "(groups are consecutive examples; pad a user's data with masked rows).")
+        raise ValueError(
+          f"group_size={group_size} must divide the batch of {size} examples "
+          "(groups are consecutive examples; pad a user's data with masked rows)."
+        )
       units, micro = size // group_size, None if micro is None else micro // group_size
       real = jnp.ones((size,), jnp.bool_) if mask is None else mask
       regroup = lambda x: jnp.reshape(x, (units, group_size) + jnp.shape(x)[1:])
-      args = [jax.tree.map(lambda x: regroup(_stand_in(x, real, size) if mask is not None
-                                             else jnp.asarray(x)), a) if i in idx else a
-              for i, a in enumerate(args)] + [regroup(real)]
+      args = [
+        jax.tree.map(
+          lambda x: regroup(_stand_in(x, real, size) if mask is not None else jnp.asarray(x)), a
+        )
+        if i in idx
+        else a
+        for i, a in enumerate(args)
+      ] + [regroup(real)]
       idx = idx + [len(args) - 1]
       mask = None if mask is None else jnp.any(regroup(real), axis=1)
     out = _clipped_units(loss_of_unit, params, args, idx, units, mask, micro)
@@ -446,9 +463,9 @@ def per_example_clipped_grad(
     devices = _mesh_axis_size(spmd_axis_name)
     if num_chunks > 1 and devices and chunk % devices:
       raise ValueError(
-          f"microbatch_size={microbatch_size} must be a multiple of the {devices} "
-          f"devices of spmd_axis_name={spmd_axis_name!r}, so that every device "
-          "takes the same number of examples of each chunk."
+        f"microbatch_size={microbatch_size} must be a multiple of the {devices} "
+        f"devices of spmd_axis_name={spmd_axis_name!r}, so that every device "
+        "takes the same number of examples of each chunk."
       )
 
     def clip_chunk(batch_args, mask):
@@ -456,18 +473,21 @@ def per_example_clipped_grad(
       for i, a in zip(idx, batch_args, strict=True):
         full[i] = a
       if method == "ghost":
-        out = _ghost_chunk(example_loss, params, full, idx, l2_norm_clip, mask,
-                           spmd_axis_name, has_aux)
+        out = _ghost_chunk(
+          example_loss, params, full, idx, l2_norm_clip, mask, spmd_axis_name, has_aux
+        )
         if out is not None:  # None: per-example gradients cost less than ghost norms
           return out
       grads, aux = vgrad(params, *full) if has_aux else (vgrad(params, *full), None)
       total, count, norms = _optax_compat._per_example_clip(
-          grads, l2_norm_clip, mask=mask, accumulate=True, return_norms=True)
+        grads, l2_norm_clip, mask=mask, accumulate=True, return_norms=True
+      )
       if not jax.tree.leaves(grads):  # no parameters: every norm is 0, as under ghost
         n = jax.tree.leaves(batch_args)[0].shape[0]
         norms = jnp.zeros((n,), _numerics.tree_accumulation_dtype(params))
-        count = _optax_compat.clip_multipliers(
-            norms, jnp.asarray(l2_norm_clip, norms.dtype), mask)[1]
+        count = _optax_compat.clip_multipliers(norms, jnp.asarray(l2_norm_clip, norms.dtype), mask)[
+          1
+        ]
       return total, count, norms, aux
 
     padded = chunk * num_chunks
@@ -476,21 +496,25 @@ def per_example_clipped_grad(
     # then evaluated on real data only, so no NaN reaches the sum, under
     # either method.
     if mask is not None or padded > size:
-      full_mask = (jnp.arange(padded) < size if mask is None
-                   else jnp.pad(mask, (0, padded - size)))
+      full_mask = jnp.arange(padded) < size if mask is None else jnp.pad(mask, (0, padded - size))
       batch = [jax.tree.map(lambda x: _stand_in(x, full_mask, padded), args[i]) for i in idx]
     else:
       full_mask, batch = None, [args[i] for i in idx]
 
     if size == 0:  # an empty batch: zeros, as both methods agree
-      example = [jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x)[1:], jnp.result_type(x)),
-                              a) if i in idx else a for i, a in enumerate(args)]
+      example = [
+        jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x)[1:], jnp.result_type(x)), a)
+        if i in idx
+        else a
+        for i, a in enumerate(args)
+      ]
       shapes = jax.eval_shape(example_loss, params, *example)
       total = jax.tree.map(jnp.zeros_like, params)
       num_clipped = jnp.zeros((), jax.dtypes.canonicalize_dtype(jnp.int_))
       norms = jnp.zeros((0,), _numerics.tree_accumulation_dtype(params))
-      aux = (jax.tree.map(lambda s: jnp.zeros((0,) + s.shape, s.dtype), shapes[1])
-             if has_aux else None)
+      aux = (
+        jax.tree.map(lambda s: jnp.zeros((0,) + s.shape, s.dtype), shapes[1]) if has_aux else None
+      )
     elif num_chunks == 1:
       total, num_clipped, norms, aux = clip_chunk(batch, full_mask)
     else:
@@ -506,9 +530,12 @@ def per_example_clipped_grad(
       xs = [jax.tree.map(to_chunks, b) for b in batch]
       masks = to_chunks(full_mask) if full_mask is not None else None
       # zeros_like keeps each parameter's sharding for the running sum.
-      init = (jax.tree.map(
-          lambda p: jnp.zeros_like(p, jnp.promote_types(jnp.result_type(p), jnp.float32)),
-          params), jnp.zeros((), jax.dtypes.canonicalize_dtype(jnp.int_)))
+      init = (
+        jax.tree.map(
+          lambda p: jnp.zeros_like(p, jnp.promote_types(jnp.result_type(p), jnp.float32)), params
+        ),
+        jnp.zeros((), jax.dtypes.canonicalize_dtype(jnp.int_)),
+      )
 
       def body(carry, chunk_in):
         batch_args, mask = chunk_in
@@ -523,7 +550,8 @@ def per_example_clipped_grad(
       (total, num_clipped), (norms, aux) = jax.lax.scan(body, init, (xs, masks))
       # The inverse of to_chunks: row i of chunk j is example i * num_chunks + j.
       norms, aux = jax.tree.map(
-          lambda a: jnp.swapaxes(a, 0, 1).reshape((padded,) + a.shape[2:])[:size], (norms, aux))
+        lambda a: jnp.swapaxes(a, 0, 1).reshape((padded,) + a.shape[2:])[:size], (norms, aux)
+      )
     if mask is not None:
       norms = jnp.where(mask, norms, jnp.zeros((), norms.dtype))
       # With no real example the stand-in is a masked row itself: drop it whatever it gave.
@@ -554,8 +582,14 @@ def _ghost_chunk(example_loss, params, args, idx, l2_norm_clip, mask, spmd_axis_
     return (multipliers if mask is None else jnp.where(mask, multipliers, 0)), count
 
   grads, norms, count, aux_leaves = _ghost.clipped_sum(
-      traced.closed, traced.plan, leaves, traced.arg_leaves, traced.batched, weights_fn,
-      mask=mask, spmd_axis_name=spmd_axis_name)
-  aux = (jax.tree.unflatten(jax.tree.structure(traced.out_shape[1]), aux_leaves) if has_aux
-         else None)
+    traced.closed,
+    traced.plan,
+    leaves,
+    traced.arg_leaves,
+    traced.batched,
+    weights_fn,
+    mask=mask,
+    spmd_axis_name=spmd_axis_name,
+  )
+  aux = jax.tree.unflatten(jax.tree.structure(traced.out_shape[1]), aux_leaves) if has_aux else None
   return jax.tree.unflatten(traced.params_tree, grads), count, norms, aux

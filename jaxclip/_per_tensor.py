@@ -85,19 +85,21 @@ def _positions(stat: Any, updates: Any, rule: Rule, field: str) -> list[int]:
     i = where.get(_path(path))
     if i is None:
       raise ValueError(
-          f"{rule.fn_name} keeps one {field} per leaf of the params given to init, "
-          f"but the updates have a leaf at {_path(path)} that the params have not; "
-          "init it with params of the updates' structure.")
+        f"{rule.fn_name} keeps one {field} per leaf of the params given to init, "
+        f"but the updates have a leaf at {_path(path)} that the params have not; "
+        "init it with params of the updates' structure."
+      )
     positions.append(i)
   used = set(positions)
   missing = [p for p, i in where.items() if i not in used and i not in optional]
   if missing:
     raise ValueError(
-        f"{rule.fn_name} keeps one {field} per leaf of the params given to init, "
-        f"but the updates lack the leaves at {', '.join(missing[:5])}"
-        f"{' ...' if len(missing) > 5 else ''}; pass updates of the params' structure "
-        "(optax.masked hands its inner transform the same masked tree at init and "
-        "update).")
+      f"{rule.fn_name} keeps one {field} per leaf of the params given to init, "
+      f"but the updates lack the leaves at {', '.join(missing[:5])}"
+      f"{' ...' if len(missing) > 5 else ''}; pass updates of the params' structure "
+      "(optax.masked hands its inner transform the same masked tree at init and "
+      "update)."
+    )
   return positions
 
 
@@ -111,8 +113,7 @@ _NOT_FLOAT = (1,)
 def _init_stat(leaf: Any) -> jax.Array:
   dtype = getattr(leaf, "dtype", None)
   try:
-    is_float = jnp.issubdtype(dtype if dtype is not None else jnp.result_type(leaf),
-                              jnp.inexact)
+    is_float = jnp.issubdtype(dtype if dtype is not None else jnp.result_type(leaf), jnp.inexact)
   except TypeError:
     is_float = False
   return jnp.zeros(() if is_float else _NOT_FLOAT, jnp.float32)
@@ -130,8 +131,9 @@ def _entries(vector: jax.Array) -> list[jax.Array]:
   return [jax.lax.index_in_dim(vector, i, keepdims=False) for i in range(vector.shape[0])]
 
 
-def per_tensor_transform(rule: Rule, axis_name: Any, replicated: Any,
-                         partition_specs: Any) -> optax.GradientTransformationExtraArgs:
+def per_tensor_transform(
+  rule: Rule, axis_name: Any, replicated: Any, partition_specs: Any
+) -> optax.GradientTransformationExtraArgs:
   """The :class:`optax.GradientTransformationExtraArgs` of ``rule``.
 
   A step whose statistics are not all finite (a NaN or inf gradient) keeps
@@ -153,14 +155,15 @@ def per_tensor_transform(rule: Rule, axis_name: Any, replicated: Any,
     flat_stats = [jax.tree.flatten(s) for s in old_stats]
     for (values, _), field in zip(flat_stats, stat_fields, strict=True):
       if len(values) != len(flat_stats[0][0]):
-        raise ValueError(f"{rule.fn_name}'s state has a {field} of another structure "
-                         f"than its {stat_fields[0]}.")
+        raise ValueError(
+          f"{rule.fn_name}'s state has a {field} of another structure than its {stat_fields[0]}."
+        )
     leaves, treedef = jax.tree.flatten(updates)
     stat, total = _distributed.tree_leaf_parts(
-        updates, rule.ord, axis_name, replicated, partition_specs)
+      updates, rule.ord, axis_name, replicated, partition_specs
+    )
     stat = [jnp.asarray(x).astype(jnp.float32) for x in stat]  # before the square roots
-    total = jnp.asarray(
-        _numerics.safe_sqrt(total) if rule.ord == 2 else total).astype(jnp.float32)
+    total = jnp.asarray(_numerics.safe_sqrt(total) if rule.ord == 2 else total).astype(jnp.float32)
     prev_count = state[-1]
     count = optax.safe_increment(prev_count)
     read = [[jnp.reshape(values[i], ()) for i in positions] for values, _ in flat_stats]
@@ -168,8 +171,15 @@ def per_tensor_transform(rule: Rule, axis_name: Any, replicated: Any,
     finite = jnp.all(jnp.isfinite(_vector(stat))) & jnp.isfinite(total)
     finite = _numerics.computed_once(finite)
     per_leaf, new = _backends.on_cpu(
-        lambda *a: _vector_step(rule, *a), lambda *a: _scalar_step(rule, *a),
-        stat, total, read, prev_count, count, finite)
+      lambda *a: _vector_step(rule, *a),
+      lambda *a: _scalar_step(rule, *a),
+      stat,
+      total,
+      read,
+      prev_count,
+      count,
+      finite,
+    )
     count = jnp.where(finite, count, prev_count)
 
     out = [rule.apply(x, *cs) for x, *cs in zip(leaves, *per_leaf, strict=True)]
@@ -184,9 +194,15 @@ def per_tensor_transform(rule: Rule, axis_name: Any, replicated: Any,
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
-def _vector_step(rule: Rule, stat: list[jax.Array], total: jax.Array,
-                 read: list[list[jax.Array]], prev_count: jax.Array, count: jax.Array,
-                 finite: jax.Array) -> tuple[list[list[jax.Array]], list[list[jax.Array]]]:
+def _vector_step(
+  rule: Rule,
+  stat: list[jax.Array],
+  total: jax.Array,
+  read: list[list[jax.Array]],
+  prev_count: jax.Array,
+  count: jax.Array,
+  finite: jax.Array,
+) -> tuple[list[list[jax.Array]], list[list[jax.Array]]]:
   """``(coefficients, new_stats)``, lists (one per field) of per-leaf scalars.
 
   On XLA:CPU the rule's arithmetic runs once on vectors of all the leaves:
@@ -208,9 +224,15 @@ def _vector_step(rule: Rule, stat: list[jax.Array], total: jax.Array,
   return ([_entries(c / one) for c in coefficients], [_entries(n / one) for n in new])
 
 
-def _scalar_step(rule: Rule, stat: list[jax.Array], total: jax.Array,
-                 read: list[list[jax.Array]], prev_count: jax.Array, count: jax.Array,
-                 finite: jax.Array) -> tuple[list[list[jax.Array]], list[list[jax.Array]]]:
+def _scalar_step(
+  rule: Rule,
+  stat: list[jax.Array],
+  total: jax.Array,
+  read: list[list[jax.Array]],
+  prev_count: jax.Array,
+  count: jax.Array,
+  finite: jax.Array,
+) -> tuple[list[list[jax.Array]], list[list[jax.Array]]]:
   """What :func:`_vector_step` computes, leaf by leaf (other platforms)."""
   coefficients: list[list[jax.Array]] = []
   new: list[list[jax.Array]] = [[] for _ in read]

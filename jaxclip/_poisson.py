@@ -34,17 +34,18 @@ def _static_int(value: Any, name: str, low: int) -> int:
     out = operator.index(value)
   except TypeError:
     raise TypeError(
-        f"{name} must be a Python int (it fixes a shape), got {value!r:.100}.") from None
+      f"{name} must be a Python int (it fixes a shape), got {value!r:.100}."
+    ) from None
   if isinstance(value, bool) or out < low:
     raise ValueError(f"{name} must be an integer >= {low}, got {value!r}.")
   return out
 
 
 def poisson_batch(
-    key: jax.Array,
-    num_examples: int,
-    sampling_rate: jax.typing.ArrayLike,
-    max_batch_size: int,
+  key: jax.Array,
+  num_examples: int,
+  sampling_rate: jax.typing.ArrayLike,
+  max_batch_size: int,
 ) -> PoissonBatch:
   r"""Draws a Poisson-sampled batch, as indices and a mask of a fixed shape.
 

@@ -26,16 +26,22 @@ def _check_norms(norms: Any) -> jax.Array:
     dtype = norms.dtype if isinstance(norms, jax.Array) else np.asarray(norms).dtype
   except (TypeError, ValueError):
     dtype = None
-  if dtype is None or dtype == np.bool_ or not jnp.issubdtype(dtype, jnp.number) or (
-      jnp.issubdtype(dtype, jnp.complexfloating)):
+  if (
+    dtype is None
+    or dtype == np.bool_
+    or not jnp.issubdtype(dtype, jnp.number)
+    or (jnp.issubdtype(dtype, jnp.complexfloating))
+  ):
     raise TypeError(
-        "norms must be an array of real numbers (the per-example gradient norms), got "
-        f"{norms!r:.100}.")
+      "norms must be an array of real numbers (the per-example gradient norms), got "
+      f"{norms!r:.100}."
+    )
   norms = _numerics.as_array(norms)
   if norms.ndim != 1 or norms.shape[0] == 0:
     raise ValueError(
-        "norms must be a non-empty 1-D array of the batch's per-example norms, got shape "
-        f"{norms.shape}.")
+      "norms must be a non-empty 1-D array of the batch's per-example norms, got shape "
+      f"{norms.shape}."
+    )
   return norms
 
 
@@ -48,8 +54,9 @@ def _check_key(key: Any) -> None:
     ok = dtype == jnp.uint32 and getattr(key, "ndim", None) == 1
   if not ok:
     raise TypeError(
-        "key must be one jax.random key (jax.random.key(seed), or a legacy "
-        f"jax.random.PRNGKey(seed)), got {key!r:.100}.")
+      "key must be one jax.random key (jax.random.key(seed), or a legacy "
+      f"jax.random.PRNGKey(seed)), got {key!r:.100}."
+    )
 
 
 def _check_flag(value: Any, name: str) -> None:
@@ -57,22 +64,26 @@ def _check_flag(value: Any, name: str) -> None:
   v = _validation.concrete_value(value)
   if v is None:
     return
-  if not (v.dtype == np.bool_ or (jnp.issubdtype(v.dtype, jnp.number)
-                                   and not np.iscomplexobj(v) and np.all((v == 0) | (v == 1)))):
+  if not (
+    v.dtype == np.bool_
+    or (
+      jnp.issubdtype(v.dtype, jnp.number) and not np.iscomplexobj(v) and np.all((v == 0) | (v == 1))
+    )
+  ):
     raise TypeError(f"{name} must be a bool, got {value!r}.")
 
 
 def quantile_clip_norm_update(
-    clip_norm: ArrayLike,
-    norms: ArrayLike,
-    *,
-    target_quantile: ArrayLike = 0.5,
-    learning_rate: ArrayLike = 0.2,
-    count_stddev: ArrayLike = 0.0,
-    key: jax.Array | None = None,
-    geometric: ArrayLike = True,
-    example_mask: ArrayLike | None = None,
-    expected_batch_size: ArrayLike | None = None,
+  clip_norm: ArrayLike,
+  norms: ArrayLike,
+  *,
+  target_quantile: ArrayLike = 0.5,
+  learning_rate: ArrayLike = 0.2,
+  count_stddev: ArrayLike = 0.0,
+  key: jax.Array | None = None,
+  geometric: ArrayLike = True,
+  example_mask: ArrayLike | None = None,
+  expected_batch_size: ArrayLike | None = None,
 ) -> jax.Array:
   r"""Moves a DP-SGD clip norm towards a quantile of the per-example gradient norms.
 
@@ -229,8 +240,11 @@ def quantile_clip_norm_update(
     Andrew et al., `Differentially Private Learning with Adaptive Clipping
     <https://arxiv.org/abs/1905.03871>`_, 2021
   """
-  for value, name in ((clip_norm, "clip_norm"), (learning_rate, "learning_rate"),
-                      (count_stddev, "count_stddev")):
+  for value, name in (
+    (clip_norm, "clip_norm"),
+    (learning_rate, "learning_rate"),
+    (count_stddev, "count_stddev"),
+  ):
     _validation.check_scalar(value, name)
     _validation.check_threshold(value, name)
   for value, name in ((learning_rate, "learning_rate"), (count_stddev, "count_stddev")):
@@ -244,8 +258,9 @@ def quantile_clip_norm_update(
     example_mask = _numerics.as_array(example_mask)
     if example_mask.dtype != jnp.bool_ or example_mask.shape != norms.shape:
       raise ValueError(
-          f"example_mask must be a boolean array of the norms' shape {norms.shape}, got "
-          f"{jax.typeof(example_mask)}.")
+        f"example_mask must be a boolean array of the norms' shape {norms.shape}, got "
+        f"{jax.typeof(example_mask)}."
+      )
   if expected_batch_size is not None:
     _validation.check_scalar(expected_batch_size, "expected_batch_size")
     _validation.check_threshold(expected_batch_size, "expected_batch_size")
@@ -259,20 +274,26 @@ def quantile_clip_norm_update(
     stddev = _validation.concrete_value(count_stddev)
     if stddev is None:
       raise ValueError(
-          "count_stddev is traced, so it may be positive, and the noise needs a key: pass "
-          "key=jax.random.key(...) (or a concrete count_stddev=0.0 for no noise).")
+        "count_stddev is traced, so it may be positive, and the noise needs a key: pass "
+        "key=jax.random.key(...) (or a concrete count_stddev=0.0 for no noise)."
+      )
     if stddev > 0:
       raise ValueError(
-          f"count_stddev={count_stddev!r} > 0 adds noise to the count, which needs a key: "
-          "pass key=jax.random.key(...), a fresh one each step.")
+        f"count_stddev={count_stddev!r} > 0 adds noise to the count, which needs a key: "
+        "pass key=jax.random.key(...), a fresh one each step."
+      )
 
   c = _numerics.as_array(clip_norm)
   out_dtype = c.dtype if jnp.issubdtype(c.dtype, jnp.inexact) else jnp.dtype(jnp.float32)
   dtype = _numerics.compute_dtype(out_dtype)
   c = jnp.maximum(c.astype(dtype), jnp.zeros((), dtype))
   # Compared in the wider of the two dtypes, so a half-precision side is not rounded.
-  cmp = jnp.promote_types(dtype, _numerics.compute_dtype(
-      norms.dtype if jnp.issubdtype(norms.dtype, jnp.inexact) else jnp.float32))
+  cmp = jnp.promote_types(
+    dtype,
+    _numerics.compute_dtype(
+      norms.dtype if jnp.issubdtype(norms.dtype, jnp.inexact) else jnp.float32
+    ),
+  )
   below = norms.astype(cmp) <= c.astype(cmp)  # NaN and +inf norms are not below
   real = jnp.ones(norms.shape, jnp.bool_) if example_mask is None else example_mask
   half = jnp.asarray(0.0 if expected_batch_size is None else 0.5, dtype)
@@ -281,13 +302,17 @@ def quantile_clip_norm_update(
     noise = jax.random.normal(key, (), jnp.float32).astype(dtype)
     count = count + jnp.asarray(count_stddev).astype(dtype) * noise
   if expected_batch_size is None:
-    denominator = (jnp.asarray(norms.shape[0], dtype) if example_mask is None
-                   else jnp.maximum(jnp.sum(real.astype(dtype)), jnp.ones((), dtype)))
+    denominator = (
+      jnp.asarray(norms.shape[0], dtype)
+      if example_mask is None
+      else jnp.maximum(jnp.sum(real.astype(dtype)), jnp.ones((), dtype))
+    )
   else:
     denominator = jnp.asarray(expected_batch_size).astype(dtype)
   fraction = count / denominator + half
   step = jnp.asarray(learning_rate).astype(dtype) * (
-      fraction - jnp.asarray(target_quantile).astype(dtype))
+    fraction - jnp.asarray(target_quantile).astype(dtype)
+  )
   geometric_c = c * jnp.exp(-step)
   linear_c = jnp.maximum(c - step, jnp.zeros((), dtype))
   new = jnp.where(jnp.asarray(geometric).astype(jnp.bool_), geometric_c, linear_c)

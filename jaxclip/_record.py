@@ -28,11 +28,11 @@ class RecordNormsState(NamedTuple):
 
 
 def record_norms(
-    *,
-    ord: int | float | str | None = None,
-    axis_name: Any = None,
-    replicated: Any = None,
-    partition_specs: Any = None,
+  *,
+  ord: int | float | str | None = None,
+  axis_name: Any = None,
+  replicated: Any = None,
+  partition_specs: Any = None,
 ) -> optax.GradientTransformationExtraArgs:
   r"""Passes the updates through unchanged and records each leaf's norm and the global norm.
 
@@ -90,15 +90,16 @@ def record_norms(
   def init_fn(params):
     acc = _numerics.tree_accumulation_dtype(params)
     return RecordNormsState(
-        leaf_norms=jax.tree.map(lambda _: jnp.zeros((), acc), params),
-        global_norm=jnp.zeros((), acc))
+      leaf_norms=jax.tree.map(lambda _: jnp.zeros((), acc), params), global_norm=jnp.zeros((), acc)
+    )
 
   def update_fn(updates, state, params=None, **extra_args):
     del params, extra_args
     _validation.check_state(state, RecordNormsState, "record_norms")
     numbers = _validation.numeric_leaves(updates, "record_norms")
     norms, total = _distributed.tree_leaf_norms(
-        numbers, ord, axis_name, replicated, partition_specs)
+      numbers, ord, axis_name, replicated, partition_specs
+    )
     dtype = state.global_norm.dtype
     norms, total = [n.astype(dtype) for n in norms], total.astype(dtype)
     # In the state's own structure (a tuple stays a tuple when the updates
@@ -108,14 +109,14 @@ def record_norms(
     flat, structure = jax.tree_util.tree_flatten_with_path(state.leaf_norms)
     where = {jax.tree_util.keystr(p): i for i, (p, _) in enumerate(flat)}
     values = [v for _, v in flat]
-    for (path, _), n in zip(jax.tree_util.tree_flatten_with_path(updates)[0], norms,
-                            strict=True):
+    for (path, _), n in zip(jax.tree_util.tree_flatten_with_path(updates)[0], norms, strict=True):
       i = where.get(jax.tree_util.keystr(path))
       if i is None:
         raise ValueError(
-            "record_norms keeps one norm per leaf of the params given to init, but the "
-            f"updates have a leaf at {jax.tree_util.keystr(path) or '<root>'} that the "
-            "params have not; init it with params of the updates' structure.")
+          "record_norms keeps one norm per leaf of the params given to init, but the "
+          f"updates have a leaf at {jax.tree_util.keystr(path) or '<root>'} that the "
+          "params have not; init it with params of the updates' structure."
+        )
       values[i] = n.astype(jnp.result_type(values[i]))
     return updates, RecordNormsState(leaf_norms=structure.unflatten(values), global_norm=total)
 

@@ -45,15 +45,19 @@ def _selector(skip: jax.Array):
 
   def select(old: Any, new: Any) -> jax.Array:
     old, new = _numerics.as_array(old), _numerics.as_array(new)
-    if (old.shape != new.shape or old.dtype != new.dtype
-        or jnp.issubdtype(new.dtype, jax.dtypes.extended)):
+    if (
+      old.shape != new.shape
+      or old.dtype != new.dtype
+      or jnp.issubdtype(new.dtype, jax.dtypes.extended)
+    ):
       return jnp.where(skip, old, new).astype(jnp.result_type(new))
     where = _numerics.layout(new)
     mask = masks.get((new.shape, where))
     if mask is None:
       sharding = None if where is None or where is _numerics.LOCAL else where
       mask = masks[new.shape, where] = jax.lax.broadcast_in_dim(
-          skip, new.shape, (), out_sharding=sharding)
+        skip, new.shape, (), out_sharding=sharding
+      )
     return jax.lax.select(mask, old, new)
 
   return select
@@ -89,20 +93,19 @@ def all_finite(tree: Any, axis_name: Any = None) -> jax.Array:
   reduction per leaf (as ``optax.apply_if_finite`` does) makes thousands.
   Integer and boolean leaves are always finite.
   """
-  leaves = [x for x in jax.tree.leaves(tree)
-            if jnp.issubdtype(jnp.result_type(x), jnp.inexact)]
+  leaves = [x for x in jax.tree.leaves(tree) if jnp.issubdtype(jnp.result_type(x), jnp.inexact)]
   ok = jnp.isfinite(_distributed.tree_norm(leaves, math.inf)) if leaves else jnp.array(True)
   # Finite everywhere: not non-finite on any device.
   return jnp.logical_not(_distributed.any_across_devices(jnp.logical_not(ok), axis_name))
 
 
 def skip_transform(
-    inner: optax.GradientTransformationExtraArgs,
-    state_type: type,
-    fn_name: str,
-    count_field: str,
-    init_fields: Callable[[Any], dict[str, Any]],
-    decide: Callable[[Any, Any, dict[str, Any]], tuple[jax.Array, dict[str, Any]]],
+  inner: optax.GradientTransformationExtraArgs,
+  state_type: type,
+  fn_name: str,
+  count_field: str,
+  init_fields: Callable[[Any], dict[str, Any]],
+  decide: Callable[[Any, Any, dict[str, Any]], tuple[jax.Array, dict[str, Any]]],
 ) -> optax.GradientTransformationExtraArgs:
   """The scaffolding of the skip family (:func:`skip_nonfinite`, :func:`skip_above`, ...).
 
@@ -115,8 +118,11 @@ def skip_transform(
   """
 
   def init_fn(params):
-    return state_type(inner_state=inner.init(params), **{count_field: jnp.zeros((), jnp.int32)},
-                      **init_fields(params))
+    return state_type(
+      inner_state=inner.init(params),
+      **{count_field: jnp.zeros((), jnp.int32)},
+      **init_fields(params),
+    )
 
   def update_fn(updates, state, params=None, **extra_args):
     _validation.check_state(state, state_type, fn_name)
@@ -124,8 +130,10 @@ def skip_transform(
     new_updates, inner_state = inner.update(updates, state.inner_state, params, **extra_args)
     count = getattr(state, count_field)
     return zero_updates_where(skip, new_updates), state_type(
-        inner_state=select_tree(skip, state.inner_state, inner_state),
-        **{count_field: jnp.where(skip, optax.safe_increment(count), count)}, **fields)
+      inner_state=select_tree(skip, state.inner_state, inner_state),
+      **{count_field: jnp.where(skip, optax.safe_increment(count), count)},
+      **fields,
+    )
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
@@ -148,10 +156,10 @@ class SkipNonfiniteState(NamedTuple):
 
 
 def skip_nonfinite(
-    inner: optax.GradientTransformation,
-    *,
-    max_consecutive: ArrayLike | None = None,
-    axis_name: Any = None,
+  inner: optax.GradientTransformation,
+  *,
+  max_consecutive: ArrayLike | None = None,
+  axis_name: Any = None,
 ) -> optax.GradientTransformationExtraArgs:
   r"""Skips every step whose updates hold a NaN or an inf.
 
@@ -211,14 +219,22 @@ def skip_nonfinite(
     skip = jnp.logical_not(finite)
     if max_consecutive is not None:
       skip = skip & (in_a_row <= jnp.asarray(max_consecutive))
-    return skip, {"num_consecutive_nonfinite": in_a_row.astype(jnp.int32),
-                  "nonfinite_step_skipped": skip}
+    return skip, {
+      "num_consecutive_nonfinite": in_a_row.astype(jnp.int32),
+      "nonfinite_step_skipped": skip,
+    }
 
   return skip_transform(
-      inner, SkipNonfiniteState, "skip_nonfinite", "num_nonfinite_skipped",
-      lambda params: {"num_consecutive_nonfinite": jnp.zeros((), jnp.int32),
-                      "nonfinite_step_skipped": jnp.array(False)},
-      decide)
+    inner,
+    SkipNonfiniteState,
+    "skip_nonfinite",
+    "num_nonfinite_skipped",
+    lambda params: {
+      "num_consecutive_nonfinite": jnp.zeros((), jnp.int32),
+      "nonfinite_step_skipped": jnp.array(False),
+    },
+    decide,
+  )
 
 
 class ZeroNonfiniteState(NamedTuple):
@@ -235,7 +251,7 @@ class ZeroNonfiniteState(NamedTuple):
 
 
 def zero_nonfinite(
-    *, axis_name: Any = None, replicated: Any = None, partition_specs: Any = None
+  *, axis_name: Any = None, replicated: Any = None, partition_specs: Any = None
 ) -> optax.GradientTransformationExtraArgs:
   r"""Replaces every NaN, ``inf`` and ``-inf`` entry of the updates by ``0``.
 
@@ -273,8 +289,8 @@ def zero_nonfinite(
   def init_fn(params):
     del params
     return ZeroNonfiniteState(
-        num_nonfinite_zeroed=jnp.zeros((), jnp.int32),
-        num_steps_with_nonfinite=jnp.zeros((), jnp.int32),
+      num_nonfinite_zeroed=jnp.zeros((), jnp.int32),
+      num_steps_with_nonfinite=jnp.zeros((), jnp.int32),
     )
 
   def update_fn(updates, state, params=None, **extra_args):
@@ -289,8 +305,9 @@ def zero_nonfinite(
       x = _numerics.as_array(leaf)
       if not jnp.issubdtype(x.dtype, jnp.inexact):
         return x
-      finite = (jax.lax.is_finite(x) if jnp.issubdtype(x.dtype, jnp.floating)
-                else jnp.isfinite(x))  # complex: both parts finite
+      finite = (
+        jax.lax.is_finite(x) if jnp.issubdtype(x.dtype, jnp.floating) else jnp.isfinite(x)
+      )  # complex: both parts finite
       bad = jax.lax.convert_element_type(jax.lax.bitwise_not(finite), jnp.int32)
       counts[id(leaf)] = jax.lax.reduce_sum(bad, tuple(range(x.ndim)))
       return jax.lax.select(finite, x, zeros_like(x))
@@ -300,13 +317,20 @@ def zero_nonfinite(
       count = sum(counts.values(), jnp.zeros((), jnp.int32))
     else:  # a replicated leaf's entries count once
       count = _distributed.sum_across_devices(
-          updates, lambda leaves: [counts[id(x)] for x in leaves if id(x) in counts],
-          axis_name, replicated, partition_specs, dtype=jnp.int32)
+        updates,
+        lambda leaves: [counts[id(x)] for x in leaves if id(x) in counts],
+        axis_name,
+        replicated,
+        partition_specs,
+        dtype=jnp.int32,
+      )
     return repaired, ZeroNonfiniteState(
-        num_nonfinite_zeroed=count,
-        num_steps_with_nonfinite=jnp.where(
-            count > 0, optax.safe_increment(state.num_steps_with_nonfinite),
-            state.num_steps_with_nonfinite),
+      num_nonfinite_zeroed=count,
+      num_steps_with_nonfinite=jnp.where(
+        count > 0,
+        optax.safe_increment(state.num_steps_with_nonfinite),
+        state.num_steps_with_nonfinite,
+      ),
     )
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
@@ -331,13 +355,13 @@ class SkipAboveState(NamedTuple):
 
 
 def skip_above(
-    inner: optax.GradientTransformation,
-    max_norm: ArrayLike,
-    *,
-    ord: int | float | str | None = None,
-    axis_name: Any = None,
-    replicated: Any = None,
-    partition_specs: Any = None,
+  inner: optax.GradientTransformation,
+  max_norm: ArrayLike,
+  *,
+  ord: int | float | str | None = None,
+  axis_name: Any = None,
+  replicated: Any = None,
+  partition_specs: Any = None,
 ) -> optax.GradientTransformationExtraArgs:
   r"""Skips every step whose incoming global norm is above ``max_norm`` or not finite.
 
@@ -414,8 +438,13 @@ def skip_above(
     return skip, {"skip_above_norm": norm, "above_step_skipped": skip}
 
   return skip_transform(
-      inner, SkipAboveState, "skip_above", "num_above_skipped",
-      lambda params: {
-          "skip_above_norm": jnp.zeros((), _numerics.tree_accumulation_dtype(params)),
-          "above_step_skipped": jnp.array(False)},
-      decide)
+    inner,
+    SkipAboveState,
+    "skip_above",
+    "num_above_skipped",
+    lambda params: {
+      "skip_above_norm": jnp.zeros((), _numerics.tree_accumulation_dtype(params)),
+      "above_step_skipped": jnp.array(False),
+    },
+    decide,
+  )

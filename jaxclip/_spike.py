@@ -50,8 +50,9 @@ class SkipOnSpikeState(NamedTuple):
   num_spike_skipped: jax.Array
 
 
-def _check(history: _history.History, value: jax.Array, sigma: Any,
-           min_count: int) -> tuple[jax.Array, jax.Array]:
+def _check(
+  history: _history.History, value: jax.Array, sigma: Any, min_count: int
+) -> tuple[jax.Array, jax.Array]:
   """``(is_spike, threshold)`` of ``value`` against ``history``."""
   # The reference counts the current value towards the warm-up; a standard
   # deviation also needs two previous values.
@@ -80,33 +81,37 @@ def objective(extra_args: dict[str, Any], fn_name: str) -> Any:
     same = False
   if not same:
     raise ValueError(
-        f"{fn_name} got both loss={loss!r:.80} and value={value!r:.80}, which may "
-        "differ; pass the objective once (value= is optax's name, as in "
-        "reduce_on_plateau and the line searches; loss= is accepted too).")
+      f"{fn_name} got both loss={loss!r:.80} and value={value!r:.80}, which may "
+      "differ; pass the objective once (value= is optax's name, as in "
+      "reduce_on_plateau and the line searches; loss= is accepted too)."
+    )
   return loss
 
 
-def _fields(norms: _history.History, losses: _history.History,
-            **scalars: jax.Array) -> dict[str, Any]:
+def _fields(
+  norms: _history.History, losses: _history.History, **scalars: jax.Array
+) -> dict[str, Any]:
   """The fields of a :class:`SkipOnSpikeState` of its own, from the two histories."""
   return dict(
-      spike_norm_history=norms.values, spike_norm_count=norms.size,
-      spike_norm_index=norms.index,
-      spike_loss_history=losses.values, spike_loss_count=losses.size,
-      spike_loss_index=losses.index,
-      **scalars,
+    spike_norm_history=norms.values,
+    spike_norm_count=norms.size,
+    spike_norm_index=norms.index,
+    spike_loss_history=losses.values,
+    spike_loss_count=losses.size,
+    spike_loss_index=losses.index,
+    **scalars,
   )
 
 
 def skip_on_spike(
-    inner: optax.GradientTransformation,
-    *,
-    window: int = 128,
-    sigma: ArrayLike = 6.0,
-    ord: int | float | str | None = None,
-    axis_name: Any = None,
-    replicated: Any = None,
-    partition_specs: Any = None,
+  inner: optax.GradientTransformation,
+  *,
+  window: int = 128,
+  sigma: ArrayLike = 6.0,
+  ord: int | float | str | None = None,
+  axis_name: Any = None,
+  replicated: Any = None,
+  partition_specs: Any = None,
 ) -> optax.GradientTransformationExtraArgs:
   r"""Skips a step whose gradient norm (or loss) spikes above its recent history.
 
@@ -200,20 +205,28 @@ def skip_on_spike(
     del params
     size = _validation.require_size(window, "window")
     inf = jnp.array(jnp.inf, jnp.float32)
-    return _fields(_history.empty(size), _history.empty(size),
-                   spike_grad_norm=jnp.zeros((), jnp.float32), spike_norm_threshold=inf,
-                   spike_loss_threshold=inf, spike_step_skipped=jnp.array(False))
+    return _fields(
+      _history.empty(size),
+      _history.empty(size),
+      spike_grad_norm=jnp.zeros((), jnp.float32),
+      spike_norm_threshold=inf,
+      spike_loss_threshold=inf,
+      spike_step_skipped=jnp.array(False),
+    )
 
   def decide(updates, state, extra_args):
     loss = objective(extra_args, "skip_on_spike")
     numbers = _validation.numeric_leaves(updates, "skip_on_spike")
-    norm = _distributed.tree_norm(
-        numbers, ord, axis_name, replicated, partition_specs).astype(jnp.float32)
+    norm = _distributed.tree_norm(numbers, ord, axis_name, replicated, partition_specs).astype(
+      jnp.float32
+    )
     min_count = max(2, state.spike_norm_history.shape[0] // 2)
     norms = _history.History(
-        state.spike_norm_history, state.spike_norm_count, state.spike_norm_index)
+      state.spike_norm_history, state.spike_norm_count, state.spike_norm_index
+    )
     losses = _history.History(
-        state.spike_loss_history, state.spike_loss_count, state.spike_loss_index)
+      state.spike_loss_history, state.spike_loss_count, state.spike_loss_index
+    )
     skip, norm_threshold = _check(norms, norm, sigma, min_count)
     norms = _history.push(norms, norm)
     loss_threshold = state.spike_loss_threshold
@@ -221,16 +234,23 @@ def skip_on_spike(
       loss = jnp.asarray(loss)
       if loss.shape != () or not jnp.issubdtype(loss.dtype, jnp.number):
         raise ValueError(
-            "skip_on_spike needs a real scalar loss (value= or loss=), got "
-            f"{loss.dtype} of shape {loss.shape}.")
+          "skip_on_spike needs a real scalar loss (value= or loss=), got "
+          f"{loss.dtype} of shape {loss.shape}."
+        )
       loss = _distributed.mean_across_devices(loss.astype(jnp.float32), axis_name)
       loss_spike, loss_threshold = _check(losses, loss, sigma, min_count)
       skip = skip | loss_spike
       losses = _history.push(losses, loss)
     skip = _distributed.any_across_devices(skip, axis_name)
-    return skip, _fields(norms, losses, spike_grad_norm=norm,
-                         spike_norm_threshold=norm_threshold,
-                         spike_loss_threshold=loss_threshold, spike_step_skipped=skip)
+    return skip, _fields(
+      norms,
+      losses,
+      spike_grad_norm=norm,
+      spike_norm_threshold=norm_threshold,
+      spike_loss_threshold=loss_threshold,
+      spike_step_skipped=skip,
+    )
 
-  return _robust.skip_transform(inner, SkipOnSpikeState, "skip_on_spike",
-                                "num_spike_skipped", init_fields, decide)
+  return _robust.skip_transform(
+    inner, SkipOnSpikeState, "skip_on_spike", "num_spike_skipped", init_fields, decide
+  )

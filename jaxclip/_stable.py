@@ -47,15 +47,15 @@ class AdaGCState(NamedTuple):
 
 
 def adagc(
-    beta: ArrayLike = 0.98,
-    lambda_abs: ArrayLike = 1.0,
-    lambda_rel: ArrayLike = 1.05,
-    warmup_steps: int = 100,
-    eps: ArrayLike = 1e-8,
-    *,
-    axis_name: Any = None,
-    replicated: Any = None,
-    partition_specs: Any = None,
+  beta: ArrayLike = 0.98,
+  lambda_abs: ArrayLike = 1.0,
+  lambda_rel: ArrayLike = 1.05,
+  warmup_steps: int = 100,
+  eps: ArrayLike = 1e-8,
+  *,
+  axis_name: Any = None,
+  replicated: Any = None,
+  partition_specs: Any = None,
 ) -> optax.GradientTransformationExtraArgs:
   r"""AdaGC: clips each tensor relative to an EMA of its own clipped norms.
 
@@ -159,8 +159,10 @@ def adagc(
     threshold = rel * gamma
     scale = _ratio(threshold, n, n > threshold)
     ada_gamma = b * gamma + (1 - b) * jnp.minimum(n, threshold)
-    return ((jnp.where(warming, global_scale, scale),),
-            (jnp.where(warming, warm_gamma, ada_gamma),))
+    return (
+      (jnp.where(warming, global_scale, scale),),
+      (jnp.where(warming, warm_gamma, ada_gamma),),
+    )
 
   rule = _per_tensor.Rule("adagc", AdaGCState, 2, step, _numerics.apply_scale)
   return _per_tensor.per_tensor_transform(rule, axis_name, replicated, partition_specs)
@@ -183,11 +185,11 @@ class AdaptiveValueClipState(NamedTuple):
 
 
 def adaptive_value_clip(
-    beta: ArrayLike = 0.999,
-    *,
-    axis_name: Any = None,
-    replicated: Any = None,
-    partition_specs: Any = None,
+  beta: ArrayLike = 0.999,
+  *,
+  axis_name: Any = None,
+  replicated: Any = None,
+  partition_specs: Any = None,
 ) -> optax.GradientTransformationExtraArgs:
   r"""Stable-SPAM's AdaClip: clips entries above an EMA of each tensor's largest one.
 
@@ -262,8 +264,9 @@ def adaptive_value_clip(
     bound = m / _bias_correction(b, s.count)
     return (bound, _ratio(bound, top, top > 0)), (m,)
 
-  rule = _per_tensor.Rule("adaptive_value_clip", AdaptiveValueClipState, math.inf, step,
-                          _clip_entries)
+  rule = _per_tensor.Rule(
+    "adaptive_value_clip", AdaptiveValueClipState, math.inf, step, _clip_entries
+  )
   return _per_tensor.per_tensor_transform(rule, axis_name, replicated, partition_specs)
 
 
@@ -295,13 +298,13 @@ class AdaptiveNormScaleState(NamedTuple):
 
 
 def adaptive_norm_scale(
-    beta1: ArrayLike = 0.7,
-    beta2: ArrayLike = 0.9,
-    eps: ArrayLike = 1e-8,
-    *,
-    axis_name: Any = None,
-    replicated: Any = None,
-    partition_specs: Any = None,
+  beta1: ArrayLike = 0.7,
+  beta2: ArrayLike = 0.9,
+  eps: ArrayLike = 1e-8,
+  *,
+  axis_name: Any = None,
+  replicated: Any = None,
+  partition_specs: Any = None,
 ) -> optax.GradientTransformationExtraArgs:
   r"""Stable-SPAM's AdaGN: rescales each tensor to an Adam-like ratio of its norm's moments.
 
@@ -389,6 +392,7 @@ def adaptive_norm_scale(
     target = _ratio(mu / _bias_correction(b1, s.count), denominator, denominator > 0)
     return (_ratio(target, n, n > 0),), (mu, nu)
 
-  rule = _per_tensor.Rule("adaptive_norm_scale", AdaptiveNormScaleState, 2, step,
-                          _numerics.apply_scale)
+  rule = _per_tensor.Rule(
+    "adaptive_norm_scale", AdaptiveNormScaleState, 2, step, _numerics.apply_scale
+  )
   return _per_tensor.per_tensor_transform(rule, axis_name, replicated, partition_specs)

@@ -41,7 +41,7 @@ class ThresholdSuggestion(NamedTuple):
 
 
 def suggest_threshold(
-    norms: Any, percentile: float = 50.0, *, num_tensors: int | None = None
+  norms: Any, percentile: float = 50.0, *, num_tensors: int | None = None
 ) -> ThresholdSuggestion:
   r"""Suggests a ``max_norm`` from the pre-clip global norms of a run.
 
@@ -106,8 +106,9 @@ def suggest_threshold(
   dropped = int(values.size - finite.size)
   if finite.size == 0:
     raise ValueError(
-        f"suggest_threshold needs at least one finite norm, got {values.size} "
-        f"values of which {dropped} are NaN or inf.")
+      f"suggest_threshold needs at least one finite norm, got {values.size} "
+      f"values of which {dropped} are NaN or inf."
+    )
   if np.any(finite < 0):
     raise ValueError(f"norms must be non-negative, got {float(finite.min())!r}.")
   percentile = float(percentile)
@@ -116,17 +117,27 @@ def suggest_threshold(
   lo, hi = float(finite.min()), float(finite.max())
   fraction = float(np.mean(finite > max_norm))
   text = (
-      f"max_norm={max_norm:.4g}: percentile {percentile:g} of {finite.size} finite "
-      f"pre-clip norms ({dropped} non-finite dropped); median {median:.4g}, range "
-      f"[{lo:.4g}, {hi:.4g}]. It would have clipped {fraction:.1%} of the recorded "
-      "steps.")
+    f"max_norm={max_norm:.4g}: percentile {percentile:g} of {finite.size} finite "
+    f"pre-clip norms ({dropped} non-finite dropped); median {median:.4g}, range "
+    f"[{lo:.4g}, {hi:.4g}]. It would have clipped {fraction:.1%} of the recorded "
+    "steps."
+  )
   per_tensor = None
   if num_tensors is not None:
     per_tensor = max_norm / math.sqrt(num_tensors)
     text += (
-        f" For per-tensor clipping of {num_tensors} tensors with similar norms, "
-        f"start near max_norm / sqrt({num_tensors}) = {per_tensor:.4g}.")
+      f" For per-tensor clipping of {num_tensors} tensors with similar norms, "
+      f"start near max_norm / sqrt({num_tensors}) = {per_tensor:.4g}."
+    )
   return ThresholdSuggestion(
-      max_norm=max_norm, percentile=percentile, num_norms=int(finite.size),
-      num_nonfinite=dropped, median=median, minimum=lo, maximum=hi,
-      fraction_clipped=fraction, per_tensor_max_norm=per_tensor, explanation=text)
+    max_norm=max_norm,
+    percentile=percentile,
+    num_norms=int(finite.size),
+    num_nonfinite=dropped,
+    median=median,
+    minimum=lo,
+    maximum=hi,
+    fraction_clipped=fraction,
+    per_tensor_max_norm=per_tensor,
+    explanation=text,
+  )

@@ -8,9 +8,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxclip import _numerics
-from jaxclip import _ops
-from jaxclip import _validation
+from jaxclip import _numerics, _ops, _validation
 
 ArrayLike = jax.typing.ArrayLike
 
@@ -59,7 +57,7 @@ def value_clip(lo: ArrayLike, hi: ArrayLike, fn_name: str) -> Any:
 
 
 def clip_by_value(
-    min_value: ArrayLike, max_value: ArrayLike
+  min_value: ArrayLike, max_value: ArrayLike
 ) -> optax.GradientTransformationExtraArgs:
   r"""Clips every entry of the updates to ``[min_value, max_value]``.
 
@@ -117,9 +115,7 @@ def clip(max_delta: ArrayLike) -> optax.GradientTransformationExtraArgs:
   return stateless(value_clip(jnp.negative(max_delta), max_delta, "clip"))
 
 
-def clip_by_norm(
-    max_norm: ArrayLike, axes: Any = None
-) -> optax.GradientTransformationExtraArgs:
+def clip_by_norm(max_norm: ArrayLike, axes: Any = None) -> optax.GradientTransformationExtraArgs:
   r"""Clips each leaf of the updates on its own to L2 norm ``max_norm``.
 
   The transform form of :func:`jaxclip.ops.clip_by_norm` and of Keras's
@@ -143,8 +139,9 @@ def clip_by_norm(
     Array([-1.4285715,  2.142857 ,  4.285714 ], dtype=float32)
   """
   _validation.check_threshold(max_norm, "max_norm")
-  return stateless(lambda u: _ops.clip_by_norm(
-      _validation.numeric_leaves(u, "clip_by_norm"), max_norm, axes))
+  return stateless(
+    lambda u: _ops.clip_by_norm(_validation.numeric_leaves(u, "clip_by_norm"), max_norm, axes)
+  )
 
 
 def clip_by_average_norm(max_norm: ArrayLike) -> optax.GradientTransformationExtraArgs:
@@ -167,8 +164,11 @@ def clip_by_average_norm(max_norm: ArrayLike) -> optax.GradientTransformationExt
     [Array([1.2, 1.6], dtype=float32)]
   """
   _validation.check_threshold(max_norm, "max_norm")
-  return stateless(lambda u: _ops.clip_by_average_norm(
-      _validation.numeric_leaves(u, "clip_by_average_norm"), max_norm))
+  return stateless(
+    lambda u: _ops.clip_by_average_norm(
+      _validation.numeric_leaves(u, "clip_by_average_norm"), max_norm
+    )
+  )
 
 
 class ClipByGlobalNormState(NamedTuple):
@@ -184,12 +184,12 @@ class ClipByGlobalNormState(NamedTuple):
 
 
 def clip_by_global_norm(
-    max_norm: ArrayLike,
-    *,
-    ord: int | float | str | None = None,
-    axis_name: Any = None,
-    replicated: Any = None,
-    partition_specs: Any = None,
+  max_norm: ArrayLike,
+  *,
+  ord: int | float | str | None = None,
+  axis_name: Any = None,
+  replicated: Any = None,
+  partition_specs: Any = None,
 ) -> optax.GradientTransformationExtraArgs:
   r"""Scales all updates by one factor so their global norm is at most ``max_norm``.
 
@@ -266,14 +266,20 @@ def clip_by_global_norm(
 
   def init_fn(params):
     return ClipByGlobalNormState(
-        pre_clip_norm=jnp.zeros((), _numerics.tree_accumulation_dtype(params)))
+      pre_clip_norm=jnp.zeros((), _numerics.tree_accumulation_dtype(params))
+    )
 
   def update_fn(updates, state, params=None, **extra_args):
     del params, extra_args
     updates = _validation.numeric_leaves(updates, "clip_by_global_norm")
     clipped, norm = _ops.clip_by_global_norm(
-        updates, max_norm, ord=ord, axis_name=axis_name, replicated=replicated,
-        partition_specs=partition_specs)
+      updates,
+      max_norm,
+      ord=ord,
+      axis_name=axis_name,
+      replicated=replicated,
+      partition_specs=partition_specs,
+    )
     if state is not None:
       norm = norm.astype(state.pre_clip_norm.dtype)
     return clipped, ClipByGlobalNormState(pre_clip_norm=norm)

@@ -32,8 +32,7 @@ def _real(value: Any, name: str, what: str = "a real number or array") -> np.nda
   v = concrete_value(value)
   if v is None:
     return None
-  if (v.dtype == np.bool_ or not jnp.issubdtype(v.dtype, jnp.number)
-      or np.iscomplexobj(v)):
+  if v.dtype == np.bool_ or not jnp.issubdtype(v.dtype, jnp.number) or np.iscomplexobj(v):
     raise TypeError(f"{name} must be {what}, got {value!r}.")
   return v
 
@@ -62,8 +61,7 @@ def check_bounds(lo: Any, hi: Any, lo_name: str, hi_name: str) -> None:
         raise ValueError(f"{name} must not be NaN, got {raw!r}.")
   if vlo is not None and vhi is not None and np.any(vlo > vhi):
     raise ValueError(
-        f"{lo_name} must not exceed {hi_name}, got {lo_name}={lo!r} > "
-        f"{hi_name}={hi!r}."
+      f"{lo_name} must not exceed {hi_name}, got {lo_name}={lo!r} > {hi_name}={hi!r}."
     )
 
 
@@ -104,8 +102,9 @@ def _where(path: Any) -> str:
   return jax.tree_util.keystr(path) or "<root>"
 
 
-def numeric_leaves(tree: Any, fn_name: str, arg: str = "updates", *,
-                   promote: bool = True, dtype_for: Any = None) -> Any:
+def numeric_leaves(
+  tree: Any, fn_name: str, arg: str = "updates", *, promote: bool = True, dtype_for: Any = None
+) -> Any:
   """``tree`` with integer and boolean leaves promoted to floating point.
 
   The one policy of jaxclip's transforms for leaves that are not floats: as
@@ -124,20 +123,21 @@ def numeric_leaves(tree: Any, fn_name: str, arg: str = "updates", *,
     try:
       dtype = _leaf_dtype(leaf)
       ok = not jnp.issubdtype(dtype, jax.dtypes.extended) and (
-          dtype == np.bool_ or jnp.issubdtype(dtype, jnp.number))
+        dtype == np.bool_ or jnp.issubdtype(dtype, jnp.number)
+      )
     except (TypeError, ValueError):
       dtype, ok = type(leaf).__name__, False
     if not ok:
       raise TypeError(
-          f"{fn_name} clips numbers, but the leaf of {arg} at {_where(path)} has "
-          f"dtype {dtype}, which holds none (a PRNG key, a float0 tangent or a "
-          "non-array). Leave such leaves out of the updates, e.g. with "
-          "optax.masked or optax.partition.")
+        f"{fn_name} clips numbers, but the leaf of {arg} at {_where(path)} has "
+        f"dtype {dtype}, which holds none (a PRNG key, a float0 tangent or a "
+        "non-array). Leave such leaves out of the updates, e.g. with "
+        "optax.masked or optax.partition."
+      )
     if not promote or jnp.issubdtype(dtype, jnp.inexact):
       out.append(leaf)
     else:
-      to = dtype_for(dtype) if dtype_for is not None else jax.dtypes.canonicalize_dtype(
-          jnp.float64)
+      to = dtype_for(dtype) if dtype_for is not None else jax.dtypes.canonicalize_dtype(jnp.float64)
       out.append(jnp.asarray(leaf).astype(to))
   return tree if not promote else treedef.unflatten(out)
 
@@ -146,8 +146,8 @@ def check_transform(inner: Any, name: str) -> None:
   """Raises ``TypeError`` unless ``inner`` looks like an optax transform."""
   if not (callable(getattr(inner, "init", None)) and callable(getattr(inner, "update", None))):
     raise TypeError(
-        f"{name} must be an optax GradientTransformation (with init and update), "
-        f"got {inner!r:.100}.")
+      f"{name} must be an optax GradientTransformation (with init and update), got {inner!r:.100}."
+    )
 
 
 def check_state(state: Any, state_type: type, fn_name: str) -> None:
@@ -158,8 +158,9 @@ def check_state(state: Any, state_type: type, fn_name: str) -> None:
   """
   if not all(hasattr(state, field) for field in state_type._fields):
     raise TypeError(
-        f"{fn_name}'s update needs the state its init returned (a "
-        f"{state_type.__name__}), got state={type(state).__name__}: {state!r:.200}.")
+      f"{fn_name}'s update needs the state its init returned (a "
+      f"{state_type.__name__}), got state={type(state).__name__}: {state!r:.200}."
+    )
 
 
 def check_inexact_leaves(tree: Any, fn_name: str) -> None:
@@ -169,9 +170,9 @@ def check_inexact_leaves(tree: Any, fn_name: str) -> None:
     if isinstance(dtype, str) or not jnp.issubdtype(dtype, jnp.inexact):
       where = _where(path)
       raise TypeError(
-          f"{fn_name} needs floating-point or complex leaves, but the leaf at "
-          f"{where} has dtype {dtype}. Cast it to a float dtype first (norms "
-          "of integer or boolean arrays are not defined as gradients)."
+        f"{fn_name} needs floating-point or complex leaves, but the leaf at "
+        f"{where} has dtype {dtype}. Cast it to a float dtype first (norms "
+        "of integer or boolean arrays are not defined as gradients)."
       )
 
 
@@ -179,13 +180,12 @@ def check_real_leaves(tree: Any, fn_name: str) -> None:
   """Raises ``TypeError`` naming the path of the first complex or bool leaf."""
   for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
     dtype = _leaf_dtype(leaf)
-    if isinstance(dtype, str) or jnp.issubdtype(dtype, jnp.complexfloating) or (
-        dtype == np.bool_):
+    if isinstance(dtype, str) or jnp.issubdtype(dtype, jnp.complexfloating) or (dtype == np.bool_):
       where = _where(path)
       raise TypeError(
-          f"{fn_name} needs real (integer or floating-point) leaves, but the "
-          f"leaf at {where} has dtype {dtype}; elementwise bounds are not "
-          "defined for it."
+        f"{fn_name} needs real (integer or floating-point) leaves, but the "
+        f"leaf at {where} has dtype {dtype}; elementwise bounds are not "
+        "defined for it."
       )
 
 
@@ -215,10 +215,10 @@ def require_size(size: int | None, name: str) -> int:
   """``size`` from :func:`check_size`; a ``TypeError`` if it was traced."""
   if size is None:
     raise TypeError(
-        f"{name} fixes the shape of the transform's state, so it must be a "
-        f"concrete int when the state is initialised. Under "
-        f"optax.inject_hyperparams with a jitted init, pass "
-        f"static_args=({name!r},)."
+      f"{name} fixes the shape of the transform's state, so it must be a "
+      f"concrete int when the state is initialised. Under "
+      f"optax.inject_hyperparams with a jitted init, pass "
+      f"static_args=({name!r},)."
     )
   return size
 

@@ -49,20 +49,20 @@ _CLIP_OPTIONS = ("adaptive_scaling", "mean")
 
 
 def zclip(
-    alpha: ArrayLike = 0.97,
-    z_thresh: ArrayLike = 2.5,
-    max_norm: ArrayLike | None = None,
-    warmup_steps: int = 25,
-    *,
-    mode: str = "zscore",
-    clip_option: str = "adaptive_scaling",
-    clip_factor: ArrayLike = 1.0,
-    skip_update_on_spike: bool = False,
-    eps: ArrayLike = 1e-6,
-    ord: int | float | str | None = None,
-    axis_name: Any = None,
-    replicated: Any = None,
-    partition_specs: Any = None,
+  alpha: ArrayLike = 0.97,
+  z_thresh: ArrayLike = 2.5,
+  max_norm: ArrayLike | None = None,
+  warmup_steps: int = 25,
+  *,
+  mode: str = "zscore",
+  clip_option: str = "adaptive_scaling",
+  clip_factor: ArrayLike = 1.0,
+  skip_update_on_spike: bool = False,
+  eps: ArrayLike = 1e-6,
+  ord: int | float | str | None = None,
+  axis_name: Any = None,
+  replicated: Any = None,
+  partition_specs: Any = None,
 ) -> optax.GradientTransformationExtraArgs:
   r"""ZClip: clips global-norm spikes detected by a z-score on EMA statistics.
 
@@ -150,12 +150,15 @@ def zclip(
   if not isinstance(mode, str) or mode not in _MODES:
     raise ValueError(f"zclip: mode must be one of {_MODES}, got {mode!r}.")
   if not isinstance(clip_option, str) or clip_option not in _CLIP_OPTIONS:
-    raise ValueError(
-        f"zclip: clip_option must be one of {_CLIP_OPTIONS}, got {clip_option!r}.")
+    raise ValueError(f"zclip: clip_option must be one of {_CLIP_OPTIONS}, got {clip_option!r}.")
   _validation.check_interval(alpha, "alpha", 0, 1)
   _validation.check_scalar(alpha, "alpha")
-  for value, name in ((z_thresh, "z_thresh"), (clip_factor, "clip_factor"), (eps, "eps"),
-                      (max_norm, "max_norm")):
+  for value, name in (
+    (z_thresh, "z_thresh"),
+    (clip_factor, "clip_factor"),
+    (eps, "eps"),
+    (max_norm, "max_norm"),
+  ):
     if value is not None or name != "max_norm":
       _validation.check_threshold(value, name)
       _validation.check_scalar(value, name)
@@ -168,13 +171,13 @@ def zclip(
     zero = jnp.zeros((), jnp.float32)
     size = _validation.require_size(warmup_steps, "warmup_steps")
     return ZClipState(
-        zclip_warmup_norms=jnp.zeros((size,), jnp.float32),
-        zclip_warmup_count=jnp.zeros((), jnp.int32),
-        zclip_norm_ema=zero,
-        zclip_norm_var_ema=zero,
-        zclip_z_score=zero,
-        zclip_threshold=jnp.array(jnp.inf, jnp.float32),
-        zclip_pre_clip_norm=zero,
+      zclip_warmup_norms=jnp.zeros((size,), jnp.float32),
+      zclip_warmup_count=jnp.zeros((), jnp.int32),
+      zclip_norm_ema=zero,
+      zclip_norm_var_ema=zero,
+      zclip_z_score=zero,
+      zclip_threshold=jnp.array(jnp.inf, jnp.float32),
+      zclip_pre_clip_norm=zero,
     )
 
   def update_fn(updates, state, params=None, **extra_args):
@@ -226,13 +229,13 @@ def zclip(
 
     clipped, _ = _ops.clip_by_global_norm(updates, threshold, use_norm=norm)
     return clipped, ZClipState(
-        zclip_warmup_norms=buf,
-        zclip_warmup_count=new_count,
-        zclip_norm_ema=new_mean,
-        zclip_norm_var_ema=new_var,
-        zclip_z_score=jnp.where(warming, 0, z),
-        zclip_threshold=threshold,
-        zclip_pre_clip_norm=x,
+      zclip_warmup_norms=buf,
+      zclip_warmup_count=new_count,
+      zclip_norm_ema=new_mean,
+      zclip_norm_var_ema=new_var,
+      zclip_z_score=jnp.where(warming, 0, z),
+      zclip_threshold=threshold,
+      zclip_pre_clip_norm=x,
     )
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)

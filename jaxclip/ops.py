@@ -13,9 +13,9 @@ from jaxclip._ops import clip_by_value as clip_by_value
 from jaxclip._ops import global_norm as global_norm
 
 __all__ = (
-    "clip_by_average_norm",
-    "clip_by_global_norm",
-    "clip_by_norm",
-    "clip_by_value",
-    "global_norm",
+  "clip_by_average_norm",
+  "clip_by_global_norm",
+  "clip_by_norm",
+  "clip_by_value",
+  "global_norm",
 )

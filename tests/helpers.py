@@ -22,7 +22,7 @@ def tree_allclose(a, b, *, rtol=1e-6, atol=0.0) -> bool:
   """True if two pytrees have one structure, equal dtypes and close leaves."""
   if jax.tree.structure(a) != jax.tree.structure(b):
     return False
-  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
     x, y = jnp.asarray(x), jnp.asarray(y)
     if x.shape != y.shape or x.dtype != y.dtype:
       return False
@@ -35,21 +35,25 @@ def tree_allclose(a, b, *, rtol=1e-6, atol=0.0) -> bool:
 
 def assert_tree_allclose(a, b, *, rtol=1e-6, atol=0.0) -> None:
   assert jax.tree.structure(a) == jax.tree.structure(b), (
-      jax.tree.structure(a), jax.tree.structure(b))
-  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+    jax.tree.structure(a),
+    jax.tree.structure(b),
+  )
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
     x, y = jnp.asarray(x), jnp.asarray(y)
     assert x.shape == y.shape, (x.shape, y.shape)
     assert x.dtype == y.dtype, (x.dtype, y.dtype)
     np.testing.assert_allclose(
-        np.asarray(x.astype(jnp.promote_types(x.dtype, jnp.float32))),
-        np.asarray(y.astype(jnp.promote_types(y.dtype, jnp.float32))),
-        rtol=rtol, atol=atol)
+      np.asarray(x.astype(jnp.promote_types(x.dtype, jnp.float32))),
+      np.asarray(y.astype(jnp.promote_types(y.dtype, jnp.float32))),
+      rtol=rtol,
+      atol=atol,
+    )
 
 
 def assert_dtypes_kept(inp, out) -> None:
   """Every output leaf has its input leaf's dtype and shape."""
   assert jax.tree.structure(inp) == jax.tree.structure(out)
-  for x, y in zip(jax.tree.leaves(inp), jax.tree.leaves(out)):
+  for x, y in zip(jax.tree.leaves(inp), jax.tree.leaves(out), strict=True):
     assert jnp.asarray(y).dtype == jnp.asarray(x).dtype, (x.dtype, y.dtype)
     assert jnp.shape(y) == jnp.shape(x)
 
@@ -62,24 +66,33 @@ def random_tree(seed: int = 0, dtype=jnp.float32, scale: float = 1.0, scalar: bo
   """A small nested pytree (dict, list, tuple, None) of random arrays."""
   k = jax.random.split(jax.random.key(seed), 4)
   tree = {
-      "dense": {"w": scale * jax.random.normal(k[0], (4, 3), dtype),
-                "b": scale * jax.random.normal(k[1], (3,), dtype)},
-      "layers": [scale * jax.random.normal(k[2], (2, 2, 3), dtype), None],
-      "scalar": (scale * jax.random.normal(k[3], (), dtype),),
+    "dense": {
+      "w": scale * jax.random.normal(k[0], (4, 3), dtype),
+      "b": scale * jax.random.normal(k[1], (3,), dtype),
+    },
+    "layers": [scale * jax.random.normal(k[2], (2, 2, 3), dtype), None],
+    "scalar": (scale * jax.random.normal(k[3], (), dtype),),
   }
   if not scalar:
     del tree["scalar"]
   return tree
 
 
-_COLLECTIVE_OPS = ("all-reduce", "all-gather", "all-to-all", "collective-permute",
-                   "reduce-scatter", "collective-broadcast")
+_COLLECTIVE_OPS = (
+  "all-reduce",
+  "all-gather",
+  "all-to-all",
+  "collective-permute",
+  "reduce-scatter",
+  "collective-broadcast",
+)
 # One HLO instruction per line: ``%name = <result type> <opcode>(operands...``.
 # The result type may hold spaces and ``=`` (a tuple's ``/*index=5*/``), so
 # it is everything up to the first collective opcode on the line.
 _COLLECTIVE_LINE = re.compile(
-    r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(.*?)\s+(" + "|".join(_COLLECTIVE_OPS)
-    + r")(?:-start)?\(", re.MULTILINE)
+  r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(.*?)\s+(" + "|".join(_COLLECTIVE_OPS) + r")(?:-start)?\(",
+  re.MULTILINE,
+)
 
 
 def hlo_collectives(hlo_text: str) -> list[tuple[str, str]]:
@@ -97,8 +110,9 @@ ROOT = Path(__file__).resolve().parents[1]
 def device_env(n_devices: int) -> dict[str, str]:
   """A subprocess environment: ``n_devices`` virtual CPU devices, the repo importable."""
   env = dict(os.environ)
-  env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") +
-                      f" --xla_force_host_platform_device_count={n_devices}").strip()
+  env["XLA_FLAGS"] = (
+    env.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={n_devices}"
+  ).strip()
   env["JAX_PLATFORMS"] = "cpu"
   env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
   return env
@@ -132,8 +146,9 @@ class _Results(dict):
     return f"{name} did not report: {self.missing}"
 
 
-def run_subprocess(cmd: list[str], env: dict[str, str], timeout: float = 900
-                   ) -> tuple[int | None, str, str, str | None]:
+def run_subprocess(
+  cmd: list[str], env: dict[str, str], timeout: float = 900
+) -> tuple[int | None, str, str, str | None]:
   """``(returncode, stdout, stderr, problem)`` of ``cmd`` run in the repo's root.
 
   ``problem`` says, in words, what went wrong and after how long: a kill on
@@ -141,25 +156,36 @@ def run_subprocess(cmd: list[str], env: dict[str, str], timeout: float = 900
   is what the process had written), a signal, or a non-zero exit.
   """
   start = time.monotonic()
-  proc = subprocess.Popen(cmd, env=env, cwd=ROOT, text=True, stdout=subprocess.PIPE,
-                          stderr=subprocess.PIPE)
+  proc = subprocess.Popen(
+    cmd, env=env, cwd=ROOT, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+  )
   try:
     stdout, stderr = proc.communicate(timeout=timeout)
   except subprocess.TimeoutExpired:
     proc.kill()
     stdout, stderr = proc.communicate()
     took = time.monotonic() - start
-    return None, stdout, stderr, (
+    return (
+      None,
+      stdout,
+      stderr,
+      (
         f"the subprocess {' '.join(cmd[1:])!r} was killed by the test after {took:.0f} s "
-        f"(its wall-clock limit is {timeout:.0f} s; the machine may be overloaded)")
+        f"(its wall-clock limit is {timeout:.0f} s; the machine may be overloaded)"
+      ),
+    )
   took = time.monotonic() - start
   problem = None
   if proc.returncode < 0:
-    problem = (f"the subprocess {' '.join(cmd[1:])!r} died of signal "
-               f"{signal.Signals(-proc.returncode).name} after {took:.0f} s (out of memory?)")
+    problem = (
+      f"the subprocess {' '.join(cmd[1:])!r} died of signal "
+      f"{signal.Signals(-proc.returncode).name} after {took:.0f} s (out of memory?)"
+    )
   elif proc.returncode:
-    problem = (f"the subprocess {' '.join(cmd[1:])!r} exited with status {proc.returncode} "
-               f"after {took:.0f} s")
+    problem = (
+      f"the subprocess {' '.join(cmd[1:])!r} exited with status {proc.returncode} "
+      f"after {took:.0f} s"
+    )
   return proc.returncode, stdout, stderr, problem
 
 
@@ -171,7 +197,8 @@ def checks_in_subprocess(script: str, n_devices: int, timeout: float = 900) -> d
   fails with what happened to the subprocess and after how long.
   """
   _, stdout, stderr, problem = run_subprocess(
-      [sys.executable, script], device_env(n_devices), timeout)
+    [sys.executable, script], device_env(n_devices), timeout
+  )
   results = {}
   for line in stdout.splitlines():
     try:
@@ -196,9 +223,9 @@ def mlp_problem(batch: int = 12, seed: int = 0):
   """``(params, x, y)`` for :func:`mlp_loss`: 5 inputs, 8 hidden units, 3 outputs."""
   rng = np.random.default_rng(seed)
   params = {
-      "w1": jnp.asarray(rng.normal(size=(5, 8)), jnp.float32),
-      "b1": jnp.asarray(rng.normal(size=(8,)), jnp.float32),
-      "w2": jnp.asarray(rng.normal(size=(8, 3)), jnp.float32),
+    "w1": jnp.asarray(rng.normal(size=(5, 8)), jnp.float32),
+    "b1": jnp.asarray(rng.normal(size=(8,)), jnp.float32),
+    "w2": jnp.asarray(rng.normal(size=(8, 3)), jnp.float32),
   }
   x = jnp.asarray(rng.normal(size=(batch, 5)), jnp.float32)
   y = jnp.asarray(rng.normal(size=(batch, 3)), jnp.float32)

@@ -41,6 +41,7 @@ def feed(tx, norms, jit=True):
 
 def scanned(tx, norms):
   """What feed gives (first update entries), from one lax.scan over the norms."""
+
   def body(state, n):
     u, state = tx.update(jnp.stack([n, jnp.zeros_like(n)]), state)
     return state, u[0]
@@ -81,8 +82,9 @@ def test_history_percentile_and_moments_match_numpy():
       buf = _push_twice(buf, v)
       seen = (seen + [float(v)])[-capacity:]
     assert int(buf.size) == len(seen)
-    np.testing.assert_allclose(np.asarray(_percentiles(buf, jnp.array(qs))),
-                               np.percentile(seen, qs), rtol=1e-6)
+    np.testing.assert_allclose(
+      np.asarray(_percentiles(buf, jnp.array(qs))), np.percentile(seen, qs), rtol=1e-6
+    )
     mean, std = jax.jit(_history.mean_std)(buf)
     np.testing.assert_allclose(float(mean), np.mean(seen), rtol=1e-6)
     if len(seen) > 1:
@@ -158,8 +160,18 @@ class ZClipReference:
   computation, with jaxclip's documented difference: NaN/inf norms are never
   collected or averaged in. ``step`` returns the threshold applied."""
 
-  def __init__(self, alpha, z_thresh, max_norm, warmup, mode, clip_option, clip_factor,
-               skip_update_on_spike, eps=1e-6):
+  def __init__(
+    self,
+    alpha,
+    z_thresh,
+    max_norm,
+    warmup,
+    mode,
+    clip_option,
+    clip_factor,
+    skip_update_on_spike,
+    eps=1e-6,
+  ):
     self.__dict__.update(locals())
     self.buffer, self.mean, self.var = [], None, None
 
@@ -173,7 +185,7 @@ class ZClipReference:
         self.mean = np.mean(self.buffer)
         self.var = np.mean((np.array(self.buffer) - self.mean) ** 2)
       return cap
-    std = self.var ** 0.5
+    std = self.var**0.5
     clip_val = None
     if self.mode == "percentile":
       if n > self.mean + self.z_thresh * std:
@@ -193,22 +205,37 @@ class ZClipReference:
 
 
 ZCLIP_CONFIGS = [
-    dict(),
-    dict(clip_option="mean", z_thresh=2.0),
-    dict(mode="percentile", alpha=0.9),
-    dict(skip_update_on_spike=True, clip_factor=0.7, warmup_steps=10),
-    dict(max_norm=1.05, alpha=0.8),
+  dict(),
+  dict(clip_option="mean", z_thresh=2.0),
+  dict(mode="percentile", alpha=0.9),
+  dict(skip_update_on_spike=True, clip_factor=0.7, warmup_steps=10),
+  dict(max_norm=1.05, alpha=0.8),
 ]
 
 
 @pytest.mark.parametrize("config", ZCLIP_CONFIGS)
 def test_zclip_matches_reference(config):
-  kw = dict(alpha=0.97, z_thresh=2.5, max_norm=None, warmup_steps=5, mode="zscore",
-            clip_option="adaptive_scaling", clip_factor=1.0, skip_update_on_spike=False)
+  kw = dict(
+    alpha=0.97,
+    z_thresh=2.5,
+    max_norm=None,
+    warmup_steps=5,
+    mode="zscore",
+    clip_option="adaptive_scaling",
+    clip_factor=1.0,
+    skip_update_on_spike=False,
+  )
   kw.update(config)
-  ref = ZClipReference(kw["alpha"], kw["z_thresh"], kw["max_norm"], kw["warmup_steps"],
-                       kw["mode"], kw["clip_option"], kw["clip_factor"],
-                       kw["skip_update_on_spike"])
+  ref = ZClipReference(
+    kw["alpha"],
+    kw["z_thresh"],
+    kw["max_norm"],
+    kw["warmup_steps"],
+    kw["mode"],
+    kw["clip_option"],
+    kw["clip_factor"],
+    kw["skip_update_on_spike"],
+  )
   tx = jaxclip.zclip(**kw)
   norms = spiky_norms()
   init = tx.init(jnp.zeros(2))
@@ -220,8 +247,7 @@ def test_zclip_matches_reference(config):
     if ref.mean is not None:
       np.testing.assert_allclose(float(state.zclip_norm_ema), ref.mean, rtol=2e-5)
       np.testing.assert_allclose(float(state.zclip_norm_var_ema), ref.var, rtol=1e-4)
-    assert np.isfinite(float(state.zclip_norm_ema)) and np.isfinite(
-        float(state.zclip_norm_var_ema))
+    assert np.isfinite(float(state.zclip_norm_ema)) and np.isfinite(float(state.zclip_norm_var_ema))
     assert_same_avals(state, init)
     clipped_steps += bool(np.isfinite(n) and u < n * (1 - 1e-6))
   assert clipped_steps >= 3  # the sequence exercises the clipping
@@ -284,8 +310,9 @@ def test_axis_name_gives_the_unsharded_result():
       np.testing.assert_allclose(np.asarray(got), np.asarray(expected), rtol=1e-6)
     print("ok")
   """)
-  result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                          timeout=240)
+  result = subprocess.run(
+    [sys.executable, "-c", script], capture_output=True, text=True, timeout=240
+  )
   assert result.returncode == 0, result.stderr[-3000:]
   assert result.stdout.strip().endswith("ok")
 
@@ -321,11 +348,15 @@ def test_suggest_threshold_validates():
 
 def test_all_new_transforms_survive_strict_promotion(strict_promotion):
   tree = {"a": jnp.ones(3, jnp.bfloat16), "b": jnp.ones(2)}
-  for tx in (jaxclip.autoclip(), jaxclip.zclip(), jaxclip.zero_nonfinite(),
-             jaxclip.skip_nonfinite(optax.sgd(0.1, momentum=0.9)),  # adam is not strict-safe
-             jaxclip.skip_on_spike(optax.sgd(0.1, momentum=0.9), window=4),
-             optax.inject_hyperparams(jaxclip.zclip, hyperparam_dtype=jnp.bfloat16)(alpha=0.9),
-             optax.inject_hyperparams(jaxclip.autoclip, hyperparam_dtype=jnp.bfloat16)()):
+  for tx in (
+    jaxclip.autoclip(),
+    jaxclip.zclip(),
+    jaxclip.zero_nonfinite(),
+    jaxclip.skip_nonfinite(optax.sgd(0.1, momentum=0.9)),  # adam is not strict-safe
+    jaxclip.skip_on_spike(optax.sgd(0.1, momentum=0.9), window=4),
+    optax.inject_hyperparams(jaxclip.zclip, hyperparam_dtype=jnp.bfloat16)(alpha=0.9),
+    optax.inject_hyperparams(jaxclip.autoclip, hyperparam_dtype=jnp.bfloat16)(),
+  ):
     state = init = tx.init(tree)
     update = jax.jit(tx.update)
     for _ in range(3):

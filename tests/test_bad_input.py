@@ -44,80 +44,130 @@ def _threshold_bad(scalar: bool, none_ok: bool = False):
 
 
 # Bad values for an EMA decay, which lies in [0, 1).
-_DECAY_BAD = st.one_of(NOT_A_NUMBER_OR_NONE, st.just(NAN), st.just(1.0), NEGATIVE,
-                       st.floats(1.0, 1e9), VECTOR)
+_DECAY_BAD = st.one_of(
+  NOT_A_NUMBER_OR_NONE, st.just(NAN), st.just(1.0), NEGATIVE, st.floats(1.0, 1e9), VECTOR
+)
 
 _GRADS = [jnp.array([[0.0, 3.0], [4.0, 0.0]])]
 
 # (constructor call with the bad value, argument name, strategy of bad values)
 CASES = [
-    (lambda v: jaxclip.clip(v), "max_delta", _threshold_bad(False)),
-    (lambda v: jaxclip.clip_by_value(v, 1.0), "min_value", st.one_of(NOT_A_NUMBER_OR_NONE,
-                                                                     st.just(NAN))),
-    (lambda v: jaxclip.clip_by_value(-1.0, v), "max_value", st.one_of(NOT_A_NUMBER_OR_NONE,
-                                                                      st.just(NAN))),
-    (lambda v: jaxclip.clip_by_norm(v), "max_norm", _threshold_bad(False)),
-    (lambda v: jaxclip.clip_by_average_norm(v), "max_norm", _threshold_bad(False)),
-    (lambda v: jaxclip.clip_by_global_norm(v), "max_norm", _threshold_bad(True)),
-    (lambda v: jaxclip.clip_by_global_norm(1.0, ord=v), "ord", BAD_ORD),
-    (lambda v: jaxclip.clip_by_block_rms(v), "threshold", _threshold_bad(False)),
-    (lambda v: jaxclip.adaptive_grad_clip(v), "clipping", _threshold_bad(False)),
-    (lambda v: jaxclip.adaptive_grad_clip(0.1, eps=v), "eps", _threshold_bad(False)),
-    (lambda v: jaxclip.skip_nonfinite(_opt(), max_consecutive=v), "max_consecutive",
-     st.one_of(NOT_A_NUMBER, st.just(2.5), st.just(NAN), st.integers(-100, 0))),
-    (lambda v: jaxclip.skip_nonfinite(v), "inner", NOT_A_NUMBER_OR_NONE),
-    (lambda v: jaxclip.skip_on_spike(_opt(), window=v), "window",
-     st.one_of(NOT_A_NUMBER_OR_NONE, st.just(2.5), st.integers(-100, 1))),
-    (lambda v: jaxclip.skip_on_spike(_opt(), sigma=v), "sigma", _threshold_bad(True)),
-    (lambda v: jaxclip.skip_on_spike(_opt(), ord=v), "ord", BAD_ORD),
-    (lambda v: jaxclip.skip_on_spike(v), "inner", NOT_A_NUMBER_OR_NONE),
-    (lambda v: jaxclip.autoclip(v), "percentile",
-     st.one_of(NOT_A_NUMBER_OR_NONE, st.just(NAN), st.just(math.inf), NEGATIVE,
-               st.floats(100.001, 1e9), VECTOR)),
-    (lambda v: jaxclip.autoclip(history=v), "history",
-     st.one_of(NOT_A_NUMBER_OR_NONE, st.just(2.5), st.integers(-100, 0))),
-    (lambda v: jaxclip.autoclip(ord=v), "ord", BAD_ORD),
-    (lambda v: jaxclip.zclip(alpha=v), "alpha",
-     st.one_of(NOT_A_NUMBER_OR_NONE, st.just(NAN), st.just(math.inf), NEGATIVE,
-               st.floats(1.001, 1e9), VECTOR)),
-    (lambda v: jaxclip.zclip(z_thresh=v), "z_thresh", _threshold_bad(True)),
-    (lambda v: jaxclip.zclip(max_norm=v), "max_norm", _threshold_bad(True, none_ok=True)),
-    (lambda v: jaxclip.zclip(clip_factor=v), "clip_factor", _threshold_bad(True)),
-    (lambda v: jaxclip.zclip(eps=v), "eps", _threshold_bad(True)),
-    (lambda v: jaxclip.zclip(warmup_steps=v), "warmup_steps",
-     st.one_of(NOT_A_NUMBER_OR_NONE, st.just(2.5), st.integers(-100, 0))),
-    (lambda v: jaxclip.zclip(mode=v), "mode", st.one_of(NOT_A_NUMBER_OR_NONE, st.text(max_size=5))),
-    (lambda v: jaxclip.zclip(clip_option=v), "clip_option",
-     st.one_of(NOT_A_NUMBER_OR_NONE, st.text(max_size=5))),
-    (lambda v: jaxclip.zclip(ord=v), "ord", BAD_ORD),
-    (lambda v: jaxclip.adagc(beta=v), "beta", _DECAY_BAD),
-    (lambda v: jaxclip.adagc(lambda_abs=v), "lambda_abs", _threshold_bad(True)),
-    (lambda v: jaxclip.adagc(lambda_rel=v), "lambda_rel", _threshold_bad(True)),
-    (lambda v: jaxclip.adagc(eps=v), "eps", _threshold_bad(True)),
-    (lambda v: jaxclip.adagc(warmup_steps=v), "warmup_steps",
-     st.one_of(NOT_A_NUMBER_OR_NONE, st.just(2.5), st.integers(-100, -1))),
-    (lambda v: jaxclip.adaptive_value_clip(beta=v), "beta", _DECAY_BAD),
-    (lambda v: jaxclip.adaptive_norm_scale(beta1=v), "beta1", _DECAY_BAD),
-    (lambda v: jaxclip.adaptive_norm_scale(beta2=v), "beta2", _DECAY_BAD),
-    (lambda v: jaxclip.adaptive_norm_scale(eps=v), "eps", _threshold_bad(True)),
-    (lambda v: jaxclip.clipped(_opt(), clipnorm=v), "clipnorm", _threshold_bad(False, True)),
-    (lambda v: jaxclip.clipped(_opt(), clipvalue=v), "clipvalue", _threshold_bad(False, True)),
-    (lambda v: jaxclip.clipped(_opt(), global_clipnorm=v), "global_clipnorm",
-     _threshold_bad(True, True)),
-    (lambda v: jaxclip.clipped(v, clipnorm=1.0), "optimizer", NOT_A_NUMBER_OR_NONE),
-    (lambda v: jaxclip.skip_above(_opt(), v), "max_norm", _threshold_bad(True)),
-    (lambda v: jaxclip.skip_above(_opt(), 1.0, ord=v), "ord", BAD_ORD),
-    (lambda v: jaxclip.skip_above(v, 1.0), "inner", NOT_A_NUMBER_OR_NONE),
-    (lambda v: jaxclip.skip_bad_microbatches(v), "max_norm", _threshold_bad(True, none_ok=True)),
-    (lambda v: jaxclip.record_norms(ord=v), "ord", BAD_ORD),
-    (lambda v: jaxclip.per_example_global_norm_clip(_GRADS, v), "l2_norm_clip",
-     _threshold_bad(False)),
-    (lambda v: jaxclip.per_example_layer_norm_clip(_GRADS, v), "global_l2_norm_clip",
-     _threshold_bad(False)),
-    (lambda v: ops.clip_by_global_norm(_GRADS, v), "clip_norm", _threshold_bad(True)),
-    (lambda v: ops.global_norm(_GRADS, ord=v), "ord", BAD_ORD),
-    (lambda v: jaxclip.suggest_threshold([1.0, 2.0], v), "percentile",
-     st.one_of(NOT_A_NUMBER_OR_NONE, st.just(NAN), NEGATIVE, st.floats(100.001, 1e9))),
+  (lambda v: jaxclip.clip(v), "max_delta", _threshold_bad(False)),
+  (
+    lambda v: jaxclip.clip_by_value(v, 1.0),
+    "min_value",
+    st.one_of(NOT_A_NUMBER_OR_NONE, st.just(NAN)),
+  ),
+  (
+    lambda v: jaxclip.clip_by_value(-1.0, v),
+    "max_value",
+    st.one_of(NOT_A_NUMBER_OR_NONE, st.just(NAN)),
+  ),
+  (lambda v: jaxclip.clip_by_norm(v), "max_norm", _threshold_bad(False)),
+  (lambda v: jaxclip.clip_by_average_norm(v), "max_norm", _threshold_bad(False)),
+  (lambda v: jaxclip.clip_by_global_norm(v), "max_norm", _threshold_bad(True)),
+  (lambda v: jaxclip.clip_by_global_norm(1.0, ord=v), "ord", BAD_ORD),
+  (lambda v: jaxclip.clip_by_block_rms(v), "threshold", _threshold_bad(False)),
+  (lambda v: jaxclip.adaptive_grad_clip(v), "clipping", _threshold_bad(False)),
+  (lambda v: jaxclip.adaptive_grad_clip(0.1, eps=v), "eps", _threshold_bad(False)),
+  (
+    lambda v: jaxclip.skip_nonfinite(_opt(), max_consecutive=v),
+    "max_consecutive",
+    st.one_of(NOT_A_NUMBER, st.just(2.5), st.just(NAN), st.integers(-100, 0)),
+  ),
+  (lambda v: jaxclip.skip_nonfinite(v), "inner", NOT_A_NUMBER_OR_NONE),
+  (
+    lambda v: jaxclip.skip_on_spike(_opt(), window=v),
+    "window",
+    st.one_of(NOT_A_NUMBER_OR_NONE, st.just(2.5), st.integers(-100, 1)),
+  ),
+  (lambda v: jaxclip.skip_on_spike(_opt(), sigma=v), "sigma", _threshold_bad(True)),
+  (lambda v: jaxclip.skip_on_spike(_opt(), ord=v), "ord", BAD_ORD),
+  (lambda v: jaxclip.skip_on_spike(v), "inner", NOT_A_NUMBER_OR_NONE),
+  (
+    lambda v: jaxclip.autoclip(v),
+    "percentile",
+    st.one_of(
+      NOT_A_NUMBER_OR_NONE,
+      st.just(NAN),
+      st.just(math.inf),
+      NEGATIVE,
+      st.floats(100.001, 1e9),
+      VECTOR,
+    ),
+  ),
+  (
+    lambda v: jaxclip.autoclip(history=v),
+    "history",
+    st.one_of(NOT_A_NUMBER_OR_NONE, st.just(2.5), st.integers(-100, 0)),
+  ),
+  (lambda v: jaxclip.autoclip(ord=v), "ord", BAD_ORD),
+  (
+    lambda v: jaxclip.zclip(alpha=v),
+    "alpha",
+    st.one_of(
+      NOT_A_NUMBER_OR_NONE, st.just(NAN), st.just(math.inf), NEGATIVE, st.floats(1.001, 1e9), VECTOR
+    ),
+  ),
+  (lambda v: jaxclip.zclip(z_thresh=v), "z_thresh", _threshold_bad(True)),
+  (lambda v: jaxclip.zclip(max_norm=v), "max_norm", _threshold_bad(True, none_ok=True)),
+  (lambda v: jaxclip.zclip(clip_factor=v), "clip_factor", _threshold_bad(True)),
+  (lambda v: jaxclip.zclip(eps=v), "eps", _threshold_bad(True)),
+  (
+    lambda v: jaxclip.zclip(warmup_steps=v),
+    "warmup_steps",
+    st.one_of(NOT_A_NUMBER_OR_NONE, st.just(2.5), st.integers(-100, 0)),
+  ),
+  (lambda v: jaxclip.zclip(mode=v), "mode", st.one_of(NOT_A_NUMBER_OR_NONE, st.text(max_size=5))),
+  (
+    lambda v: jaxclip.zclip(clip_option=v),
+    "clip_option",
+    st.one_of(NOT_A_NUMBER_OR_NONE, st.text(max_size=5)),
+  ),
+  (lambda v: jaxclip.zclip(ord=v), "ord", BAD_ORD),
+  (lambda v: jaxclip.adagc(beta=v), "beta", _DECAY_BAD),
+  (lambda v: jaxclip.adagc(lambda_abs=v), "lambda_abs", _threshold_bad(True)),
+  (lambda v: jaxclip.adagc(lambda_rel=v), "lambda_rel", _threshold_bad(True)),
+  (lambda v: jaxclip.adagc(eps=v), "eps", _threshold_bad(True)),
+  (
+    lambda v: jaxclip.adagc(warmup_steps=v),
+    "warmup_steps",
+    st.one_of(NOT_A_NUMBER_OR_NONE, st.just(2.5), st.integers(-100, -1)),
+  ),
+  (lambda v: jaxclip.adaptive_value_clip(beta=v), "beta", _DECAY_BAD),
+  (lambda v: jaxclip.adaptive_norm_scale(beta1=v), "beta1", _DECAY_BAD),
+  (lambda v: jaxclip.adaptive_norm_scale(beta2=v), "beta2", _DECAY_BAD),
+  (lambda v: jaxclip.adaptive_norm_scale(eps=v), "eps", _threshold_bad(True)),
+  (lambda v: jaxclip.clipped(_opt(), clipnorm=v), "clipnorm", _threshold_bad(False, True)),
+  (lambda v: jaxclip.clipped(_opt(), clipvalue=v), "clipvalue", _threshold_bad(False, True)),
+  (
+    lambda v: jaxclip.clipped(_opt(), global_clipnorm=v),
+    "global_clipnorm",
+    _threshold_bad(True, True),
+  ),
+  (lambda v: jaxclip.clipped(v, clipnorm=1.0), "optimizer", NOT_A_NUMBER_OR_NONE),
+  (lambda v: jaxclip.skip_above(_opt(), v), "max_norm", _threshold_bad(True)),
+  (lambda v: jaxclip.skip_above(_opt(), 1.0, ord=v), "ord", BAD_ORD),
+  (lambda v: jaxclip.skip_above(v, 1.0), "inner", NOT_A_NUMBER_OR_NONE),
+  (lambda v: jaxclip.skip_bad_microbatches(v), "max_norm", _threshold_bad(True, none_ok=True)),
+  (lambda v: jaxclip.record_norms(ord=v), "ord", BAD_ORD),
+  (
+    lambda v: jaxclip.per_example_global_norm_clip(_GRADS, v),
+    "l2_norm_clip",
+    _threshold_bad(False),
+  ),
+  (
+    lambda v: jaxclip.per_example_layer_norm_clip(_GRADS, v),
+    "global_l2_norm_clip",
+    _threshold_bad(False),
+  ),
+  (lambda v: ops.clip_by_global_norm(_GRADS, v), "clip_norm", _threshold_bad(True)),
+  (lambda v: ops.global_norm(_GRADS, ord=v), "ord", BAD_ORD),
+  (
+    lambda v: jaxclip.suggest_threshold([1.0, 2.0], v),
+    "percentile",
+    st.one_of(NOT_A_NUMBER_OR_NONE, st.just(NAN), NEGATIVE, st.floats(100.001, 1e9)),
+  ),
 ]
 
 
@@ -153,27 +203,27 @@ def test_traced_scalar_thresholds_still_work():
 # ------------------------------------------------------------------ update
 
 _STATEFUL = {
-    "clip_by_global_norm": lambda: jaxclip.clip_by_global_norm(1.0),
-    "skip_nonfinite": lambda: jaxclip.skip_nonfinite(_opt()),
-    "zero_nonfinite": lambda: jaxclip.zero_nonfinite(),
-    "skip_on_spike": lambda: jaxclip.skip_on_spike(_opt(), window=4),
-    "autoclip": lambda: jaxclip.autoclip(history=4),
-    "zclip": lambda: jaxclip.zclip(warmup_steps=2),
-    "skip_above": lambda: jaxclip.skip_above(_opt(), 10.0),
-    "record_norms": lambda: jaxclip.record_norms(),
-    "adagc": lambda: jaxclip.adagc(warmup_steps=2),
-    "adaptive_value_clip": lambda: jaxclip.adaptive_value_clip(),
-    "adaptive_norm_scale": lambda: jaxclip.adaptive_norm_scale(),
+  "clip_by_global_norm": lambda: jaxclip.clip_by_global_norm(1.0),
+  "skip_nonfinite": lambda: jaxclip.skip_nonfinite(_opt()),
+  "zero_nonfinite": lambda: jaxclip.zero_nonfinite(),
+  "skip_on_spike": lambda: jaxclip.skip_on_spike(_opt(), window=4),
+  "autoclip": lambda: jaxclip.autoclip(history=4),
+  "zclip": lambda: jaxclip.zclip(warmup_steps=2),
+  "skip_above": lambda: jaxclip.skip_above(_opt(), 10.0),
+  "record_norms": lambda: jaxclip.record_norms(),
+  "adagc": lambda: jaxclip.adagc(warmup_steps=2),
+  "adaptive_value_clip": lambda: jaxclip.adaptive_value_clip(),
+  "adaptive_norm_scale": lambda: jaxclip.adaptive_norm_scale(),
 }
 _ALL = {
-    **_STATEFUL,
-    "clip_by_value": lambda: jaxclip.clip_by_value(-1.0, 1.0),
-    "clip": lambda: jaxclip.clip(1.0),
-    "clip_by_norm": lambda: jaxclip.clip_by_norm(1.0),
-    "clip_by_average_norm": lambda: jaxclip.clip_by_average_norm(1.0),
-    "clip_by_block_rms": lambda: jaxclip.clip_by_block_rms(1.0),
-    "adaptive_grad_clip": lambda: jaxclip.adaptive_grad_clip(0.1),
-    "clipped": lambda: jaxclip.clipped(_opt(), global_clipnorm=1.0),
+  **_STATEFUL,
+  "clip_by_value": lambda: jaxclip.clip_by_value(-1.0, 1.0),
+  "clip": lambda: jaxclip.clip(1.0),
+  "clip_by_norm": lambda: jaxclip.clip_by_norm(1.0),
+  "clip_by_average_norm": lambda: jaxclip.clip_by_average_norm(1.0),
+  "clip_by_block_rms": lambda: jaxclip.clip_by_block_rms(1.0),
+  "adaptive_grad_clip": lambda: jaxclip.adaptive_grad_clip(0.1),
+  "clipped": lambda: jaxclip.clipped(_opt(), global_clipnorm=1.0),
 }
 
 
@@ -198,8 +248,14 @@ def test_adaptive_grad_clip_params_of_another_structure_are_refused():
 def test_any_params_tree_optax_accepts_inits_and_updates(name):
   """Integer, boolean, PRNG-key (typed and raw) and None leaves in params."""
   tx = _ALL[name]()
-  params = {"w": jnp.ones(3), "step": jnp.int32(0), "flag": jnp.array(True),
-            "key": jax.random.key(0), "raw_key": jax.random.PRNGKey(0), "none": None}
+  params = {
+    "w": jnp.ones(3),
+    "step": jnp.int32(0),
+    "flag": jnp.array(True),
+    "key": jax.random.key(0),
+    "raw_key": jax.random.PRNGKey(0),
+    "none": None,
+  }
   state = tx.init(params)
   floats = {"w": params["w"], "none": None}
   updates, _ = tx.update({"w": jnp.array([3.0, 0.0, 4.0]), "none": None}, state, floats)
@@ -223,8 +279,11 @@ def test_integer_leaves_are_promoted_as_optax_does(name, ints):
   Never a silent wrong result: the same as for the float leaf.
   """
   tx = _ALL[name]()
-  int_tree = {"w": jnp.array([3.0, 4.0]), "n": jnp.array(ints, jnp.int32),
-              "b": jnp.array([True, False])}
+  int_tree = {
+    "w": jnp.array([3.0, 4.0]),
+    "n": jnp.array(ints, jnp.int32),
+    "b": jnp.array([True, False]),
+  }
   float_tree = jax.tree.map(lambda x: x.astype(jnp.float32), int_tree)
   params = jax.tree.map(jnp.ones_like, float_tree)
   got, _ = tx.update(int_tree, tx.init(params), params)
@@ -233,8 +292,9 @@ def test_integer_leaves_are_promoted_as_optax_does(name, ints):
     # The identity transforms pass every leaf through in its own dtype.
     identity = name in ("zero_nonfinite", "record_norms")
     assert got[key].dtype == want[key].dtype or identity, (key, got[key])
-    np.testing.assert_allclose(np.asarray(got[key], np.float32),
-                               np.asarray(want[key], np.float32), rtol=1e-6)
+    np.testing.assert_allclose(
+      np.asarray(got[key], np.float32), np.asarray(want[key], np.float32), rtol=1e-6
+    )
 
 
 def test_drop_in_functions_promote_integers_as_optax():

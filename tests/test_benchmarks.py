@@ -23,8 +23,13 @@ from jaxclip import _numerics
 # Gradient-sized leaves (one above the kernel's small-leaf size, the others
 # grouped) and a bias: a clipped copy of any weight would need at least
 # _SMALLEST_WEIGHT bytes of temporary memory.
-_SHAPES = {"w_in": (256, 256), "w_out": (512, 128), "w_emb": (1000, 64), "w_big": (320, 256),
-           "bias": (256,)}
+_SHAPES = {
+  "w_in": (256, 256),
+  "w_out": (512, 128),
+  "w_emb": (1000, 64),
+  "w_big": (320, 256),
+  "bias": (256,),
+}
 _SMALLEST_WEIGHT = 1000 * 64 * 4
 
 
@@ -32,10 +37,16 @@ def test_benchmark_quick_run_writes_table_and_plot(tmp_path):
   text = _main.main(["--quick", "--out", str(tmp_path)])
   written = (tmp_path / "results.md").read_text()
   assert written.strip() == text.strip()
-  for section in ("## Train step", "## Full train step", "## Standalone jitted clip",
-                  "## Compile time",
-                  "## Compile time (s) of every other transform",
-                  "## Standalone clip against the tree size", "load average", "x floor"):
+  for section in (
+    "## Train step",
+    "## Full train step",
+    "## Standalone jitted clip",
+    "## Compile time",
+    "## Compile time (s) of every other transform",
+    "## Standalone clip against the tree size",
+    "load average",
+    "x floor",
+  ):
     assert section in text
   for transform in _cases.TRANSFORMS:
     assert f"| {transform} | 10 |" in text
@@ -82,26 +93,44 @@ def test_ghost_benchmark_quick_run_writes_table_and_plot(tmp_path):
   # In a fresh process, as `python -m benchmarks.ghost` runs: it is compile-bound, and
   # XLA compiles about twice as fast without its backend optimisations.
   root = Path(__file__).resolve().parents[1]
-  env = {**os.environ,
-         "PYTHONPATH": os.pathsep.join([str(root), *filter(None, [os.environ.get("PYTHONPATH")])]),
-         "XLA_FLAGS": "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"}
-  done = subprocess.run([sys.executable, "-m", "benchmarks.ghost", "--quick", "--out",
-                         str(tmp_path)], cwd=root, env=env, capture_output=True, text=True,
-                        timeout=300, check=False)
+  env = {
+    **os.environ,
+    "PYTHONPATH": os.pathsep.join([str(root), *filter(None, [os.environ.get("PYTHONPATH")])]),
+    "XLA_FLAGS": "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true",
+  }
+  done = subprocess.run(
+    [sys.executable, "-m", "benchmarks.ghost", "--quick", "--out", str(tmp_path)],
+    cwd=root,
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=300,
+    check=False,
+  )
   assert done.returncode == 0, done.stderr[-3000:]
   text = (tmp_path / "ghost.md").read_text()
   assert "- machine: " in text and f"jax {jax.__version__}" in text
   lines = [line for line in text.splitlines() if line.startswith("| ")]
   header = [c.strip() for c in lines[0].strip("|").split("|")]
   assert header == ghost.HEADER
-  rows = [dict(zip(header, (c.strip() for c in line.strip("|").split("|")), strict=True))
-          for line in lines[1:]]
+  rows = [
+    dict(zip(header, (c.strip() for c in line.strip("|").split("|")), strict=True))
+    for line in lines[1:]
+  ]
   assert [(int(r["B"]), int(r["T"])) for r in rows] == [
-      (b, t) for t in ghost.QUICK_SEQ_LENS for b in ghost.QUICK_BATCHES]
+    (b, t) for t in ghost.QUICK_SEQ_LENS for b in ghost.QUICK_BATCHES
+  ]
   has_ghost = ghost.ghost_available()
   for r in rows:
-    numeric = ["B x P x 4 MiB", "grad MiB", "vmap MiB", "grad ms", "vmap ms", "vmap/grad mem",
-               "vmap/grad time"]
+    numeric = [
+      "B x P x 4 MiB",
+      "grad MiB",
+      "vmap MiB",
+      "grad ms",
+      "vmap ms",
+      "vmap/grad mem",
+      "vmap/grad time",
+    ]
     ghost_cols = [c for c in header if "ghost" in c]
     if has_ghost:
       numeric += ghost_cols
@@ -137,18 +166,23 @@ def test_ghost_benchmark_model_is_a_tied_gpt_of_about_085m_params():
 
 
 @pytest.mark.hlo
-@pytest.mark.parametrize("clip", [
+@pytest.mark.parametrize(
+  "clip",
+  [
     lambda: jaxclip.clip_by_global_norm(1.0),
     lambda: jaxclip.clip_by_norm(1.0),
     lambda: jaxclip.clip_by_value(-1e-3, 1e-3),
-], ids=["clip_by_global_norm", "clip_by_norm", "clip_by_value"])
+  ],
+  ids=["clip_by_global_norm", "clip_by_norm", "clip_by_value"],
+)
 def test_clip_adam_step_holds_no_gradient_sized_buffer(clip):
   params = _trees.make_tree(_SHAPES)
   compiled, _ = _cases.compile_train_step(optax.chain(clip(), optax.adam(1e-3)), params, params)
   temp = compiled.memory_analysis().temp_size_in_bytes
   assert temp < _SMALLEST_WEIGHT // 8, (
-      f"the compiled clip+adam step allocates {temp} temporary bytes: the clip is no longer "
-      "fused into adam's update (a clipped copy of the gradients is materialised)")
+    f"the compiled clip+adam step allocates {temp} temporary bytes: the clip is no longer "
+    "fused into adam's update (a clipped copy of the gradients is materialised)"
+  )
 
 
 @pytest.mark.hlo
@@ -171,12 +205,16 @@ def test_standalone_donated_clip_is_in_place():
 
 
 _HALF = pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=["bf16", "f16"])
-_NORM_CLIPS = pytest.mark.parametrize("clip", [
+_NORM_CLIPS = pytest.mark.parametrize(
+  "clip",
+  [
     lambda: jaxclip.clip_by_global_norm(1.0),
     lambda: jaxclip.clip_by_norm(1.0),
     lambda: jaxclip.clip_by_global_norm(1.0, ord=1),
     lambda: jaxclip.clip_by_global_norm(1.0, ord="inf"),
-], ids=["clip_by_global_norm", "clip_by_norm", "ord=1", "ord=inf"])
+  ],
+  ids=["clip_by_global_norm", "clip_by_norm", "ord=1", "ord=inf"],
+)
 
 
 @pytest.mark.hlo
@@ -203,8 +241,7 @@ def _half_step_temp(tx, dtype):
 @pytest.mark.hlo
 @_HALF
 @_NORM_CLIPS
-def test_half_precision_clip_adam_step_costs_no_more_than_any_elementwise_transform(
-    clip, dtype):
+def test_half_precision_clip_adam_step_costs_no_more_than_any_elementwise_transform(clip, dtype):
   # XLA:CPU materialises the input of a bfloat16 adam update once whenever an
   # elementwise transform precedes it (optax.scale(0.5) included). The clip
   # must cost no more than that control: no float32 copy, no second buffer.
@@ -221,8 +258,11 @@ def test_float16_norm_value_and_gradient(ord):
   # Large float16 leaves take the two-output reduction on CPU; its value and
   # its derivative are those of the plain reduction.
   rng = np.random.default_rng(1)
-  leaves = [rng.normal(size=(300, 257)).astype(np.float16),
-            np.full((70_000,), 300.0, np.float16), np.zeros((80_000,), np.float16)]
+  leaves = [
+    rng.normal(size=(300, 257)).astype(np.float16),
+    np.full((70_000,), 300.0, np.float16),
+    np.zeros((80_000,), np.float16),
+  ]
   got = jax.jit(lambda t: jaxclip.ops.global_norm(t, ord=ord))(leaves)
   np.testing.assert_allclose(float(got), _reference_norm(leaves, ord), rtol=2e-6)
   per_leaf = jaxclip.ops.clip_by_norm(leaves[0], 1.0, axes=[1])
@@ -230,12 +270,14 @@ def test_float16_norm_value_and_gradient(ord):
   expected = expected / np.maximum(np.linalg.norm(expected, axis=1, keepdims=True), 1.0)
   np.testing.assert_allclose(np.asarray(per_leaf, np.float64), expected, rtol=2e-3, atol=1e-6)
   grads = jax.grad(lambda t: jaxclip.ops.global_norm(t, ord=ord).astype(jnp.float32))(
-      [jnp.asarray(x, jnp.float32).astype(jnp.float16) for x in leaves[:1]] + [leaves[2]])
+    [jnp.asarray(x, jnp.float32).astype(jnp.float16) for x in leaves[:1]] + [leaves[2]]
+  )
   assert all(bool(jnp.all(jnp.isfinite(g))) for g in grads)
   if ord == 2:
     big = np.asarray(leaves[0], np.float64)
-    np.testing.assert_allclose(np.asarray(grads[0], np.float64), big / np.linalg.norm(big),
-                               rtol=1e-2, atol=1e-4)
+    np.testing.assert_allclose(
+      np.asarray(grads[0], np.float64), big / np.linalg.norm(big), rtol=1e-2, atol=1e-4
+    )
 
 
 @pytest.mark.hlo
@@ -284,9 +326,12 @@ def test_grouped_norm_matches_float64_reference(ord):
   rng = np.random.default_rng(0)
   sizes = [1, 3, 5, 64, 64, 65, 100, 7, (1 << 16) + 3]
   leaves = [rng.normal(size=n).astype(np.float32) for n in sizes]
-  leaves += [rng.normal(size=(9, 7)).astype(jnp.bfloat16), np.full((300,), 200.0, np.float16),
-             (rng.normal(size=6) + 1j * rng.normal(size=6)).astype(np.complex64),
-             np.zeros((0,), np.float32)]
+  leaves += [
+    rng.normal(size=(9, 7)).astype(jnp.bfloat16),
+    np.full((300,), 200.0, np.float16),
+    (rng.normal(size=6) + 1j * rng.normal(size=6)).astype(np.complex64),
+    np.zeros((0,), np.float32),
+  ]
   got = jax.jit(lambda t: jaxclip.ops.global_norm(t, ord=ord))(leaves)
   assert got.dtype == jnp.float32
   np.testing.assert_allclose(float(got), _reference_norm(leaves, ord), rtol=2e-6)
@@ -321,8 +366,7 @@ def _rare_and_common_shapes():
   rng = np.random.default_rng(1)
   shapes = [(5,)] * 140 + [(3, 4)] * 7 + [(2, 3, 2)] * 3 + [(70,)] * 6 + [(8, 9)] * 5 + [(4,)] * 520
   shapes += [(n,) for n in range(90, 95)] * 2 + [(3,)] * 300 + [()] * 9
-  return [rng.normal(size=s).astype(np.float32) * rng.choice([0.01, 1.0, 10.0])
-          for s in shapes]
+  return [rng.normal(size=s).astype(np.float32) * rng.choice([0.01, 1.0, 10.0]) for s in shapes]
 
 
 def test_per_leaf_clip_of_rare_and_common_shapes_matches_leaf_by_leaf():
@@ -391,7 +435,7 @@ def test_per_leaf_clip_stacks_a_common_shape_by_fused_concatenates():
   tree = [np.full((6,), 0.2 * (i % 7), np.float32) for i in range(300)]
   clip = jax.jit(lambda t: jaxclip.ops.clip_by_norm(t, 1.0)).lower(tree).compile()
   text = clip.as_text()
-  assert not re.findall(r" concatenate\(", text[text.index("ENTRY"):])
+  assert not re.findall(r" concatenate\(", text[text.index("ENTRY") :])
   assert _distinct_fusions(clip) <= 8, _distinct_fusions(clip)
   for g, w in zip(clip(tree), _per_leaf_reference(tree, 1.0), strict=True):
     np.testing.assert_allclose(np.asarray(g, np.float64), w, rtol=2e-6, atol=1e-7)

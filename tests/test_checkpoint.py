@@ -27,16 +27,16 @@ SKIP_ABOVE = 1.7  # some ordinary steps' clipped norms are above it, others not
 def _optimizer() -> optax.GradientTransformationExtraArgs:
   """Every stateful jaxclip transform, nested so that each one acts."""
   inner = optax.chain(
-      jaxclip.record_norms(),
-      jaxclip.clip_by_global_norm(5.0),
-      jaxclip.autoclip(50.0, history=4),
-      jaxclip.zclip(z_thresh=1.0, warmup_steps=2),
-      jaxclip.skip_above(jaxclip.clipped(optax.adam(1e-2), global_clipnorm=4.0), SKIP_ABOVE),
-      # Per-tensor statistics of the optimizer's updates (after skip_above, whose
-      # decisions they would otherwise change by rescaling every tensor).
-      jaxclip.adaptive_value_clip(beta=0.9),
-      jaxclip.adagc(beta=0.9, lambda_abs=0.05, warmup_steps=3),
-      jaxclip.adaptive_norm_scale(),
+    jaxclip.record_norms(),
+    jaxclip.clip_by_global_norm(5.0),
+    jaxclip.autoclip(50.0, history=4),
+    jaxclip.zclip(z_thresh=1.0, warmup_steps=2),
+    jaxclip.skip_above(jaxclip.clipped(optax.adam(1e-2), global_clipnorm=4.0), SKIP_ABOVE),
+    # Per-tensor statistics of the optimizer's updates (after skip_above, whose
+    # decisions they would otherwise change by rescaling every tensor).
+    jaxclip.adaptive_value_clip(beta=0.9),
+    jaxclip.adagc(beta=0.9, lambda_abs=0.05, warmup_steps=3),
+    jaxclip.adaptive_norm_scale(),
   )
   spiky = jaxclip.skip_on_spike(inner, window=4, sigma=3.0)
   # One non-finite step in a row is skipped; the second is let through, and
@@ -46,8 +46,10 @@ def _optimizer() -> optax.GradientTransformationExtraArgs:
 
 def _problem():
   rng = np.random.default_rng(0)
-  params = {"w": jnp.asarray(rng.normal(size=(4, 3)), jnp.float32),
-            "b": jnp.zeros((3,), jnp.float32)}
+  params = {
+    "w": jnp.asarray(rng.normal(size=(4, 3)), jnp.float32),
+    "b": jnp.zeros((3,), jnp.float32),
+  }
   xs = jnp.asarray(rng.normal(size=(NUM_STEPS, 8, 4)), jnp.float32)
   ys = jnp.asarray(rng.normal(size=(NUM_STEPS, 8, 3)), jnp.float32)
   return params, xs, ys
@@ -80,8 +82,9 @@ def _run(step, params, state, xs, ys, steps):
 
 def _assert_bitwise_equal(actual, expected):
   assert jax.tree.structure(actual) == jax.tree.structure(expected)
-  for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(actual),
-                          jax.tree.leaves(expected), strict=True):
+  for (path, a), b in zip(
+    jax.tree_util.tree_leaves_with_path(actual), jax.tree.leaves(expected), strict=True
+  ):
     a, b = np.asarray(a), np.asarray(b)
     assert a.dtype == b.dtype, (jax.tree_util.keystr(path), a.dtype, b.dtype)
     np.testing.assert_array_equal(a, b, err_msg=jax.tree_util.keystr(path))
@@ -89,8 +92,7 @@ def _assert_bitwise_equal(actual, expected):
 
 def _node_types(tree) -> set[type]:
   types = set()
-  jax.tree.map(lambda x: types.add(type(x)), tree,
-               is_leaf=lambda x: types.add(type(x)) and False)
+  jax.tree.map(lambda x: types.add(type(x)), tree, is_leaf=lambda x: types.add(type(x)) and False)
   return types
 
 
@@ -122,11 +124,13 @@ def test_every_stateful_transform_resumes_bit_for_bit(tmp_path):
   fresh = {"params": params0, "opt_state": tx.init(params0)}
   with ocp.StandardCheckpointer() as ckpt:
     restored = ckpt.restore(tmp_path / "ckpt", fresh)
-  _assert_bitwise_equal(restored["opt_state"], _run(
-      step, params0, tx.init(params0), xs, ys, range(SAVE_AFTER))[1])
+  _assert_bitwise_equal(
+    restored["opt_state"], _run(step, params0, tx.init(params0), xs, ys, range(SAVE_AFTER))[1]
+  )
 
-  resumed = _run(step, restored["params"], restored["opt_state"], xs, ys,
-                 range(SAVE_AFTER, NUM_STEPS))
+  resumed = _run(
+    step, restored["params"], restored["opt_state"], xs, ys, range(SAVE_AFTER, NUM_STEPS)
+  )
   _assert_bitwise_equal(resumed, expected)
 
 
@@ -167,10 +171,11 @@ def test_an_optax_apply_if_finite_state_maps_onto_skip_nonfinite(tmp_path):
       ckpt.restore(tmp_path / "optax", ours.init(params))
     old = ckpt.restore(tmp_path / "optax", theirs.init(params))
   migrated = jaxclip.SkipNonfiniteState(
-      inner_state=old.inner_state,
-      num_nonfinite_skipped=old.total_notfinite,
-      num_consecutive_nonfinite=old.notfinite_count,
-      nonfinite_step_skipped=jnp.logical_not(old.last_finite) & (old.notfinite_count <= 5))
+    inner_state=old.inner_state,
+    num_nonfinite_skipped=old.total_notfinite,
+    num_consecutive_nonfinite=old.notfinite_count,
+    nonfinite_step_skipped=jnp.logical_not(old.last_finite) & (old.notfinite_count <= 5),
+  )
   expected = ours.init(params)
   for g in (jax.tree.map(jnp.ones_like, params), nan, nan):
     _, expected = ours.update(g, expected, params)

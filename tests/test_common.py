@@ -32,8 +32,9 @@ class Case:
 # Wrappers and composites take a numeric hyperparameter of their own so that
 # inject_hyperparams and traced-hyperparameter tests exercise them too.
 def skip_nonfinite_gn(max_norm, max_consecutive=3):
-  return jaxclip.skip_nonfinite(jaxclip.clip_by_global_norm(max_norm),
-                                max_consecutive=max_consecutive)
+  return jaxclip.skip_nonfinite(
+    jaxclip.clip_by_global_norm(max_norm), max_consecutive=max_consecutive
+  )
 
 
 def skip_on_spike_gn(max_norm, sigma=6.0):
@@ -53,33 +54,35 @@ def clipped_identity(clipnorm):
 
 
 CASES: dict[str, Case] = {
-    "clip_by_value": Case(jaxclip.clip_by_value, {"min_value": -0.3, "max_value": 0.4}),
-    "clip": Case(jaxclip.clip, {"max_delta": 0.3}),
-    "clip_by_norm": Case(jaxclip.clip_by_norm, {"max_norm": 0.5}),
-    "clip_by_norm_axes": Case(jaxclip.clip_by_norm, {"max_norm": 0.5}, {"axes": [0]}),
-    "clip_by_average_norm": Case(jaxclip.clip_by_average_norm, {"max_norm": 0.05}),
-    "clip_by_global_norm": Case(jaxclip.clip_by_global_norm, {"max_norm": 0.5}),
-    "clip_by_global_norm_ord1": Case(jaxclip.clip_by_global_norm, {"max_norm": 0.5},
-                                     {"ord": 1}),
-    "clip_by_block_rms": Case(jaxclip.clip_by_block_rms, {"threshold": 0.2}),
-    "adaptive_grad_clip": Case(jaxclip.adaptive_grad_clip, {"clipping": 0.05},
-                               needs_params=True),
-    "autoclip": Case(jaxclip.autoclip, {"percentile": 50.0}, {"history": 8},
-                     reads_state=True),
-    "zclip": Case(jaxclip.zclip, {"z_thresh": 1.0, "max_norm": 0.5}, {"warmup_steps": 2},
-                  reads_state=True),
-    "adagc": Case(jaxclip.adagc, {"lambda_rel": 1.05, "beta": 0.9}, {"warmup_steps": 0},
-                  reads_state=True),
-    "adaptive_value_clip": Case(jaxclip.adaptive_value_clip, {"beta": 0.4}, reads_state=True),
-    "adaptive_norm_scale": Case(jaxclip.adaptive_norm_scale, {"eps": 1e-8, "beta1": 0.3},
-                                reads_state=True),
-    "skip_nonfinite": Case(skip_nonfinite_gn, {"max_norm": 0.5}, reads_state=True),
-    "skip_on_spike": Case(skip_on_spike_gn, {"max_norm": 0.5}, reads_state=True),
-    "skip_above": Case(skip_above_gn, {"max_norm": 0.5}, reads_state=True),
-    "zero_nonfinite": Case(zero_nonfinite_gn, {"max_norm": 0.5}, reads_state=True),
-    # An optax.chain: its update indexes its state.
-    "clipped": Case(clipped_identity, {"clipnorm": 0.5}, reads_state=True),
+  "clip_by_value": Case(jaxclip.clip_by_value, {"min_value": -0.3, "max_value": 0.4}),
+  "clip": Case(jaxclip.clip, {"max_delta": 0.3}),
+  "clip_by_norm": Case(jaxclip.clip_by_norm, {"max_norm": 0.5}),
+  "clip_by_norm_axes": Case(jaxclip.clip_by_norm, {"max_norm": 0.5}, {"axes": [0]}),
+  "clip_by_average_norm": Case(jaxclip.clip_by_average_norm, {"max_norm": 0.05}),
+  "clip_by_global_norm": Case(jaxclip.clip_by_global_norm, {"max_norm": 0.5}),
+  "clip_by_global_norm_ord1": Case(jaxclip.clip_by_global_norm, {"max_norm": 0.5}, {"ord": 1}),
+  "clip_by_block_rms": Case(jaxclip.clip_by_block_rms, {"threshold": 0.2}),
+  "adaptive_grad_clip": Case(jaxclip.adaptive_grad_clip, {"clipping": 0.05}, needs_params=True),
+  "autoclip": Case(jaxclip.autoclip, {"percentile": 50.0}, {"history": 8}, reads_state=True),
+  "zclip": Case(
+    jaxclip.zclip, {"z_thresh": 1.0, "max_norm": 0.5}, {"warmup_steps": 2}, reads_state=True
+  ),
+  "adagc": Case(
+    jaxclip.adagc, {"lambda_rel": 1.05, "beta": 0.9}, {"warmup_steps": 0}, reads_state=True
+  ),
+  "adaptive_value_clip": Case(jaxclip.adaptive_value_clip, {"beta": 0.4}, reads_state=True),
+  "adaptive_norm_scale": Case(
+    jaxclip.adaptive_norm_scale, {"eps": 1e-8, "beta1": 0.3}, reads_state=True
+  ),
+  "skip_nonfinite": Case(skip_nonfinite_gn, {"max_norm": 0.5}, reads_state=True),
+  "skip_on_spike": Case(skip_on_spike_gn, {"max_norm": 0.5}, reads_state=True),
+  "skip_above": Case(skip_above_gn, {"max_norm": 0.5}, reads_state=True),
+  "zero_nonfinite": Case(zero_nonfinite_gn, {"max_norm": 0.5}, reads_state=True),
+  # An optax.chain: its update indexes its state.
+  "clipped": Case(clipped_identity, {"clipnorm": 0.5}, reads_state=True),
 }
+
+
 def make(case: Case):
   return case.factory(**case.hparams, **case.static)
 
@@ -111,7 +114,8 @@ def test_clips_something(case):
     _, state = tx.update(jax.tree.map(lambda g: g / 10, grads), state, params)
   out, _ = tx.update(grads, state, params)
   assert not all(
-      np.allclose(a, b) for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(grads)))
+    np.allclose(a, b) for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(grads), strict=True)
+  )
 
 
 def test_is_extra_args_transformation(case):
@@ -150,7 +154,8 @@ def test_inject_hyperparams_with_schedule(case):
   sched = optax.linear_schedule(value, 2 * value, 10) if value > 0 else value
   other = {k: v for k, v in case.hparams.items() if k != name}
   tx = optax.inject_hyperparams(case.factory, static_args=tuple(case.static))(
-      **{name: sched}, **other, **case.static)
+    **{name: sched}, **other, **case.static
+  )
   state = tx.init(params)
   step = jax.jit(tx.update)
   for _ in range(3):
@@ -188,7 +193,9 @@ def test_masked(case):
   mask = jax.tree.map(lambda x: x.ndim >= 2, params)
   tx = optax.masked(make(case), mask)
   out, _ = tx.update(grads, tx.init(params), params)
-  for g, o, m in zip(jax.tree.leaves(grads), jax.tree.leaves(out), jax.tree.leaves(mask)):
+  for g, o, m in zip(
+    jax.tree.leaves(grads), jax.tree.leaves(out), jax.tree.leaves(mask), strict=True
+  ):
     if not m:
       np.testing.assert_array_equal(o, g)
 
@@ -217,7 +224,8 @@ def test_dtypes_kept(case, dtype):
   assert_dtypes_kept(grads, out)
   _, state2 = run(make(case), grads, params, state)
   assert jax.tree.map(lambda a: (a.shape, a.dtype), state) == jax.tree.map(
-      lambda a: (a.shape, a.dtype), state2)
+    lambda a: (a.shape, a.dtype), state2
+  )
 
 
 @pytest.mark.parametrize("name", sorted(n for n, c in CASES.items() if not c.reads_state))
@@ -268,16 +276,19 @@ def test_equinox_training_step(case):
 def test_pre_clip_norm_readable_from_any_chain():
   grads, params = grads_and_params()
   tx = optax.chain(
-      jaxclip.clip_by_value(-10.0, 10.0),
-      optax.inject_hyperparams(jaxclip.clip_by_global_norm)(max_norm=0.5),
-      optax.adam(1e-3))
+    jaxclip.clip_by_value(-10.0, 10.0),
+    optax.inject_hyperparams(jaxclip.clip_by_global_norm)(max_norm=0.5),
+    optax.adam(1e-3),
+  )
   state = tx.init(params)
   assert float(optax.tree.get(state, "pre_clip_norm")) == 0.0
   _, state = jax.jit(tx.update)(grads, state, params)
-  np.testing.assert_allclose(optax.tree.get(state, "pre_clip_norm"),
-                             jaxclip.ops.global_norm(grads), rtol=1e-6)
+  np.testing.assert_allclose(
+    optax.tree.get(state, "pre_clip_norm"), jaxclip.ops.global_norm(grads), rtol=1e-6
+  )
   ms = optax.MultiSteps(tx, every_k_schedule=1)
   ms_state = ms.init(params)
   _, ms_state = ms.update(grads, ms_state, params)
-  np.testing.assert_allclose(optax.tree.get(ms_state, "pre_clip_norm"),
-                             jaxclip.ops.global_norm(grads), rtol=1e-6)
+  np.testing.assert_allclose(
+    optax.tree.get(ms_state, "pre_clip_norm"), jaxclip.ops.global_norm(grads), rtol=1e-6
+  )

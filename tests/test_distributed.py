@@ -48,8 +48,9 @@ def _assert_trees_close(actual, expected, rtol=2e-6, atol=1e-6):
   for a, e in zip(jax.tree.leaves(actual), jax.tree.leaves(expected), strict=True):
     assert a.shape == e.shape and a.dtype == e.dtype, (a.shape, a.dtype, e.shape, e.dtype)
     tol = 1e-2 if a.dtype == jnp.bfloat16 else rtol
-    np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(e, np.float32),
-                               rtol=tol, atol=atol)
+    np.testing.assert_allclose(
+      np.asarray(a, np.float32), np.asarray(e, np.float32), rtol=tol, atol=atol
+    )
 
 
 @jax.jit
@@ -62,21 +63,23 @@ def _reference_per_example(params, x, y, clip):
 # a bias sharded over 'model' only (replicated over 'data'), a norm scale
 # replicated everywhere, an embedding sharded over 'data' only.
 FSDP_SPECS = {
-    "dense": {"kernel": P("data", "model"), "bias": P("model")},
-    "out": {"kernel": P("model", "data")},
-    "norm_scale": P(),
-    "embed": P("data", None),
+  "dense": {"kernel": P("data", "model"), "bias": P("model")},
+  "out": {"kernel": P("model", "data")},
+  "norm_scale": P(),
+  "embed": P("data", None),
 }
 
 
 def _fsdp_host_tree(seed=0):
   rng = np.random.default_rng(seed)
   return {
-      "dense": {"kernel": rng.normal(size=(16, 8)).astype(np.float32),
-                "bias": rng.normal(size=(8,)).astype(np.float32)},
-      "out": {"kernel": rng.normal(size=(8, 16)).astype(jnp.bfloat16)},
-      "norm_scale": rng.normal(size=(5,)).astype(np.float32),
-      "embed": rng.normal(size=(32, 4)).astype(np.float32),
+    "dense": {
+      "kernel": rng.normal(size=(16, 8)).astype(np.float32),
+      "bias": rng.normal(size=(8,)).astype(np.float32),
+    },
+    "out": {"kernel": rng.normal(size=(8, 16)).astype(jnp.bfloat16)},
+    "norm_scale": rng.normal(size=(5,)).astype(np.float32),
+    "embed": rng.normal(size=(32, 4)).astype(np.float32),
   }
 
 
@@ -121,8 +124,10 @@ def _collective_problems(found, scalar):
 
 def _meshes():
   types = jax.sharding.AxisType
-  return [jax.make_mesh((4, 2), ("data", "model"), axis_types=(t, t))
-          for t in (types.Explicit, types.Auto)]
+  return [
+    jax.make_mesh((4, 2), ("data", "model"), axis_types=(t, t))
+    for t in (types.Explicit, types.Auto)
+  ]
 
 
 def mesh_kind(mesh):
@@ -133,41 +138,44 @@ def mesh_kind(mesh):
 # biases (8,) over 'data' or 'model', all small enough to be grouped.
 _MIXED_SPECS = [P("data", "model"), P("model", "data"), P("data", None), P(None, "model")]
 _MIXED_TREE_SPECS = {
-    **{f"k{i}": _MIXED_SPECS[i % 4] for i in range(40)},
-    **{f"b{i}": P("data" if i % 2 else "model") for i in range(20)},
+  **{f"k{i}": _MIXED_SPECS[i % 4] for i in range(40)},
+  **{f"b{i}": P("data" if i % 2 else "model") for i in range(20)},
 }
 
 
 def _mixed_host_tree(seed):
   rng = np.random.default_rng(seed)
-  return {name: rng.normal(size=(16, 8) if name[0] == "k" else (8,)).astype(np.float32)
-          for name in _MIXED_TREE_SPECS}
+  return {
+    name: rng.normal(size=(16, 8) if name[0] == "k" else (8,)).astype(np.float32)
+    for name in _MIXED_TREE_SPECS
+  }
 
 
 def _every_transform():
   """name -> (transform, extra update kwargs) for every stateful transform."""
   adam = optax.adam(1e-2)
   return {
-      "clip_by_global_norm + adam": (optax.chain(jaxclip.clip_by_global_norm(1.0), adam), {}),
-      "clip_by_norm": (jaxclip.clip_by_norm(0.5), {}),
-      "clip_by_average_norm": (jaxclip.clip_by_average_norm(0.01), {}),
-      "clip_by_block_rms": (jaxclip.clip_by_block_rms(0.3), {}),
-      "adaptive_grad_clip": (jaxclip.adaptive_grad_clip(0.05), {}),
-      "clip": (jaxclip.clip(0.5), {}),
-      "clip_by_value": (jaxclip.clip_by_value(-0.5, 0.3), {}),
-      "skip_nonfinite(adam)": (jaxclip.skip_nonfinite(adam), {}),
-      "skip_above(clip_by_global_norm + adam)": (jaxclip.skip_above(
-          optax.chain(jaxclip.clip_by_global_norm(1.0), adam), 1e3), {}),
-      "record_norms + adam": (optax.chain(jaxclip.record_norms(), adam), {}),
-      "zero_nonfinite": (jaxclip.zero_nonfinite(), {}),
-      "skip_on_spike(adam)": (jaxclip.skip_on_spike(adam, window=4), {"loss": 1.5}),
-      "autoclip": (jaxclip.autoclip(50.0, history=8), {}),
-      "zclip": (jaxclip.zclip(warmup_steps=1), {}),
-      "adagc": (jaxclip.adagc(warmup_steps=1), {}),
-      "adaptive_value_clip": (jaxclip.adaptive_value_clip(0.9), {}),
-      "adaptive_norm_scale": (jaxclip.adaptive_norm_scale(), {}),
-      "optax.clip_by_global_norm + adam": (
-          optax.chain(optax.clip_by_global_norm(1.0), adam), {}),
+    "clip_by_global_norm + adam": (optax.chain(jaxclip.clip_by_global_norm(1.0), adam), {}),
+    "clip_by_norm": (jaxclip.clip_by_norm(0.5), {}),
+    "clip_by_average_norm": (jaxclip.clip_by_average_norm(0.01), {}),
+    "clip_by_block_rms": (jaxclip.clip_by_block_rms(0.3), {}),
+    "adaptive_grad_clip": (jaxclip.adaptive_grad_clip(0.05), {}),
+    "clip": (jaxclip.clip(0.5), {}),
+    "clip_by_value": (jaxclip.clip_by_value(-0.5, 0.3), {}),
+    "skip_nonfinite(adam)": (jaxclip.skip_nonfinite(adam), {}),
+    "skip_above(clip_by_global_norm + adam)": (
+      jaxclip.skip_above(optax.chain(jaxclip.clip_by_global_norm(1.0), adam), 1e3),
+      {},
+    ),
+    "record_norms + adam": (optax.chain(jaxclip.record_norms(), adam), {}),
+    "zero_nonfinite": (jaxclip.zero_nonfinite(), {}),
+    "skip_on_spike(adam)": (jaxclip.skip_on_spike(adam, window=4), {"loss": 1.5}),
+    "autoclip": (jaxclip.autoclip(50.0, history=8), {}),
+    "zclip": (jaxclip.zclip(warmup_steps=1), {}),
+    "adagc": (jaxclip.adagc(warmup_steps=1), {}),
+    "adaptive_value_clip": (jaxclip.adaptive_value_clip(0.9), {}),
+    "adaptive_norm_scale": (jaxclip.adaptive_norm_scale(), {}),
+    "optax.clip_by_global_norm + adam": (optax.chain(optax.clip_by_global_norm(1.0), adam), {}),
   }
 
 
@@ -186,11 +194,13 @@ def _every_transform_on_every_kind_of_mesh():
   single, single_params = (jax.tree.map(jnp.asarray, t) for t in (host, params_host))
   types = jax.sharding.AxisType
   devices = np.asarray(jax.devices()).reshape(4, 2)
-  meshes = {"legacy": jax.sharding.Mesh(devices, ("data", "model")),
-            "auto": jax.make_mesh((4, 2), ("data", "model"), axis_types=(types.Auto,) * 2),
-            "explicit": jax.make_mesh((4, 2), ("data", "model"),
-                                      axis_types=(types.Explicit,) * 2)}
+  meshes = {
+    "legacy": jax.sharding.Mesh(devices, ("data", "model")),
+    "auto": jax.make_mesh((4, 2), ("data", "model"), axis_types=(types.Auto,) * 2),
+    "explicit": jax.make_mesh((4, 2), ("data", "model"), axis_types=(types.Explicit,) * 2),
+  }
   for name, (tx, extra) in _every_transform().items():
+
     def two_steps(u, p, tx=tx, extra=extra):
       state = tx.init(p)
       for scale in (1.0, 3.0):
@@ -200,7 +210,8 @@ def _every_transform_on_every_kind_of_mesh():
     ref_out, ref_state = jax.jit(two_steps)(single, single_params)
     for kind, mesh in meshes.items():
       put = lambda t, mesh=mesh: jax.tree.map(
-          lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), t, _MIXED_TREE_SPECS)
+        lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), t, _MIXED_TREE_SPECS
+      )
       context = contextlib.nullcontext() if kind == "legacy" else jax.set_mesh(mesh)
       with context:
         tree, params = put(host), put(params_host)
@@ -211,8 +222,9 @@ def _every_transform_on_every_kind_of_mesh():
       for o, t in zip(jax.tree.leaves(out), jax.tree.leaves(tree), strict=True):
         assert o.sharding.is_equivalent_to(t.sharding, o.ndim), (name, kind, o.sharding)
       # Unit-wise norms of a sharded kernel are vectors, all-reduced as such.
-      _record_collectives(f"{kind}/{name} (60 mixed leaves, 2 steps)", fn,
-                          scalar="adaptive_grad_clip" not in name)
+      _record_collectives(
+        f"{kind}/{name} (60 mixed leaves, 2 steps)", fn, scalar="adaptive_grad_clip" not in name
+      )
 
 
 _jit_global_norm = jax.jit(jaxclip.ops.global_norm, static_argnames="ord")
@@ -224,8 +236,9 @@ def md_jit_sharded_ops_match_single_device():
   single = jax.tree.map(jnp.asarray, host)
   for mesh in _meshes():
     with jax.set_mesh(mesh):
-      tree = jax.tree.map(lambda x, s, mesh=mesh: jax.device_put(x, NamedSharding(mesh, s)),
-                          host, FSDP_SPECS)
+      tree = jax.tree.map(
+        lambda x, s, mesh=mesh: jax.device_put(x, NamedSharding(mesh, s)), host, FSDP_SPECS
+      )
       for ord in (2, 1, math.inf):
         norm_fn = _compiled(lambda t, ord=ord: jaxclip.ops.global_norm(t, ord=ord), tree)
         np.testing.assert_allclose(norm_fn(tree), _jit_global_norm(single, ord=ord), rtol=2e-6)
@@ -247,14 +260,18 @@ def md_jit_sharded_transform_keeps_shardings():
   ref_updates, ref_state = jax.jit(lambda u: tx.update(u, tx.init(u), u))(single)
   for mesh in _meshes():
     with jax.set_mesh(mesh):
-      tree = jax.tree.map(lambda x, s, mesh=mesh: jax.device_put(x, NamedSharding(mesh, s)),
-                          host, FSDP_SPECS)
+      tree = jax.tree.map(
+        lambda x, s, mesh=mesh: jax.device_put(x, NamedSharding(mesh, s)), host, FSDP_SPECS
+      )
       state = jax.jit(tx.init)(tree)
       update_fn = _compiled(lambda u, s: tx.update(u, s, u), tree, state)
       updates, new_state = update_fn(tree, state)
       _assert_trees_close(updates, ref_updates)
-      np.testing.assert_allclose(optax.tree.get(new_state, "pre_clip_norm"),
-                                 optax.tree.get(ref_state, "pre_clip_norm"), rtol=2e-6)
+      np.testing.assert_allclose(
+        optax.tree.get(new_state, "pre_clip_norm"),
+        optax.tree.get(ref_state, "pre_clip_norm"),
+        rtol=2e-6,
+      )
       momentum = new_state[1][0].trace
       for u, m, t in zip(*map(jax.tree.leaves, (updates, momentum, tree)), strict=True):
         assert u.sharding.is_equivalent_to(t.sharding, u.ndim)
@@ -265,8 +282,10 @@ def md_jit_sharded_transform_keeps_shardings():
 def _local_norm_fn(mesh, ord, check_vma=True, **where):
   def local(t):
     return jaxclip.ops.global_norm(t, ord=ord, axis_name=("data", "model"), **where)
-  return jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(FSDP_SPECS,), out_specs=P(),
-                               check_vma=check_vma))
+
+  return jax.jit(
+    jax.shard_map(local, mesh=mesh, in_specs=(FSDP_SPECS,), out_specs=P(), check_vma=check_vma)
+  )
 
 
 def md_shard_map_replicated_leaves_counted_once():
@@ -274,10 +293,12 @@ def md_shard_map_replicated_leaves_counted_once():
   single = jax.tree.map(jnp.asarray, host)
   mesh = jax.make_mesh((4, 2), ("data", "model"))
   with jax.set_mesh(mesh):
-    tree = jax.tree.map(lambda x, s, mesh=mesh: jax.device_put(x, NamedSharding(mesh, s)),
-                        host, FSDP_SPECS)
-    by_path = lambda path, leaf: {
-        "bias": "data", "norm_scale": True, "embed": ("model",)}.get(path[-1].key, False)
+    tree = jax.tree.map(
+      lambda x, s, mesh=mesh: jax.device_put(x, NamedSharding(mesh, s)), host, FSDP_SPECS
+    )
+    by_path = lambda path, leaf: {"bias": "data", "norm_scale": True, "embed": ("model",)}.get(
+      path[-1].key, False
+    )
     for check_vma in (True, False):
       for where in ({"partition_specs": FSDP_SPECS}, {"replicated": by_path}):
         for ord in (2, 1, math.inf):
@@ -303,14 +324,19 @@ def md_shard_map_transform_and_clip_op():
   def local(t):
     updates, state = tx.update(t, tx.init(t))
     clipped, norm = jaxclip.ops.clip_by_global_norm(
-        t, 2.0, axis_name=("data", "model"), partition_specs=FSDP_SPECS)
+      t, 2.0, axis_name=("data", "model"), partition_specs=FSDP_SPECS
+    )
     return updates, state.pre_clip_norm, clipped, norm
 
   with jax.set_mesh(mesh):
-    tree = jax.tree.map(lambda x, s, mesh=mesh: jax.device_put(x, NamedSharding(mesh, s)),
-                        host, FSDP_SPECS)
-    fn = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(FSDP_SPECS,),
-                               out_specs=(FSDP_SPECS, P(), FSDP_SPECS, P())))
+    tree = jax.tree.map(
+      lambda x, s, mesh=mesh: jax.device_put(x, NamedSharding(mesh, s)), host, FSDP_SPECS
+    )
+    fn = jax.jit(
+      jax.shard_map(
+        local, mesh=mesh, in_specs=(FSDP_SPECS,), out_specs=(FSDP_SPECS, P(), FSDP_SPECS, P())
+      )
+    )
     updates, pre_clip_norm, clipped, norm = fn(tree)
   for out, n in ((updates, pre_clip_norm), (clipped, norm)):
     np.testing.assert_allclose(n, ref_norm, rtol=2e-6)
@@ -328,8 +354,7 @@ def md_pmap_with_replicated_leaf():
     replicated = {"w": False, "b": True}
     norm = jaxclip.ops.global_norm(tree, axis_name="i", replicated=replicated)
     inf_norm = jaxclip.ops.global_norm(tree, ord="inf", axis_name="i", replicated=replicated)
-    clipped, _ = jaxclip.ops.clip_by_global_norm(tree, 1.5, axis_name="i",
-                                                 replicated=replicated)
+    clipped, _ = jaxclip.ops.clip_by_global_norm(tree, 1.5, axis_name="i", replicated=replicated)
     return norm, inf_norm, clipped
 
   norm, inf_norm, clipped = jax.pmap(local, axis_name="i", in_axes=(0, None))(w, b)
@@ -353,13 +378,21 @@ def md_per_example_clipping_in_shard_map():
     return jaxclip.per_example_global_norm_clip(grads, CLIP, axis_name="data")
 
   helper = jaxclip.per_example_clipped_grad(
-      mlp_loss, CLIP, microbatch_size=3, batch_argnums=(1, 2), axis_name="data")
+    mlp_loss, CLIP, microbatch_size=3, batch_argnums=(1, 2), axis_name="data"
+  )
   with jax.set_mesh(mesh):
     xs, ys = (jax.device_put(a, NamedSharding(mesh, P("data"))) for a in (x, y))
     for fn, check_vma in ((with_op, True), (helper, True), (helper, False)):
       if True:
-        out = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=(P(), P("data"), P("data")),
-                                    out_specs=(P(), P()), check_vma=check_vma))(params, xs, ys)
+        out = jax.jit(
+          jax.shard_map(
+            fn,
+            mesh=mesh,
+            in_specs=(P(), P("data"), P("data")),
+            out_specs=(P(), P()),
+            check_vma=check_vma,
+          )
+        )(params, xs, ys)
         _assert_trees_close(out[0], ref_sum, rtol=1e-5, atol=1e-5)
         assert int(out[1]) == int(ref_count)
 
@@ -373,18 +406,20 @@ def md_per_example_helper_under_jit_with_spmd_axis_name():
     ps = jax.device_put(params, NamedSharding(mesh, P()))
     for microbatch_size in (None, 16):
       fn = jaxclip.per_example_clipped_grad(
-          mlp_loss, CLIP, microbatch_size=microbatch_size, batch_argnums=(1, 2),
-          spmd_axis_name="data")
+        mlp_loss, CLIP, microbatch_size=microbatch_size, batch_argnums=(1, 2), spmd_axis_name="data"
+      )
       compiled = _compiled(fn, ps, xs, ys)
       total, count = compiled(ps, xs, ys)
       _assert_trees_close(total, ref_sum, rtol=1e-5, atol=1e-5)
       assert int(count) == int(ref_count)
       # Per-example gradients stay where their examples are: the only
       # collectives are the all-reduces of the summed gradient and count.
-      _record_collectives(f"per_example_clipped_grad microbatch={microbatch_size}", compiled,
-                          scalar=False)
+      _record_collectives(
+        f"per_example_clipped_grad microbatch={microbatch_size}", compiled, scalar=False
+      )
     bad = jaxclip.per_example_clipped_grad(
-        mlp_loss, CLIP, microbatch_size=12, batch_argnums=(1, 2), spmd_axis_name="data")
+      mlp_loss, CLIP, microbatch_size=12, batch_argnums=(1, 2), spmd_axis_name="data"
+    )
     with pytest.raises(ValueError, match="multiple of the 8 devices"):
       jax.jit(bad)(ps, xs, ys)
 
@@ -419,26 +454,39 @@ def md_vma_inference_counts_replicated_gradients_once():
     clipped, norm = jaxclip.ops.clip_by_global_norm(tree, 1.0, axis_name="data", **where)
     return jaxclip.ops.global_norm(tree, axis_name="data", **where), norm, clipped["g"]
 
-  routes = [(True, {}),  # inferred from jax.typeof(leaf)'s varying axes
-            (True, {"replicated": {"g": True, "x": False}}),
-            (False, {"replicated": {"g": True, "x": False}}),
-            (False, {"partition_specs": {"g": P(), "x": P("data")}})]
+  routes = [
+    (True, {}),  # inferred from jax.typeof(leaf)'s varying axes
+    (True, {"replicated": {"g": True, "x": False}}),
+    (False, {"replicated": {"g": True, "x": False}}),
+    (False, {"partition_specs": {"g": P(), "x": P("data")}}),
+  ]
   with jax.set_mesh(mesh):
     xs, ys = (jax.device_put(a, NamedSharding(mesh, P("data"))) for a in (x, y))
     for check_vma, where in routes:
-      fn = jax.shard_map(lambda p, xb, yb, c=check_vma, w=where: local(p, xb, yb, c, **w),
-                         mesh=mesh, in_specs=(P(), P("data"), P("data")),
-                         out_specs=(P(), P(), P()), check_vma=check_vma)
+      fn = jax.shard_map(
+        lambda p, xb, yb, c=check_vma, w=where: local(p, xb, yb, c, **w),
+        mesh=mesh,
+        in_specs=(P(), P("data"), P("data")),
+        out_specs=(P(), P(), P()),
+        check_vma=check_vma,
+      )
       norm, clip_norm, clipped = jax.jit(fn)(params, xs, ys)
       np.testing.assert_allclose(norm, expected, rtol=1e-5, err_msg=str((check_vma, where)))
       np.testing.assert_allclose(clip_norm, expected, rtol=1e-5)
-      _assert_trees_close(clipped, jax.tree.map(lambda t: t / expected, full_grad),
-                          rtol=1e-4, atol=1e-6)
+      _assert_trees_close(
+        clipped, jax.tree.map(lambda t: t / expected, full_grad), rtol=1e-4, atol=1e-6
+      )
     # Under check_vma=False, replicated=None takes every leaf for a shard: the
     # summed gradient counts once per device (why the docs ask for replicated=).
-    naive = jax.jit(jax.shard_map(
-        lambda p, xb, yb: local(p, xb, yb, False)[0], mesh=mesh,
-        in_specs=(P(), P("data"), P("data")), out_specs=P(), check_vma=False))(params, xs, ys)
+    naive = jax.jit(
+      jax.shard_map(
+        lambda p, xb, yb: local(p, xb, yb, False)[0],
+        mesh=mesh,
+        in_specs=(P(), P("data"), P("data")),
+        out_specs=P(),
+        check_vma=False,
+      )
+    )(params, xs, ys)
     assert float(naive) > 2 * float(expected)
 
 
@@ -449,8 +497,9 @@ def md_loss_spike_on_one_device_skipped_on_all():
 
   def train(p, xb, yb, check_vma):
     where = {} if check_vma else {"replicated": True}
-    tx = jaxclip.skip_on_spike(optax.sgd(1e-2, momentum=0.9), window=4, sigma=3.0, axis_name="data",
-                               **where)
+    tx = jaxclip.skip_on_spike(
+      optax.sgd(1e-2, momentum=0.9), window=4, sigma=3.0, axis_name="data", **where
+    )
     state, skipped = tx.init(p), []
     for step in range(num_steps):
       loss, g = jax.value_and_grad(mlp_loss)(p, xb, yb)  # loss: this device's
@@ -466,10 +515,15 @@ def md_loss_spike_on_one_device_skipped_on_all():
   with jax.set_mesh(mesh):
     xs, ys = (jax.device_put(a, NamedSharding(mesh, P("data"))) for a in (x, y))
     for check_vma in (True, False):
-      out = jax.jit(jax.shard_map(
-          lambda p, xb, yb, c=check_vma: train(p, xb, yb, c), mesh=mesh,
-          in_specs=(P(), P("data"), P("data")), out_specs=P("data"),
-          check_vma=check_vma))(params, xs, ys)
+      out = jax.jit(
+        jax.shard_map(
+          lambda p, xb, yb, c=check_vma: train(p, xb, yb, c),
+          mesh=mesh,
+          in_specs=(P(), P("data"), P("data")),
+          out_specs=P("data"),
+          check_vma=check_vma,
+        )
+      )(params, xs, ys)
       _assert_same_on_every_device(out)
       final_params, state, skipped = out
       assert np.all(np.asarray(skipped)[:, spike_step]), np.asarray(skipped)
@@ -490,12 +544,18 @@ def md_nonfinite_gradient_on_one_device_skipped_on_all():
 
   def transforms(**kw):
     return {
-        "skip": jaxclip.skip_nonfinite(optax.chain(
-            jaxclip.autoclip(50.0, 8, **kw), jaxclip.zclip(warmup_steps=2, **kw),
-            optax.sgd(0.1, momentum=0.9)), axis_name=kw.get("axis_name")),
-        "spike": jaxclip.skip_on_spike(optax.sgd(0.1), window=4, **kw),
-        "zero": optax.chain(jaxclip.zero_nonfinite(**kw),
-                            jaxclip.clip_by_global_norm(1.0, **kw), optax.sgd(0.1)),
+      "skip": jaxclip.skip_nonfinite(
+        optax.chain(
+          jaxclip.autoclip(50.0, 8, **kw),
+          jaxclip.zclip(warmup_steps=2, **kw),
+          optax.sgd(0.1, momentum=0.9),
+        ),
+        axis_name=kw.get("axis_name"),
+      ),
+      "spike": jaxclip.skip_on_spike(optax.sgd(0.1), window=4, **kw),
+      "zero": optax.chain(
+        jaxclip.zero_nonfinite(**kw), jaxclip.clip_by_global_norm(1.0, **kw), optax.sgd(0.1)
+      ),
     }
 
   def run(txs, p, gs):
@@ -506,10 +566,16 @@ def md_nonfinite_gradient_on_one_device_skipped_on_all():
         g = jax.tree.map(lambda a, step=step: a[step], gs)
         updates, state = tx.update(g, state, q)
         q = optax.apply_updates(q, updates)
-        trace.append(jnp.stack([
-            optax.tree.get(state, "nonfinite_step_skipped", False),
-            optax.tree.get(state, "spike_step_skipped", False)]).astype(jnp.int32)
-            if name != "zero" else optax.tree.get(state, "num_nonfinite_zeroed"))
+        trace.append(
+          jnp.stack(
+            [
+              optax.tree.get(state, "nonfinite_step_skipped", False),
+              optax.tree.get(state, "spike_step_skipped", False),
+            ]
+          ).astype(jnp.int32)
+          if name != "zero"
+          else optax.tree.get(state, "num_nonfinite_zeroed")
+        )
       out[name] = (q, state, jnp.stack(trace))
     return out
 
@@ -519,14 +585,18 @@ def md_nonfinite_gradient_on_one_device_skipped_on_all():
   grad_specs = {"w": P(None, "data"), "b": P()}
   with jax.set_mesh(mesh):
     put = lambda tree, specs: jax.tree.map(
-        lambda a, s: jax.device_put(a, NamedSharding(mesh, s)), tree, specs)
+      lambda a, s: jax.device_put(a, NamedSharding(mesh, s)), tree, specs
+    )
     ps, gs = put(params, specs), put(grads, grad_specs)
     for check_vma in (True, False):
-      kw = {"axis_name": "data"} if check_vma else {"axis_name": "data",
-                                                     "partition_specs": specs}
-      fn = jax.shard_map(lambda p, g, kw=kw: _per_device(run(transforms(**kw), p, g)),
-                         mesh=mesh, in_specs=(specs, grad_specs), out_specs=P("data"),
-                         check_vma=check_vma)
+      kw = {"axis_name": "data"} if check_vma else {"axis_name": "data", "partition_specs": specs}
+      fn = jax.shard_map(
+        lambda p, g, kw=kw: _per_device(run(transforms(**kw), p, g)),
+        mesh=mesh,
+        in_specs=(specs, grad_specs),
+        out_specs=P("data"),
+        check_vma=check_vma,
+      )
       got = jax.tree.map(np.asarray, jax.jit(fn)(ps, gs))
       # Everything but w's shards (and their moments) is the same everywhere,
       _assert_same_on_every_device(got, skip=lambda path: "['w']" in path)
@@ -534,15 +604,19 @@ def md_nonfinite_gradient_on_one_device_skipped_on_all():
         ref_q, ref_state, ref_trace = expected[name]
         # and it is what one device computes on the whole tree.
         np.testing.assert_array_equal(np.asarray(trace[0]), np.asarray(ref_trace), err_msg=name)
-        np.testing.assert_allclose(np.asarray(q["w"]).reshape(-1, 3), ref_q["w"], rtol=1e-5,
-                                   atol=1e-6, err_msg=name)
+        np.testing.assert_allclose(
+          np.asarray(q["w"]).reshape(-1, 3), ref_q["w"], rtol=1e-5, atol=1e-6, err_msg=name
+        )
         np.testing.assert_allclose(q["b"][0], ref_q["b"], rtol=1e-5, atol=1e-6, err_msg=name)
         for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
           if "['w']" not in jax.tree_util.keystr(path):
             np.testing.assert_allclose(
-                np.asarray(leaf[0], np.float64),
-                np.asarray(_get_path(ref_state, path), np.float64), rtol=1e-5, atol=1e-6,
-                err_msg=f"{name} {jax.tree_util.keystr(path)}")
+              np.asarray(leaf[0], np.float64),
+              np.asarray(_get_path(ref_state, path), np.float64),
+              rtol=1e-5,
+              atol=1e-6,
+              err_msg=f"{name} {jax.tree_util.keystr(path)}",
+            )
       skipped = np.asarray(got["skip"][2])
       assert np.all(skipped[:, nan_step, 0] == 1) and np.all(skipped[:, bias_nan_step, 0] == 1)
 
@@ -561,18 +635,23 @@ def md_norm_spike_on_one_device_skipped_on_all():
   params = {"w": np.zeros((2 * N_DEVICES, 3), np.float32), "b": np.zeros(4, np.float32)}
 
   def run(p, gs, **kw):
-    tx = jaxclip.skip_above(optax.chain(jaxclip.record_norms(**kw), optax.adam(0.1)), 100.0,
-                            **kw)
+    tx = jaxclip.skip_above(optax.chain(jaxclip.record_norms(**kw), optax.adam(0.1)), 100.0, **kw)
     fn = jaxclip.skip_bad_microbatches(100.0, **kw)
     state, trace = tx.init(p), []
     for step in range(num_steps):
       g = jax.tree.map(lambda a, step=step: a[step], gs)
       updates, state = tx.update(g, state, p)
       p = optax.apply_updates(p, updates)
-      trace.append(jnp.stack([state.above_step_skipped.astype(jnp.float32),
-                              fn(g, 0, p)[0].astype(jnp.float32),
-                              optax.tree.get(state, "global_norm"),
-                              optax.tree.get(state, "leaf_norms")["b"]]))
+      trace.append(
+        jnp.stack(
+          [
+            state.above_step_skipped.astype(jnp.float32),
+            fn(g, 0, p)[0].astype(jnp.float32),
+            optax.tree.get(state, "global_norm"),
+            optax.tree.get(state, "leaf_norms")["b"],
+          ]
+        )
+      )
     return p, state, jnp.stack(trace)
 
   # optax's adam needs standard dtype promotion (its bias correction raises a
@@ -589,14 +668,18 @@ def _norm_spike_checks(run, params, grads, specs, num_steps, spike_step, nan_ste
   grad_specs = {"w": P(None, "data"), "b": P()}
   with jax.set_mesh(mesh):
     put = lambda tree, sp: jax.tree.map(
-        lambda a, s: jax.device_put(a, NamedSharding(mesh, s)), tree, sp)
+      lambda a, s: jax.device_put(a, NamedSharding(mesh, s)), tree, sp
+    )
     ps, gs = put(params, specs), put(grads, grad_specs)
     for check_vma in (True, False):
-      kw = {"axis_name": "data"} if check_vma else {"axis_name": "data",
-                                                     "partition_specs": specs}
-      fn = jax.shard_map(lambda p, g, kw=kw: _per_device(run(p, g, **kw)), mesh=mesh,
-                         in_specs=(specs, grad_specs), out_specs=P("data"),
-                         check_vma=check_vma)
+      kw = {"axis_name": "data"} if check_vma else {"axis_name": "data", "partition_specs": specs}
+      fn = jax.shard_map(
+        lambda p, g, kw=kw: _per_device(run(p, g, **kw)),
+        mesh=mesh,
+        in_specs=(specs, grad_specs),
+        out_specs=P("data"),
+        check_vma=check_vma,
+      )
       q, state, trace = jax.tree.map(np.asarray, jax.jit(fn)(ps, gs))
       _assert_same_on_every_device((q["b"], trace, state.num_above_skipped))
       np.testing.assert_array_equal(trace[0][:, :2], np.asarray(expected[2])[:, :2])
@@ -605,8 +688,9 @@ def _norm_spike_checks(run, params, grads, specs, num_steps, spike_step, nan_ste
 
 
 def _get_path(tree, path):
-  leaves = dict((jax.tree_util.keystr(p), v)
-                for p, v in jax.tree_util.tree_flatten_with_path(tree)[0])
+  leaves = dict(
+    (jax.tree_util.keystr(p), v) for p, v in jax.tree_util.tree_flatten_with_path(tree)[0]
+  )
   return leaves[jax.tree_util.keystr(path)]
 
 
@@ -629,25 +713,40 @@ def _run_checks_in_this_process() -> dict[str, str]:
 def subprocess_runs():
   """Runs the multi-device checks and the FSDP example, side by side."""
   example = ROOT / "examples" / "fsdp_training.py"
-  commands = {"checks": [sys.executable, __file__],
-              "example": [sys.executable, str(example), "--steps", "40"]}
-  procs = {name: subprocess.Popen(cmd, env=device_env(N_DEVICES), cwd=ROOT, text=True,
-                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-           for name, cmd in commands.items()}
+  commands = {
+    "checks": [sys.executable, __file__],
+    "example": [sys.executable, str(example), "--steps", "40"],
+  }
+  procs = {
+    name: subprocess.Popen(
+      cmd,
+      env=device_env(N_DEVICES),
+      cwd=ROOT,
+      text=True,
+      stdout=subprocess.PIPE,
+      stderr=subprocess.PIPE,
+    )
+    for name, cmd in commands.items()
+  }
   start, results = time.monotonic(), {}
   for name, proc in procs.items():
     try:
       stdout, stderr = proc.communicate(timeout=max(1.0, 900 - (time.monotonic() - start)))
       took = time.monotonic() - start
-      what = ("" if proc.returncode == 0 else
-              f"the {name} subprocess exited with status {proc.returncode} after {took:.0f} s "
-              "(a negative status is the signal that killed it: out of memory?)\n")
+      what = (
+        ""
+        if proc.returncode == 0
+        else f"the {name} subprocess exited with status {proc.returncode} after {took:.0f} s "
+        "(a negative status is the signal that killed it: out of memory?)\n"
+      )
     except subprocess.TimeoutExpired:
       proc.kill()
       stdout, stderr = proc.communicate()
-      what = (f"the {name} subprocess was killed by this test after "
-              f"{time.monotonic() - start:.0f} s (its wall-clock limit is 900 s; the machine "
-              "may be overloaded)\n")
+      what = (
+        f"the {name} subprocess was killed by this test after "
+        f"{time.monotonic() - start:.0f} s (its wall-clock limit is 900 s; the machine "
+        "may be overloaded)\n"
+      )
     results[name] = (proc.returncode, stdout, what + stderr)
   return results
 
@@ -674,8 +773,11 @@ def test_collectives(multi_device_results):
   """
   recorded = multi_device_results["collectives"]
   assert any(label.startswith("legacy/") for label in recorded)  # the checks ran
-  problems = {label: p for label, r in recorded.items()
-              if (p := _collective_problems(r["found"], r["scalar"]))}
+  problems = {
+    label: p
+    for label, r in recorded.items()
+    if (p := _collective_problems(r["found"], r["scalar"]))
+  }
   assert not problems, json.dumps(problems, indent=1)
 
 
@@ -696,35 +798,41 @@ def test_leaf_reduction_axes_forms():
   axes = lambda r: _distributed.leaf_reduction_axes(tree, names, r)
   assert axes(None) == [names] * 3
   assert axes({"a": True, "b": False, "e": "model"}) == [(), names, ("data",)]
-  assert axes({"a": ("data", "model"), "b": "data", "e": ("model",)}) == [
-      (), ("model",), ("data",)]
+  assert axes({"a": ("data", "model"), "b": "data", "e": ("model",)}) == [(), ("model",), ("data",)]
   assert axes(lambda path, leaf: leaf.size == 3) == [names, (), names]
   specs = lambda s, axis_name=names: _distributed.leaf_reduction_axes(
-      tree, axis_name, partition_specs=s)
+    tree, axis_name, partition_specs=s
+  )
   assert specs({"a": P(), "b": P(None, "model"), "e": P(("data", "model"))}) == [
-      (), ("model",), names]
+    (),
+    ("model",),
+    names,
+  ]
   assert specs(P("data")) == [("data",)] * 3
-  assert specs({"a": P("model"), "b": P(), "e": P("data", "model")}, "data") == [
-      (), (), ("data",)]
+  assert specs({"a": P("model"), "b": P(), "e": P("data", "model")}, "data") == [(), (), ("data",)]
 
 
 @pytest.mark.parametrize(
-    "where, error, match",
-    [({"replicated": {"a": "expert"}}, ValueError, "not among axis_name"),
-     ({"replicated": {"a": 3}}, TypeError, "axis name"),
-     ({"replicated": {"a": True, "zzz": False}}, ValueError, "pytree prefix"),
-     ({"replicated": lambda path, leaf: None}, TypeError, "leaf at \\['a'\\]"),
-     # PartitionSpecs say where a leaf is sharded: they have their own argument.
-     ({"replicated": {"a": P("i")}}, TypeError, "partition_specs="),
-     ({"replicated": P()}, TypeError, "partition_specs="),
-     ({"replicated": lambda path, leaf: P()}, TypeError, "partition_specs="),
-     ({"partition_specs": {"a": True}}, TypeError, "PartitionSpecs only"),
-     ({"partition_specs": {"zzz": P()}}, ValueError, "pytree prefix"),
-     ({"replicated": True, "partition_specs": P()}, ValueError, "not both")])
+  "where, error, match",
+  [
+    ({"replicated": {"a": "expert"}}, ValueError, "not among axis_name"),
+    ({"replicated": {"a": 3}}, TypeError, "axis name"),
+    ({"replicated": {"a": True, "zzz": False}}, ValueError, "pytree prefix"),
+    ({"replicated": lambda path, leaf: None}, TypeError, "leaf at \\['a'\\]"),
+    # PartitionSpecs say where a leaf is sharded: they have their own argument.
+    ({"replicated": {"a": P("i")}}, TypeError, "partition_specs="),
+    ({"replicated": P()}, TypeError, "partition_specs="),
+    ({"replicated": lambda path, leaf: P()}, TypeError, "partition_specs="),
+    ({"partition_specs": {"a": True}}, TypeError, "PartitionSpecs only"),
+    ({"partition_specs": {"zzz": P()}}, ValueError, "pytree prefix"),
+    ({"replicated": True, "partition_specs": P()}, ValueError, "not both"),
+  ],
+)
 def test_replicated_errors(where, error, match):
   with pytest.raises(error, match=match):
-    jax.vmap(lambda a: jaxclip.ops.global_norm({"a": a}, axis_name="i", **where),
-             axis_name="i")(jnp.ones((2, 3)))
+    jax.vmap(lambda a: jaxclip.ops.global_norm({"a": a}, axis_name="i", **where), axis_name="i")(
+      jnp.ones((2, 3))
+    )
 
 
 def test_replicated_needs_axis_name_and_axis_names_distinct():
@@ -733,13 +841,17 @@ def test_replicated_needs_axis_name_and_axis_names_distinct():
   with pytest.raises(ValueError, match="axis_name"):
     jaxclip.ops.global_norm({"a": jnp.ones(2)}, partition_specs=P())
   with pytest.raises(ValueError, match="distinct"):
-    jax.vmap(lambda a: jaxclip.ops.global_norm(a, axis_name=("i", "i")),
-             axis_name="i")(jnp.ones((2, 3)))
+    jax.vmap(lambda a: jaxclip.ops.global_norm(a, axis_name=("i", "i")), axis_name="i")(
+      jnp.ones((2, 3))
+    )
 
 
 @settings(max_examples=12, deadline=None)
-@given(st.lists(st.tuples(st.integers(1, 3), st.booleans()), min_size=1, max_size=4),
-       st.sampled_from([1, 2, math.inf]), st.integers(0, 2**16))
+@given(
+  st.lists(st.tuples(st.integers(1, 3), st.booleans()), min_size=1, max_size=4),
+  st.sampled_from([1, 2, math.inf]),
+  st.integers(0, 2**16),
+)
 def test_vmap_shards_match_whole_tree(leaf_specs, ord, seed):
   """Splitting the sharded leaves over a vmapped axis gives the whole tree's norm."""
   n, rng = 3, np.random.default_rng(seed)
@@ -764,8 +876,9 @@ def test_transform_with_axis_name_under_vmap_and_grad_at_zero():
   upd, norm = jax.vmap(step, in_axes=(0, None), axis_name="i")(w, b)
   np.testing.assert_allclose(norm, [5.0, 5.0])
   np.testing.assert_allclose(upd, [[0.6], [0.8]], rtol=1e-6)
-  grad = jax.vmap(jax.grad(lambda x: jaxclip.ops.global_norm(x, axis_name="i")),
-                  axis_name="i")(jnp.zeros((2, 3)))
+  grad = jax.vmap(jax.grad(lambda x: jaxclip.ops.global_norm(x, axis_name="i")), axis_name="i")(
+    jnp.zeros((2, 3))
+  )
   assert np.all(np.asarray(grad) == 0)
 
 
@@ -774,9 +887,9 @@ def test_per_example_global_norm_clip_axis_name_under_vmap():
   grads = jax.jit(jax.vmap(jax.grad(mlp_loss), in_axes=(None, 0, 0)))(params, x, y)
   ref_sum, ref_count = _reference_per_example(params, x, y, CLIP)
   split = jax.tree.map(lambda g: g.reshape((3, 4) + g.shape[1:]), grads)
-  out, count = jax.jit(jax.vmap(
-      lambda g: jaxclip.per_example_global_norm_clip(g, CLIP, axis_name="i"),
-      axis_name="i"))(split)
+  out, count = jax.jit(
+    jax.vmap(lambda g: jaxclip.per_example_global_norm_clip(g, CLIP, axis_name="i"), axis_name="i")
+  )(split)
   _assert_trees_close(jax.tree.map(lambda a: a[1], out), ref_sum, rtol=1e-5, atol=1e-5)
   assert list(np.asarray(count)) == [int(ref_count)] * 3
 
@@ -786,8 +899,9 @@ def test_per_example_clipped_grad_matches_per_example_clip(microbatch_size):
   params, x, y = mlp_problem(batch=12)
   ref_sum, ref_count = _reference_per_example(params, x, y, CLIP)
   assert 0 < int(ref_count) < 12
-  fn = jaxclip.per_example_clipped_grad(mlp_loss, CLIP, microbatch_size=microbatch_size,
-                                        batch_argnums=(1, 2))
+  fn = jaxclip.per_example_clipped_grad(
+    mlp_loss, CLIP, microbatch_size=microbatch_size, batch_argnums=(1, 2)
+  )
   total, count = jax.jit(fn)(params, x, y)
   _assert_trees_close(total, ref_sum, rtol=1e-5, atol=1e-5)
   assert int(count) == int(ref_count) and count.dtype == ref_count.dtype
@@ -799,13 +913,17 @@ def test_per_example_clipped_grad_options():
   # A shared (non-batch) argument before the batch, and each example seen
   # with a batch axis of one.
   loss = lambda p, scale, xb, yb: scale * mlp_loss(p, xb[0], yb[0])
-  fn = jaxclip.per_example_clipped_grad(loss, 0.5, microbatch_size=4, batch_argnums=(2, 3),
-                                        keep_batch_dim=True)
+  fn = jaxclip.per_example_clipped_grad(
+    loss, 0.5, microbatch_size=4, batch_argnums=(2, 3), keep_batch_dim=True
+  )
   total, _ = jax.jit(fn)(params, jnp.float32(1.0), x, y)
   _assert_trees_close(total, ref_sum, rtol=1e-5, atol=1e-5)
   # The threshold may be traced.
-  traced = jax.jit(lambda c: jaxclip.per_example_clipped_grad(
-      mlp_loss, c, microbatch_size=4, batch_argnums=(1, 2))(params, x, y))(0.5)
+  traced = jax.jit(
+    lambda c: jaxclip.per_example_clipped_grad(
+      mlp_loss, c, microbatch_size=4, batch_argnums=(1, 2)
+    )(params, x, y)
+  )(0.5)
   _assert_trees_close(traced[0], ref_sum, rtol=1e-5, atol=1e-5)
 
 
@@ -826,20 +944,24 @@ def test_per_example_clipped_grad_half_precision_params():
   ref_sum, _ = _reference_per_example(params, x, y, CLIP)
   half = jax.tree.map(lambda p: p.astype(jnp.bfloat16), params)
   loss = lambda p, xb, yb: mlp_loss(jax.tree.map(lambda a: a.astype(jnp.float32), p), xb, yb)
-  total, _ = jax.jit(jaxclip.per_example_clipped_grad(loss, CLIP, microbatch_size=2,
-                                                      batch_argnums=(1, 2)))(half, x, y)
+  total, _ = jax.jit(
+    jaxclip.per_example_clipped_grad(loss, CLIP, microbatch_size=2, batch_argnums=(1, 2))
+  )(half, x, y)
   assert all(t.dtype == jnp.bfloat16 for t in jax.tree.leaves(total))
   for t, r in zip(jax.tree.leaves(total), jax.tree.leaves(ref_sum), strict=True):
     np.testing.assert_allclose(np.asarray(t, np.float32), r, rtol=0.05, atol=0.05)
 
 
 @pytest.mark.parametrize(
-    "kwargs, args, match",
-    [({"microbatch_size": 0}, None, "positive integer"),
-     ({"microbatch_size": 2.5}, None, "positive integer"),
-     ({"batch_argnums": 0}, None, "batch_argnums"),
-     ({}, (jnp.ones(3), jnp.ones((4, 3)), jnp.ones((5, 3))), "batch dimension"),
-     ({"batch_argnums": 3}, (jnp.ones(3), jnp.ones((4, 3))), "batch_argnums")])
+  "kwargs, args, match",
+  [
+    ({"microbatch_size": 0}, None, "positive integer"),
+    ({"microbatch_size": 2.5}, None, "positive integer"),
+    ({"batch_argnums": 0}, None, "batch_argnums"),
+    ({}, (jnp.ones(3), jnp.ones((4, 3)), jnp.ones((5, 3))), "batch dimension"),
+    ({"batch_argnums": 3}, (jnp.ones(3), jnp.ones((4, 3))), "batch_argnums"),
+  ],
+)
 def test_per_example_clipped_grad_errors(kwargs, args, match):
   loss = lambda w, x, *rest: jnp.dot(w, x)
   kwargs = {"batch_argnums": (1, 2), **kwargs} if args and len(args) == 3 else kwargs
@@ -852,8 +974,9 @@ def test_per_example_clipped_grad_rejects_bad_threshold_and_int_params():
   with pytest.raises(ValueError, match="l2_norm_clip"):
     jaxclip.per_example_clipped_grad(lambda w, x: w @ x, -1.0)
   with pytest.raises(TypeError, match="per_example_clipped_grad"):
-    jaxclip.per_example_clipped_grad(lambda w, x: w @ x, 1.0)(jnp.ones(3, jnp.int32),
-                                                               jnp.ones((2, 3)))
+    jaxclip.per_example_clipped_grad(lambda w, x: w @ x, 1.0)(
+      jnp.ones(3, jnp.int32), jnp.ones((2, 3))
+    )
 
 
 if __name__ == "__main__":

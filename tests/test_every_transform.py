@@ -56,8 +56,9 @@ def test_every_transform_compiles_in_a_few_times_adams_compile():
   """
   tree = _trees.make_tree(_trees.many_leaf_shapes(_LEAVES, mixed=True))
   adam = _compile_seconds(optax.adam(1e-3), tree)
-  times = {name: _compile_seconds(optax.chain(build(name), optax.adam(1e-3)), tree)
-           for name in FACTORIES}
+  times = {
+    name: _compile_seconds(optax.chain(build(name), optax.adam(1e-3)), tree) for name in FACTORIES
+  }
   adam = max(adam, _compile_seconds(optax.adam(1e-3), tree))
   slow = {name: f"{t / adam:.1f}x" for name, t in times.items() if t > _BOUND * adam}
   assert not slow, f"compile time against adam's ({adam:.1f} s CPU): {slow}"
@@ -137,9 +138,11 @@ def test_updates_of_another_structure_than_init_are_refused_or_harmless(name):
   tx = build(name)
   params = {"w": jnp.ones(3), "b": jnp.full(2, 2.0)}
   state = tx.init(params)
-  cases = {"['b']": {"w": jnp.ones(3)},  # fewer
-           "['c']": {"w": jnp.ones(3), "b": jnp.ones(2), "c": jnp.ones(2)},  # more
-           "['c'] ": {"w": jnp.ones(3), "c": jnp.ones(2)}}  # renamed
+  cases = {
+    "['b']": {"w": jnp.ones(3)},  # fewer
+    "['c']": {"w": jnp.ones(3), "b": jnp.ones(2), "c": jnp.ones(2)},  # more
+    "['c'] ": {"w": jnp.ones(3), "c": jnp.ones(2)},
+  }  # renamed
   per_leaf = _keeps_per_leaf_state(tx)
   for where, updates in cases.items():
     if per_leaf and not (name == "record_norms" and where == "['b']"):
@@ -163,13 +166,19 @@ def test_complex_leaves_are_clipped_or_refused(name):
 
 
 @FUZZ
-@given(shape=st.lists(st.integers(1, 3), min_size=1, max_size=2),
-       bad=st.one_of(_BAD_LEAVES, st.sampled_from([1 + 2j, True])))
+@given(
+  shape=st.lists(st.integers(1, 3), min_size=1, max_size=2),
+  bad=st.one_of(_BAD_LEAVES, st.sampled_from([1 + 2j, True])),
+)
 def test_ops_refuse_bad_leaves_and_a_use_norm_that_is_no_real_scalar(shape, bad):
   tree = {"w": jnp.ones(3), "bad": bad}
-  for fn, args in ((ops.global_norm, ()), (ops.clip_by_global_norm, (1.0,)),
-                   (ops.clip_by_norm, (1.0,)), (ops.clip_by_average_norm, (1.0,)),
-                   (ops.clip_by_value, (-1.0, 1.0))):
+  for fn, args in (
+    (ops.global_norm, ()),
+    (ops.clip_by_global_norm, (1.0,)),
+    (ops.clip_by_norm, (1.0,)),
+    (ops.clip_by_average_norm, (1.0,)),
+    (ops.clip_by_value, (-1.0, 1.0)),
+  ):
     if isinstance(bad, (complex, bool)):
       continue
     with pytest.raises(TypeError, match=r"\['bad'\]"):
@@ -184,9 +193,12 @@ def test_ops_refuse_bad_leaves_and_a_use_norm_that_is_no_real_scalar(shape, bad)
 @pytest.mark.parametrize("method", ["vmap", "ghost"])
 def test_a_loss_that_is_no_real_scalar_is_refused_under_both_methods(method):
   params, x = {"w": jnp.ones(3)}, jnp.ones((4, 3))
-  losses = {"float32[3]": lambda p, x: p["w"] * x,
-            "int32[]": lambda p, x: jnp.sum(p["w"] * x).astype(jnp.int32)}
+  losses = {
+    "float32[3]": lambda p, x: p["w"] * x,
+    "int32[]": lambda p, x: jnp.sum(p["w"] * x).astype(jnp.int32),
+  }
   for shown, loss in losses.items():
-    with pytest.raises(ValueError, match=r"loss_fn to return a real scalar.*" +
-                       __import__("re").escape(shown)):
+    with pytest.raises(
+      ValueError, match=r"loss_fn to return a real scalar.*" + __import__("re").escape(shown)
+    ):
       jaxclip.per_example_clipped_grad(loss, 1.0, batch_argnums=1, method=method)(params, x)

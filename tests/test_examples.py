@@ -38,15 +38,29 @@ def test_exploding_gradients_tiny_run(tmp_path, capsys):
   assert "sgd: success = final loss < 0.05 on k of 3 seeds" in printed
   header = next(line for line in printed.splitlines() if line.startswith("method"))
   assert header.split() == [
-    "method", "success", "final", "loss", "IQR", "non-finite", "clipped", "median", "norm"
+    "method",
+    "success",
+    "final",
+    "loss",
+    "IQR",
+    "non-finite",
+    "clipped",
+    "median",
+    "norm",
   ]
   assert list(results) == ["sgd"]
   histories = results["sgd"]
   names = list(histories)
   assert names == list(example.methods())
   assert names[0] == "no clipping"
-  for prefix in ("clip_by_value", "clip_by_norm", "clip_by_global_norm", "autoclip", "zclip",
-                 "skip_on_spike"):
+  for prefix in (
+    "clip_by_value",
+    "clip_by_norm",
+    "clip_by_global_norm",
+    "autoclip",
+    "zclip",
+    "skip_on_spike",
+  ):
     assert any(n.startswith(prefix) for n in names), prefix
   # One table row per method: name, k/3 successes, median, IQR, non-finite, clipped, norm.
   rows = [line for line in printed.splitlines() if "/3 " in line]
@@ -144,12 +158,26 @@ def test_clipping_study_tiny_run(tmp_path):
   # In a fresh process: the tiny study is compile-bound (33 training loops), and XLA
   # compiles about twice as fast without its backend optimisations.
   path = [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]
-  env = {**os.environ, "PYTHONPATH": os.pathsep.join(path),
-         "XLA_FLAGS": "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"}
+  env = {
+    **os.environ,
+    "PYTHONPATH": os.pathsep.join(path),
+    "XLA_FLAGS": "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true",
+  }
   done = subprocess.run(
-    [sys.executable, str(ROOT / "examples" / "clipping_study.py"), "--tiny", "--seeds", "2",
-     "--out", str(tmp_path)],
-    env=env, capture_output=True, text=True, timeout=600, check=False,
+    [
+      sys.executable,
+      str(ROOT / "examples" / "clipping_study.py"),
+      "--tiny",
+      "--seeds",
+      "2",
+      "--out",
+      str(tmp_path),
+    ],
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=600,
+    check=False,
   )
   assert done.returncode == 0, done.stderr[-3000:]
   assert "wall time" in done.stdout
@@ -238,8 +266,16 @@ def test_dp_sgd_without_noise_or_clipping_is_the_plain_run():
   # so with the same initialisation, batches and optimizer it retraces the plain run.
   example = load("dp_sgd")
   pytest.importorskip("scipy")
-  config = example.Config(steps=20, train_size=256, test_size=64, hidden=8, batch=32, chunk=20,
-                          noise_multiplier=0.0, initial_clip=1e6)
+  config = example.Config(
+    steps=20,
+    train_size=256,
+    test_size=64,
+    hidden=8,
+    batch=32,
+    chunk=20,
+    noise_multiplier=0.0,
+    initial_clip=1e6,
+  )
   plain, _ = example.train(config, private=False)
   dp, _ = example.train(config, private=True)
   assert np.all(dp.clipped == 0) and np.all(dp.clip_norm > 1e5)

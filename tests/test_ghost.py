@@ -44,9 +44,11 @@ def _compare(loss_fn, params, *args, rtol=2e-5, atol=1e-6, **kwargs):
   norms = vmap(params, *args)[2]
   clip = float(np.median(np.asarray(norms)))
   ref = jax.jit(jaxclip.per_example_clipped_grad(loss_fn, clip, return_norms=True, **kwargs))(
-      params, *args)
-  got = jax.jit(jaxclip.per_example_clipped_grad(
-      loss_fn, clip, method="ghost", return_norms=True, **kwargs))(params, *args)
+    params, *args
+  )
+  got = jax.jit(
+    jaxclip.per_example_clipped_grad(loss_fn, clip, method="ghost", return_norms=True, **kwargs)
+  )(params, *args)
   n = norms.shape[0]
   assert 0 < int(ref[1]) < n, (int(ref[1]), n)  # some clipped, some not
   assert int(got[1]) == int(ref[1])
@@ -55,15 +57,17 @@ def _compare(loss_fn, params, *args, rtol=2e-5, atol=1e-6, **kwargs):
   for a, e in zip(jax.tree.leaves(got[0]), jax.tree.leaves(ref[0]), strict=True):
     assert a.shape == e.shape and a.dtype == e.dtype
     scale = float(np.max(np.abs(np.asarray(e, np.float32)))) or 1.0
-    np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(e, np.float32),
-                               rtol=rtol, atol=atol + rtol * scale)
+    np.testing.assert_allclose(
+      np.asarray(a, np.float32), np.asarray(e, np.float32), rtol=rtol, atol=atol + rtol * scale
+    )
   return got, ref
 
 
 def _plan(loss_fn, params, *example):
   leaves, tree = jax.tree.flatten(params)
   closed = jax.make_jaxpr(lambda ls, *xs: loss_fn(jax.tree.unflatten(tree, ls), *xs))(
-      leaves, *example)
+    leaves, *example
+  )
   infos = _ghost.input_infos([x.ndim for x in leaves], [True] * len(example))
   sites = _ghost.analyze(closed, infos)
   return _ghost.make_plan(sites, len(leaves))
@@ -90,9 +94,18 @@ def _gpt_params(seed=0):
   n = lambda *s: 0.3 * jax.random.normal(next(ks), s)
   p = {"wte": n(V, D), "wpe": n(T, D), "lnf_s": 1 + n(D), "lnf_b": n(D)}
   for i in range(L):
-    p[f"{i}"] = {"ln1_s": 1 + n(D), "ln1_b": n(D), "qkv": n(D, 3 * D), "qkv_b": n(3 * D),
-                 "proj": n(D, D), "ln2_s": 1 + n(D), "ln2_b": n(D), "fc": n(D, 4 * D),
-                 "fc_b": n(4 * D), "out": n(4 * D, D)}
+    p[f"{i}"] = {
+      "ln1_s": 1 + n(D),
+      "ln1_b": n(D),
+      "qkv": n(D, 3 * D),
+      "qkv_b": n(3 * D),
+      "proj": n(D, D),
+      "ln2_s": 1 + n(D),
+      "ln2_b": n(D),
+      "fc": n(D, 4 * D),
+      "fc_b": n(4 * D),
+      "out": n(4 * D, D),
+    }
   return p
 
 
@@ -110,8 +123,9 @@ def gpt_loss(p, tokens):
   mask = jnp.tril(jnp.ones((t, t), bool))
   for i in range(L):
     b = p[f"{i}"]
-    q, k, v = jnp.split((_ln(h, b["ln1_s"], b["ln1_b"]) @ b["qkv"] + b["qkv_b"])
-                        .reshape(t, 3, H, D // H), 3, axis=1)
+    q, k, v = jnp.split(
+      (_ln(h, b["ln1_s"], b["ln1_b"]) @ b["qkv"] + b["qkv_b"]).reshape(t, 3, H, D // H), 3, axis=1
+    )
     att = jnp.einsum("thd,shd->hts", q[:, 0], k[:, 0]) / np.sqrt(D // H)
     att = jax.nn.softmax(jnp.where(mask, att, -1e9), axis=-1)
     h = h + jnp.einsum("hts,shd->thd", att, v[:, 0]).reshape(t, D) @ b["proj"]
@@ -172,7 +186,6 @@ def test_gpt_with_microbatches_padding_and_aux():
 
 
 class _NnxModel(nnx.Module):
-
   def __init__(self, rngs):
     self.embed = nnx.Embed(V, D, rngs=rngs)
     self.norm = nnx.LayerNorm(D, rngs=rngs)
@@ -201,8 +214,11 @@ def test_flax_nnx_model_matches_vmap():
 
 def test_equinox_conv_model_matches_vmap():
   k1, k2, k3 = jax.random.split(jax.random.key(4), 3)
-  model = [eqx.nn.Conv2d(2, 4, 3, padding=1, key=k1), eqx.nn.Conv2d(4, 4, 3, key=k2),
-           eqx.nn.Linear(4 * 6 * 6, 3, key=k3)]
+  model = [
+    eqx.nn.Conv2d(2, 4, 3, padding=1, key=k1),
+    eqx.nn.Conv2d(4, 4, 3, key=k2),
+    eqx.nn.Linear(4 * 6 * 6, 3, key=k3),
+  ]
   params, static = eqx.partition(model, eqx.is_inexact_array)
 
   def loss(params, image, label):
@@ -219,7 +235,6 @@ def test_flax_linen_model_with_remat_mixed_precision_and_dropout_keys():
   import flax.linen as linen
 
   class Block(linen.Module):
-
     @linen.compact
     def __call__(self, x, key):
       h = linen.LayerNorm()(x)
@@ -237,8 +252,9 @@ def test_flax_linen_model_with_remat_mixed_precision_and_dropout_keys():
     return -jax.nn.log_softmax(model.apply({"params": params}, xb, key).mean(0))[label]
 
   labels = jnp.arange(12) % 3
-  _compare(loss, variables["params"], x, keys, labels, batch_argnums=(1, 2, 3), rtol=2e-2,
-           atol=1e-3)
+  _compare(
+    loss, variables["params"], x, keys, labels, batch_argnums=(1, 2, 3), rtol=2e-2, atol=1e-3
+  )
   plan = _plan(loss, variables["params"], x[0], keys[0], labels[0])
   assert sorted(r for _, _, r in plan.ghost) == ["dot", "dot"]
 
@@ -270,9 +286,11 @@ def test_dot_rule_with_the_parameter_on_the_left_and_batch_dims():
 @pytest.mark.parametrize("rows", [5, 300])  # few rows: the table instantiated; many: ghost
 def test_embedding_lookup_with_repeated_and_out_of_range_ids(lookup, rows):
   table = jax.random.normal(jax.random.key(0), (rows, 3))
-  look = {"index": lambda e, i: e[i],
-          "take_fill": lambda e, i: jnp.take(e, i, axis=0),  # out of range: fill, no gradient
-          "clip": lambda e, i: e.at[i].get(mode="clip")}[lookup]
+  look = {
+    "index": lambda e, i: e[i],
+    "take_fill": lambda e, i: jnp.take(e, i, axis=0),  # out of range: fill, no gradient
+    "clip": lambda e, i: e.at[i].get(mode="clip"),
+  }[lookup]
   loss = lambda e, ids: jnp.sum(jnp.cos(look(e, ids)) * jnp.arange(3.0))
   hi = rows + 2  # out of range: E[ids] reads the clamped row, but JAX drops its gradient
   ids = jax.random.randint(jax.random.key(2), (12, 9), 0, hi)
@@ -283,8 +301,12 @@ def test_embedding_lookup_with_repeated_and_out_of_range_ids(lookup, rows):
 
 def test_weight_sharing_custom_jvp_scan_and_param_only_terms_are_exact():
   ks = jax.random.split(jax.random.key(0), 4)
-  params = {"w": jax.random.normal(ks[0], (4, 4)), "stack": jax.random.normal(ks[1], (3, 4, 4)),
-            "s": jax.random.normal(ks[2], (4,)), "unused": jnp.ones(2)}
+  params = {
+    "w": jax.random.normal(ks[0], (4, 4)),
+    "stack": jax.random.normal(ks[1], (3, 4, 4)),
+    "s": jax.random.normal(ks[2], (4,)),
+    "unused": jnp.ones(2),
+  }
 
   @jax.custom_jvp
   def scaled(x, s):
@@ -296,21 +318,30 @@ def test_weight_sharing_custom_jvp_scan_and_param_only_terms_are_exact():
     h = jnp.tanh(x @ p["w"]) @ p["w"]  # the same weight twice
     h, _ = jax.lax.scan(lambda c, w: (jnp.tanh(c @ w), None), h, p["stack"])
     h = scaled(h, p["s"])
-    return jnp.sum(h ** 2) + 0.1 * jnp.sum(p["w"] ** 2) + jnp.sum(p["s"])  # param-only terms
+    return jnp.sum(h**2) + 0.1 * jnp.sum(p["w"] ** 2) + jnp.sum(p["s"])  # param-only terms
 
   xs = jax.random.normal(ks[3], (10, 4))
   got, _ = _compare(loss, params, xs)
   assert not np.any(np.asarray(got[0]["unused"]))
   plan = jaxclip.ghost_plan(loss, params, xs, batch_argnums=1)
-  assert plan.rules == {"['s']": "instantiate", "['stack']": "dot", "['unused']": "unused",
-                        "['w']": "instantiate"}  # the stack: the dot rule in each iteration
+  assert plan.rules == {
+    "['s']": "instantiate",
+    "['stack']": "dot",
+    "['unused']": "unused",
+    "['w']": "instantiate",
+  }  # the stack: the dot rule in each iteration
 
 
 def test_plain_scan_over_stacked_layers_gets_the_rules_per_iteration():
   ks = jax.random.split(jax.random.key(0), 6)
   n = lambda k, *s: 0.5 * jax.random.normal(k, s)
-  params = {"w": n(ks[0], 3, 4, 4), "b": n(ks[1], 3, 4), "table": n(ks[2], 3, 9, 4),
-            "shared": n(ks[3], 4, 4), "head": n(ks[4], 2, 4, 4)}
+  params = {
+    "w": n(ks[0], 3, 4, 4),
+    "b": n(ks[1], 3, 4),
+    "table": n(ks[2], 3, 9, 4),
+    "shared": n(ks[3], 4, 4),
+    "head": n(ks[4], 2, 4, 4),
+  }
 
   def loss(p, x, ids):
     def step(carry, layer):
@@ -320,31 +351,35 @@ def test_plain_scan_over_stacked_layers_gets_the_rules_per_iteration():
 
     (h, _), ys = jax.lax.scan(step, (x, 0), {k: p[k] for k in ("w", "b", "table")})
     h, _ = jax.lax.scan(lambda h, w: (jnp.sin(h @ w), None), h, p["head"], reverse=True)
-    return jnp.sum(h ** 2) + jnp.sum(ys * jnp.arange(3.0))
+    return jnp.sum(h**2) + jnp.sum(ys * jnp.arange(3.0))
 
   xs = jax.random.normal(ks[5], (10, 5, 4))
   ids = jax.random.randint(ks[5], (10, 5), 0, 9).at[:, 1].set(2)
   _compare(loss, params, xs, ids, batch_argnums=(1, 2))
   plan = jaxclip.ghost_plan(loss, params, xs, ids, batch_argnums=(1, 2))
-  assert plan.rules == {"['b']": "instantiate", "['head']": "dot", "['shared']": "instantiate",
-                        "['table']": "lookup", "['w']": "dot"}
+  assert plan.rules == {
+    "['b']": "instantiate",
+    "['head']": "dot",
+    "['shared']": "instantiate",
+    "['table']": "lookup",
+    "['w']": "dot",
+  }
 
 
 def test_flax_linen_scan_over_remat_blocks_gets_the_dot_rule_per_layer():
   import flax.linen as linen
 
   class Block(linen.Module):
-
     @linen.compact
     def __call__(self, h, _):
       return h + linen.Dense(6)(jnp.tanh(linen.LayerNorm()(h))), None
 
   class Model(linen.Module):
-
     @linen.compact
     def __call__(self, x):
-      stack = linen.scan(linen.remat(Block), variable_axes={"params": 0},
-                         split_rngs={"params": True}, length=3)
+      stack = linen.scan(
+        linen.remat(Block), variable_axes={"params": 0}, split_rngs={"params": True}, length=3
+      )
       h, _ = stack()(linen.Dense(6)(x), None)
       return jnp.sum(linen.Dense(2)(h) ** 2)
 
@@ -362,9 +397,11 @@ def test_conv_rule_with_stride_padding_dilation_and_feature_groups():
   import flax.linen as linen
 
   ks = jax.random.split(jax.random.key(0), 6)
-  convs = [eqx.nn.Conv2d(4, 6, 3, stride=2, padding=1, groups=2, key=ks[0]),  # kernel gradient
-           eqx.nn.Conv2d(6, 8, (3, 2), dilation=(2, 1), padding=((2, 1), (0, 1)), key=ks[1]),
-           eqx.nn.Conv2d(8, 8, 3, stride=2, key=ks[2])]  # 4 positions: the Gram form
+  convs = [
+    eqx.nn.Conv2d(4, 6, 3, stride=2, padding=1, groups=2, key=ks[0]),  # kernel gradient
+    eqx.nn.Conv2d(6, 8, (3, 2), dilation=(2, 1), padding=((2, 1), (0, 1)), key=ks[1]),
+    eqx.nn.Conv2d(8, 8, 3, stride=2, key=ks[2]),
+  ]  # 4 positions: the Gram form
   params, static = eqx.partition(convs, eqx.is_inexact_array)
 
   def loss(p, image):
@@ -379,13 +416,13 @@ def test_conv_rule_with_stride_padding_dilation_and_feature_groups():
   assert [leaf.rule for leaf in plan.leaves] == ["conv", "instantiate"] * 3
 
   class Net(linen.Module):  # NHWC, "SAME" padding, kernel dilation, depthwise-style groups
-
     @linen.compact
     def __call__(self, x):
       x = linen.GroupNorm(num_groups=2)(linen.Conv(8, (3, 3), strides=2, padding="SAME")(x))
       x = linen.Conv(8, (3, 3), feature_group_count=4, kernel_dilation=2, padding="VALID")(
-          jax.nn.relu(x))
-      return jnp.sum(x ** 2)
+        jax.nn.relu(x)
+      )
+      return jnp.sum(x**2)
 
   net = Net()
   xs = jax.random.normal(ks[4], (8, 12, 12, 4))
@@ -398,9 +435,11 @@ def test_conv_rule_with_stride_padding_dilation_and_feature_groups():
 
 def test_static_disjoint_slices_of_a_stacked_weight_add():
   ks = jax.random.split(jax.random.key(0), 4)
-  params = {"stack": 0.5 * jax.random.normal(ks[0], (3, 4, 4)),
-            "halves": jax.random.normal(ks[1], (4, 6)),
-            "overlap": jax.random.normal(ks[2], (3, 4))}
+  params = {
+    "stack": 0.5 * jax.random.normal(ks[0], (3, 4, 4)),
+    "halves": jax.random.normal(ks[1], (4, 6)),
+    "overlap": jax.random.normal(ks[2], (3, 4)),
+  }
 
   def loss(p, x):
     for layer in range(3):  # a Python loop over W[l]
@@ -443,7 +482,7 @@ def test_whole_loss_falls_back_where_vmap_costs_less(monkeypatch):
 
 
 def test_loss_that_depends_on_the_parameters_only_for_some_examples():
-  loss = lambda w, x: jnp.where(x[0] > 0, jnp.sum(w ** 2), jnp.sum(w * x))
+  loss = lambda w, x: jnp.where(x[0] > 0, jnp.sum(w**2), jnp.sum(w * x))
   w = jnp.arange(3.0)
   xs = jax.random.normal(jax.random.key(3), (12, 3))
   _compare(loss, w, xs)
@@ -455,11 +494,12 @@ def test_shared_argument_keep_batch_dim_and_traced_clip():
   args = (jnp.float32(0.7), x, y)
   ref = jaxclip.per_example_clipped_grad(loss, 20.0, batch_argnums=(2, 3), keep_batch_dim=True)
   fn = lambda c: jaxclip.per_example_clipped_grad(
-      loss, c, batch_argnums=(2, 3), keep_batch_dim=True, method="ghost", return_norms=True)
+    loss, c, batch_argnums=(2, 3), keep_batch_dim=True, method="ghost", return_norms=True
+  )
   got = jax.jit(lambda c, *a: fn(c)(*a))(20.0, params, *args)
   want = ref(params, *args)
   assert 0 < int(want[1]) < 12 and int(got[1]) == int(want[1])
-  for a, e in zip(jax.tree.leaves(got[0]), jax.tree.leaves(want[0])):
+  for a, e in zip(jax.tree.leaves(got[0]), jax.tree.leaves(want[0]), strict=True):
     np.testing.assert_allclose(a, e, rtol=2e-5, atol=1e-5)
 
 
@@ -471,7 +511,8 @@ def test_bfloat16_parameters_keep_their_dtype():
   # Nothing clipped: ghost's sum is the non-private gradient's, bit for bit (vmap's is not).
   want = jax.grad(lambda p: jnp.sum(jax.vmap(mlp_loss, (None, 0, 0))(p, x, y)))(params)
   got = jaxclip.per_example_clipped_grad(mlp_loss, 1e6, method="ghost", batch_argnums=(1, 2))(
-      params, x, y)[0]
+    params, x, y
+  )[0]
   for a, e in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
     np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(e, np.float32))
 
@@ -490,8 +531,9 @@ def test_return_norms_are_the_pre_clip_norms_in_batch_order():
   want = jax.vmap(jaxclip.ops.global_norm)(grads)
   for method in ("vmap", "ghost"):
     for mb in (None, 4):
-      out = jaxclip.per_example_clipped_grad(mlp_loss, 1.0, batch_argnums=(1, 2), method=method,
-                                             microbatch_size=mb, return_norms=True)(params, x, y)
+      out = jaxclip.per_example_clipped_grad(
+        mlp_loss, 1.0, batch_argnums=(1, 2), method=method, microbatch_size=mb, return_norms=True
+      )(params, x, y)
       np.testing.assert_allclose(out[2], want, rtol=1e-5)
 
 
@@ -499,8 +541,9 @@ def test_non_finite_example_shows_in_the_sum_as_with_vmap():
   params, x, y = mlp_problem(batch=6, seed=7)
   x = x.at[2, 0].set(jnp.nan)
   for method in ("vmap", "ghost"):
-    total, _ = jaxclip.per_example_clipped_grad(mlp_loss, 1.0, batch_argnums=(1, 2),
-                                                method=method)(params, x, y)
+    total, _ = jaxclip.per_example_clipped_grad(mlp_loss, 1.0, batch_argnums=(1, 2), method=method)(
+      params, x, y
+    )
     assert all(np.isnan(np.asarray(t)).any() for t in jax.tree.leaves(total)), method
 
 
@@ -530,8 +573,9 @@ def test_bad_method_and_complex_parameters_are_refused():
 @pytest.mark.parametrize("platform", ["cuda", "tpu"])
 def test_ghost_lowers_for_gpu_and_tpu_without_cpu_workarounds(platform):
   params, tokens = _gpt_params(), _tokens(12)
-  fn = jaxclip.per_example_clipped_grad(gpt_loss, 1.0, microbatch_size=8, method="ghost",
-                                        return_norms=True)
+  fn = jaxclip.per_example_clipped_grad(
+    gpt_loss, 1.0, microbatch_size=8, method="ghost", return_norms=True
+  )
   text = jax.export.export(jax.jit(fn), platforms=(platform,))(params, tokens).mlir_module()
   assert "stablehlo.optimization_barrier" not in text
   assert "stablehlo.dot_general" in text
@@ -544,8 +588,9 @@ def test_ghost_plan_names_each_leaf_rule_reason_and_floats():
   assert [leaf.path for leaf in plan.leaves] == paths
   rules = plan.rules
   assert rules["['wte']"] == "tied"
-  assert all(rules[f"['{i}']['{n}']"] == "dot" for i in range(L)
-             for n in ("qkv", "proj", "fc", "out"))
+  assert all(
+    rules[f"['{i}']['{n}']"] == "dot" for i in range(L) for n in ("qkv", "proj", "fc", "out")
+  )
   leaf = plan.leaves[paths.index("['0']['ln1_s']")]
   assert (leaf.rule, leaf.floats, leaf.shape) == ("instantiate", D, (D,))
   assert "mul" in leaf.reason
@@ -558,8 +603,14 @@ def test_ghost_plan_names_each_leaf_rule_reason_and_floats():
   assert "['0']['qkv']" in text and "instantiated" in text.splitlines()[-1]
   # Unused leaves, keep_batch_dim and has_aux are taken as per_example_clipped_grad takes them.
   loss = lambda p, x: (jnp.sum(x[0] @ p["w"]), x)
-  plan = jaxclip.ghost_plan(loss, {"w": jnp.ones((3, 2)), "v": jnp.ones(4)}, jnp.ones((5, 3)),
-                            batch_argnums=1, keep_batch_dim=True, has_aux=True)
+  plan = jaxclip.ghost_plan(
+    loss,
+    {"w": jnp.ones((3, 2)), "v": jnp.ones(4)},
+    jnp.ones((5, 3)),
+    batch_argnums=1,
+    keep_batch_dim=True,
+    has_aux=True,
+  )
   assert plan.rules == {"['v']": "unused", "['w']": "dot"} and plan.fallback_share == 0
 
 
@@ -570,17 +621,20 @@ def test_static_shared_arguments_and_a_loss_that_ignores_the_batch_as_with_vmap(
 
   w = jax.random.normal(jax.random.key(0), (3, 2))
   xs = jax.random.normal(jax.random.key(1), (6, 3))
-  fns = {m: jaxclip.per_example_clipped_grad(loss, 1.0, method=m, return_norms=True,
-                                              batch_argnums=3) for m in ("vmap", "ghost")}
+  fns = {
+    m: jaxclip.per_example_clipped_grad(loss, 1.0, method=m, return_norms=True, batch_argnums=3)
+    for m in ("vmap", "ghost")
+  }
   ref, got = (fns[m](w, True, "tanh", xs) for m in ("vmap", "ghost"))  # not jitted: str args
   np.testing.assert_allclose(got[2], ref[2], rtol=1e-5)
   np.testing.assert_allclose(got[0], ref[0], rtol=1e-5, atol=1e-6)
   assert int(got[1]) == int(ref[1]) > 0
   # A loss without the example: every example has the same gradient.
-  ignore = lambda w, x: jnp.sum(w ** 2)
+  ignore = lambda w, x: jnp.sum(w**2)
   for method in ("vmap", "ghost"):
     total, count, norms = jaxclip.per_example_clipped_grad(
-        ignore, 1.0, method=method, return_norms=True, batch_argnums=1)(w, xs)
+      ignore, 1.0, method=method, return_norms=True, batch_argnums=1
+    )(w, xs)
     np.testing.assert_allclose(norms, np.full(6, 2 * np.linalg.norm(w)), rtol=1e-6)
     np.testing.assert_allclose(total, 6 * 2 * w / norms[0], rtol=1e-5)
     assert int(count) == 6
@@ -610,18 +664,22 @@ def md_ghost_in_shard_map():
   mesh = jax.make_mesh((N_DEVICES,), ("data",))
   for microbatch_size in (None, 3):
     for check_vma in (True, False):
-      local = jaxclip.per_example_clipped_grad(gpt_loss, clip, microbatch_size=microbatch_size,
-                                               axis_name="data", method="ghost")
+      local = jaxclip.per_example_clipped_grad(
+        gpt_loss, clip, microbatch_size=microbatch_size, axis_name="data", method="ghost"
+      )
       with jax.set_mesh(mesh):
         xs = jax.device_put(tokens, NamedSharding(mesh, P("data")))
-        out = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P(), P("data")),
-                                    out_specs=(P(), P()), check_vma=check_vma))(params, xs)
+        out = jax.jit(
+          jax.shard_map(
+            local, mesh=mesh, in_specs=(P(), P("data")), out_specs=(P(), P()), check_vma=check_vma
+          )
+        )(params, xs)
       _check(out, ref)
 
 
 def _scan_loss(p, x):
   h, _ = jax.lax.scan(lambda h, lw: (jnp.tanh(h @ lw["w"] + lw["b"]), None), x, p)
-  return jnp.sum(h ** 2)
+  return jnp.sum(h**2)
 
 
 def md_ghost_scan_over_layers_in_shard_map():
@@ -634,12 +692,14 @@ def md_ghost_scan_over_layers_in_shard_map():
   ref = jaxclip.per_example_clipped_grad(_scan_loss, clip)(params, xs)
   mesh = jax.make_mesh((N_DEVICES,), ("data",))
   for microbatch_size in (None, 1):
-    local = jaxclip.per_example_clipped_grad(_scan_loss, clip, microbatch_size=microbatch_size,
-                                             axis_name="data", method="ghost")
+    local = jaxclip.per_example_clipped_grad(
+      _scan_loss, clip, microbatch_size=microbatch_size, axis_name="data", method="ghost"
+    )
     with jax.set_mesh(mesh):
       sharded = jax.device_put(xs, NamedSharding(mesh, P("data")))
-      out = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P(), P("data")),
-                                  out_specs=(P(), P())))(params, sharded)
+      out = jax.jit(
+        jax.shard_map(local, mesh=mesh, in_specs=(P(), P("data")), out_specs=(P(), P()))
+      )(params, sharded)
     _check(out, ref)
 
 
@@ -650,8 +710,13 @@ def _spmd(axis_type, loss, params, batch, ref, clip):
     ps = jax.device_put(params, NamedSharding(mesh, P()))
     for microbatch_size in (None, 16, 24):  # 24: a padded last chunk
       fn = jaxclip.per_example_clipped_grad(
-          loss, clip, microbatch_size=microbatch_size, batch_argnums=tuple(range(1, len(xs) + 1)),
-          spmd_axis_name="data", method="ghost")
+        loss,
+        clip,
+        microbatch_size=microbatch_size,
+        batch_argnums=tuple(range(1, len(xs) + 1)),
+        spmd_axis_name="data",
+        method="ghost",
+      )
       compiled = jax.jit(fn).lower(ps, *xs).compile()
       _check(compiled(ps, *xs), ref)
       assert "all-gather" not in compiled.as_text(), (axis_type, microbatch_size)

@@ -49,18 +49,33 @@ BATCH = 8
 # their leaves must get; the first pattern that matches a path decides.
 _NORMS_AND_BIASES = (r"\['(scale|bias)'\]|norm\d?\.(weight|bias)|\.bias$", "instantiate")
 EXPECTED = {
-    "linen_scan_gpt": [(r"\['Embed_0'\]\['embedding'\]", "tied"),  # lookup + Embed.attend head
-                       (r"\['pos'\]", "instantiate"),  # added to the embeddings, as a bias
-                       _NORMS_AND_BIASES,
-                       (r"\['kernel'\]", "dot")],  # Dense and attention kernels, in the scan
-    "linen_resnet": [(r"Conv_\d\'\]\['kernel'\]", "conv"), _NORMS_AND_BIASES,
-                     (r"\['Dense_0'\]\['kernel'\]", "dot")],
-    "nnx_llama": [(r"\['embed'\]\['embedding'\]", "lookup"), _NORMS_AND_BIASES,
-                  (r"\['kernel'\]", "dot")],  # the head, and the blocks' Linears in the scan
-    "eqx_vit": [(r"^\.patch\.weight$", "conv"), (r"^\.pos$", "instantiate"), _NORMS_AND_BIASES,
-                (r"(_proj|fc\d|head)\.weight$", "dot")],
-    "jax_scan_mlp": [(r"\['embed'\]", "lookup"), (r"\['(scale|b_in)'\]", "instantiate"),
-                     (r"\['(w_in|w_out|head)'\]", "dot")],
+  "linen_scan_gpt": [
+    (r"\['Embed_0'\]\['embedding'\]", "tied"),  # lookup + Embed.attend head
+    (r"\['pos'\]", "instantiate"),  # added to the embeddings, as a bias
+    _NORMS_AND_BIASES,
+    (r"\['kernel'\]", "dot"),
+  ],  # Dense and attention kernels, in the scan
+  "linen_resnet": [
+    (r"Conv_\d\'\]\['kernel'\]", "conv"),
+    _NORMS_AND_BIASES,
+    (r"\['Dense_0'\]\['kernel'\]", "dot"),
+  ],
+  "nnx_llama": [
+    (r"\['embed'\]\['embedding'\]", "lookup"),
+    _NORMS_AND_BIASES,
+    (r"\['kernel'\]", "dot"),
+  ],  # the head, and the blocks' Linears in the scan
+  "eqx_vit": [
+    (r"^\.patch\.weight$", "conv"),
+    (r"^\.pos$", "instantiate"),
+    _NORMS_AND_BIASES,
+    (r"(_proj|fc\d|head)\.weight$", "dot"),
+  ],
+  "jax_scan_mlp": [
+    (r"\['embed'\]", "lookup"),
+    (r"\['(scale|b_in)'\]", "instantiate"),
+    (r"\['(w_in|w_out|head)'\]", "dot"),
+  ],
 }
 EXPECTED["jax_loop_mlp"] = EXPECTED["jax_scan_mlp"]  # disjoint static slices: the rules add
 MAX_FALLBACK_SHARE = 0.10
@@ -84,9 +99,12 @@ def _expected_rules(name: str, params) -> dict[str, str]:
 
 def _clipped_grad_fn(model: _zoo.Model, method: str):
   """``f(clip, params, x, y)``, compiled once: the clip is traced."""
+
   def fn(clip, params, x, y):
-    return jaxclip.per_example_clipped_grad(model.loss_fn, clip, batch_argnums=(1, 2),
-                                            method=method, return_norms=True)(params, x, y)
+    return jaxclip.per_example_clipped_grad(
+      model.loss_fn, clip, batch_argnums=(1, 2), method=method, return_norms=True
+    )(params, x, y)
+
   x, y = model.make_batch(BATCH, 1)
   # Tests are compile-bound: XLA's backend optimisations do not change the results.
   return jax.jit(fn).lower(1.0, model.params, x, y).compile(_zoo.CHEAP_COMPILE)
@@ -111,8 +129,9 @@ def test_ghost_equals_vmap_on_the_zoo_model(name, ghost_rules_only):
   scale = max(float(np.max(np.abs(np.asarray(e)))) for e in jax.tree.leaves(ref[0]))
   for path, a, e in zip(paths, jax.tree.leaves(got[0]), jax.tree.leaves(ref[0]), strict=True):
     assert a.shape == e.shape and a.dtype == e.dtype, path
-    np.testing.assert_allclose(np.asarray(a), np.asarray(e), rtol=1e-4, atol=1e-5 * scale,
-                               err_msg=path)
+    np.testing.assert_allclose(
+      np.asarray(a), np.asarray(e), rtol=1e-4, atol=1e-5 * scale, err_msg=path
+    )
 
 
 @pytest.mark.parametrize("size", _zoo.SIZES)
@@ -124,15 +143,17 @@ def test_every_leaf_gets_the_rule_the_issue_asks_for(name, size, ghost_rules_onl
   want = _expected_rules(name, model.params)
   assert [leaf.path for leaf in plan.leaves] == list(want)
   wrong = {p: (plan.rules[p], want[p]) for p in want if plan.rules[p] != want[p]}
-  assert not wrong, (f"{name} ({size}): leaves with another rule than asked for, "
-                     f"path: (got, want):\n" + "\n".join(f"  {p}: {r}" for p, r in wrong.items())
-                     + f"\n{plan}")
+  assert not wrong, (
+    f"{name} ({size}): leaves with another rule than asked for, "
+    f"path: (got, want):\n" + "\n".join(f"  {p}: {r}" for p, r in wrong.items()) + f"\n{plan}"
+  )
   sizes = [leaf.size for leaf in jax.tree.leaves(model.params)]
   assert [leaf.floats for leaf in plan.leaves] == sizes
   for leaf in plan.leaves:
     assert (leaf.reason is None) == (leaf.rule != "instantiate"), leaf
-  fallback = sum(n for leaf, n in zip(plan.leaves, sizes, strict=True)
-                 if leaf.rule == "instantiate")
+  fallback = sum(
+    n for leaf, n in zip(plan.leaves, sizes, strict=True) if leaf.rule == "instantiate"
+  )
   assert plan.fallback_share == pytest.approx(fallback / sum(sizes))
   text = str(plan)
   assert all(leaf.path in text for leaf in plan.leaves), text
@@ -158,20 +179,40 @@ def test_zoo_benchmark_quick_run_writes_its_table(tmp_path):
   from benchmarks import _ghost_zoo
 
   root = Path(__file__).resolve().parents[1]
-  env = {**os.environ,
-         "PYTHONPATH": os.pathsep.join([str(root), *filter(None, [os.environ.get("PYTHONPATH")])]),
-         "XLA_FLAGS": "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"}
-  done = subprocess.run([sys.executable, "-m", "benchmarks.ghost", "--zoo", "--quick", "--models",
-                         "jax_scan_mlp", "--out", str(tmp_path)], cwd=root, env=env,
-                        capture_output=True, text=True, timeout=300, check=False)
+  env = {
+    **os.environ,
+    "PYTHONPATH": os.pathsep.join([str(root), *filter(None, [os.environ.get("PYTHONPATH")])]),
+    "XLA_FLAGS": "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true",
+  }
+  done = subprocess.run(
+    [
+      sys.executable,
+      "-m",
+      "benchmarks.ghost",
+      "--zoo",
+      "--quick",
+      "--models",
+      "jax_scan_mlp",
+      "--out",
+      str(tmp_path),
+    ],
+    cwd=root,
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=300,
+    check=False,
+  )
   assert done.returncode == 0, done.stderr[-3000:]
   text = (tmp_path / "ghost_zoo.md").read_text()
   assert "- machine: " in text and f"jax {jax.__version__}" in text and "load average" in text
   lines = [line for line in text.splitlines() if line.startswith("| ")]
   header = [c.strip() for c in lines[0].strip("|").split("|")]
   assert header == _ghost_zoo.HEADER
-  rows = [dict(zip(header, (c.strip() for c in line.strip("|").split("|")), strict=True))
-          for line in lines[1:]]
+  rows = [
+    dict(zip(header, (c.strip() for c in line.strip("|").split("|")), strict=True))
+    for line in lines[1:]
+  ]
   assert [(r["model"], int(r["B"])) for r in rows] == [("jax_scan_mlp", 4)]
   for c in header[3:12]:
     assert float(rows[0][c]) > 0, (c, rows[0])
@@ -189,9 +230,15 @@ def test_ghost_equals_vmap_in_padded_microbatches_through_a_scan(ghost_rules_onl
 
   def fn(method):
     def clipped(clip, params, x, y):
-      return jaxclip.per_example_clipped_grad(model.loss_fn, clip, batch_argnums=(1, 2),
-                                              method=method, microbatch_size=3,
-                                              return_norms=True)(params, x, y)
+      return jaxclip.per_example_clipped_grad(
+        model.loss_fn,
+        clip,
+        batch_argnums=(1, 2),
+        method=method,
+        microbatch_size=3,
+        return_norms=True,
+      )(params, x, y)
+
     return jax.jit(clipped).lower(1.0, model.params, x, y).compile(_zoo.CHEAP_COMPILE)
 
   vmap = fn("vmap")

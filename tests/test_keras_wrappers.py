@@ -19,11 +19,14 @@ def first_update(tx):
   return jax.jit(tx.update)(GRADS, tx.init(PARAMS), PARAMS)[0]
 
 
-@pytest.mark.parametrize("kw,head", [
+@pytest.mark.parametrize(
+  "kw,head",
+  [
     (dict(clipnorm=2.0), jaxclip.clip_by_norm(2.0)),
     (dict(global_clipnorm=2.0), jaxclip.clip_by_global_norm(2.0)),
     (dict(clipvalue=1.0), jaxclip.clip_by_value(-1.0, 1.0)),
-])
+  ],
+)
 def test_clipped_is_the_keras_chain(kw, head):
   opt = optax.sgd(0.5, momentum=0.9)
   tx = jaxclip.clipped(opt, **kw)
@@ -70,5 +73,6 @@ def test_clipped_composes_with_the_robust_wrappers():
   assert all(not np.any(np.asarray(u)) for u in jax.tree.leaves(updates))
   assert int(new_state.num_nonfinite_skipped) == 1
   updates, new_state = tx.update(GRADS, new_state, PARAMS)
-  np.testing.assert_allclose(float(optax.tree.get(new_state, "pre_clip_norm")),
-                             float(optax.tree.norm(GRADS)), rtol=1e-6)
+  np.testing.assert_allclose(
+    float(optax.tree.get(new_state, "pre_clip_norm")), float(optax.tree.norm(GRADS)), rtol=1e-6
+  )

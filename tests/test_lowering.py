@@ -42,39 +42,54 @@ def _naive_global_clip(tree, c):
 
 # name -> (jaxclip's clip, the naive per-leaf math); both (tree, threshold).
 CLIPS = {
-    "ops.clip_by_norm": (
-        lambda t, c: jaxclip.ops.clip_by_norm(t, c),
-        lambda t, c: [x * jnp.minimum(1.0, c / _naive_norm(x)) for x in t]),
-    "ops.clip_by_average_norm": (
-        lambda t, c: jaxclip.ops.clip_by_average_norm(t, c),
-        lambda t, c: [x * jnp.minimum(1.0, c * x.size / _naive_norm(x)) for x in t]),
-    "ops.clip_by_global_norm": (
-        lambda t, c: jaxclip.ops.clip_by_global_norm(t, c)[0],
-        lambda t, c: _naive_global_clip(t, c)),
-    "ops.clip_by_value": (
-        lambda t, c: jaxclip.ops.clip_by_value(t, -c, c),
-        lambda t, c: [jnp.clip(x, -c, c) for x in t]),
-    "clip_by_norm": (
-        lambda t, c: jaxclip.clip_by_norm(c).update(t, optax.EmptyState())[0],
-        lambda t, c: [x * jnp.minimum(1.0, c / _naive_norm(x)) for x in t]),
-    "clip_by_block_rms": (
-        lambda t, c: jaxclip.clip_by_block_rms(c).update(t, optax.EmptyState())[0],
-        lambda t, c: [x / jnp.maximum(1.0, _naive_norm(x) / jnp.sqrt(x.size) / c) for x in t]),
-    "adaptive_grad_clip": (
-        lambda t, c: jaxclip.adaptive_grad_clip(c).update(t, optax.EmptyState(), _PARAMS)[0],
-        lambda t, c: optax.adaptive_grad_clip(c).update(t, optax.EmptyState(), _PARAMS)[0]),
+  "ops.clip_by_norm": (
+    lambda t, c: jaxclip.ops.clip_by_norm(t, c),
+    lambda t, c: [x * jnp.minimum(1.0, c / _naive_norm(x)) for x in t],
+  ),
+  "ops.clip_by_average_norm": (
+    lambda t, c: jaxclip.ops.clip_by_average_norm(t, c),
+    lambda t, c: [x * jnp.minimum(1.0, c * x.size / _naive_norm(x)) for x in t],
+  ),
+  "ops.clip_by_global_norm": (
+    lambda t, c: jaxclip.ops.clip_by_global_norm(t, c)[0],
+    lambda t, c: _naive_global_clip(t, c),
+  ),
+  "ops.clip_by_value": (
+    lambda t, c: jaxclip.ops.clip_by_value(t, -c, c),
+    lambda t, c: [jnp.clip(x, -c, c) for x in t],
+  ),
+  "clip_by_norm": (
+    lambda t, c: jaxclip.clip_by_norm(c).update(t, optax.EmptyState())[0],
+    lambda t, c: [x * jnp.minimum(1.0, c / _naive_norm(x)) for x in t],
+  ),
+  "clip_by_block_rms": (
+    lambda t, c: jaxclip.clip_by_block_rms(c).update(t, optax.EmptyState())[0],
+    lambda t, c: [x / jnp.maximum(1.0, _naive_norm(x) / jnp.sqrt(x.size) / c) for x in t],
+  ),
+  "adaptive_grad_clip": (
+    lambda t, c: jaxclip.adaptive_grad_clip(c).update(t, optax.EmptyState(), _PARAMS)[0],
+    lambda t, c: optax.adaptive_grad_clip(c).update(t, optax.EmptyState(), _PARAMS)[0],
+  ),
 }
 # Thresholds at which some leaves are clipped and others not.
-THRESHOLD = {"ops.clip_by_norm": 4.0, "ops.clip_by_average_norm": 0.1,
-             "ops.clip_by_global_norm": 20.0, "ops.clip_by_value": 1.5, "clip_by_norm": 4.0,
-             "clip_by_block_rms": 0.9, "adaptive_grad_clip": 0.8}
+THRESHOLD = {
+  "ops.clip_by_norm": 4.0,
+  "ops.clip_by_average_norm": 0.1,
+  "ops.clip_by_global_norm": 20.0,
+  "ops.clip_by_value": 1.5,
+  "clip_by_norm": 4.0,
+  "clip_by_block_rms": 0.9,
+  "adaptive_grad_clip": 0.8,
+}
 _WEIGHTS = _tree(7)
 
 
 def _loss(clip):
   """A scalar of the clipped tree, whose gradient reaches every entry."""
+
   def loss(tree, c):
     return sum(jnp.sum(y * w) for y, w in zip(clip(tree, c), _WEIGHTS, strict=True))
+
   return loss
 
 
@@ -87,14 +102,17 @@ def _cost(fn, *args):
 
 def _assert_close(actual, expected, rtol=2e-6, atol=2e-6):
   for a, e in zip(jax.tree.leaves(actual), jax.tree.leaves(expected), strict=True):
-    np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(e, np.float32),
-                               rtol=rtol, atol=atol)
+    np.testing.assert_allclose(
+      np.asarray(a, np.float32), np.asarray(e, np.float32), rtol=rtol, atol=atol
+    )
 
 
 def test_clips_are_active_and_inactive_on_the_test_tree():
   tree = _tree(0)
   for name, (clip, _) in CLIPS.items():
-    changed = [bool(jnp.any(y != x)) for x, y in zip(tree, clip(tree, THRESHOLD[name]))]
+    changed = [
+      bool(jnp.any(y != x)) for x, y in zip(tree, clip(tree, THRESHOLD[name]), strict=True)
+    ]
     if name == "ops.clip_by_global_norm":
       assert all(changed), name
     else:
@@ -137,8 +155,11 @@ def test_per_leaf_norms_differentiate_as_the_plain_per_leaf_math(ord):
   leaves = [jnp.asarray(rng.normal(size=s), jnp.float32) for s in shapes]
   w = jnp.asarray(rng.normal(size=len(leaves)), jnp.float32)
   ours = lambda xs: jnp.dot(w, jnp.stack(_numerics.leaf_parts(xs, ord, jnp.float32)))
-  share = {2: lambda x: jnp.sum(x * x), 1: lambda x: jnp.sum(jnp.abs(x)),
-           np.inf: lambda x: jnp.max(jnp.abs(x))}[ord]
+  share = {
+    2: lambda x: jnp.sum(x * x),
+    1: lambda x: jnp.sum(jnp.abs(x)),
+    np.inf: lambda x: jnp.max(jnp.abs(x)),
+  }[ord]
   plain = lambda xs: jnp.dot(w, jnp.stack([share(x) for x in xs]))
   np.testing.assert_allclose(ours(leaves), plain(leaves), rtol=1e-5)
   for a, b in zip(jax.grad(ours)(leaves), jax.grad(plain)(leaves), strict=True):
@@ -172,22 +193,25 @@ def test_vmap_compiles_to_no_gathers(name):
 
 def _mixed_precision_tree():
   tree = _tree(2)
-  return ([x.astype(jnp.bfloat16) for x in tree[:18]] + [x.astype(jnp.float16) for x in tree[18:30]]
-          + tree[30:])
+  return (
+    [x.astype(jnp.bfloat16) for x in tree[:18]]
+    + [x.astype(jnp.float16) for x in tree[18:30]]
+    + tree[30:]
+  )
 
 
 _STEPS = {
-    "clip_by_global_norm": jaxclip.clip_by_global_norm(1.0),
-    "clip_by_norm": jaxclip.clip_by_norm(1.0),
-    "clip_by_block_rms": jaxclip.clip_by_block_rms(0.5),
-    "adaptive_grad_clip": jaxclip.adaptive_grad_clip(0.1),
-    "skip_nonfinite(clip_by_norm)": jaxclip.skip_nonfinite(jaxclip.clip_by_norm(1.0)),
-    # Per-leaf norms: stacked rows on CPU, one reduction per leaf elsewhere
-    # (only vectors of norms are joined, so no concatenate check).
-    "record_norms": jaxclip.record_norms(),
-    "adagc": jaxclip.adagc(warmup_steps=1),
-    "adaptive_value_clip": jaxclip.adaptive_value_clip(0.9),
-    "adaptive_norm_scale": jaxclip.adaptive_norm_scale(),
+  "clip_by_global_norm": jaxclip.clip_by_global_norm(1.0),
+  "clip_by_norm": jaxclip.clip_by_norm(1.0),
+  "clip_by_block_rms": jaxclip.clip_by_block_rms(0.5),
+  "adaptive_grad_clip": jaxclip.adaptive_grad_clip(0.1),
+  "skip_nonfinite(clip_by_norm)": jaxclip.skip_nonfinite(jaxclip.clip_by_norm(1.0)),
+  # Per-leaf norms: stacked rows on CPU, one reduction per leaf elsewhere
+  # (only vectors of norms are joined, so no concatenate check).
+  "record_norms": jaxclip.record_norms(),
+  "adagc": jaxclip.adagc(warmup_steps=1),
+  "adaptive_value_clip": jaxclip.adaptive_value_clip(0.9),
+  "adaptive_norm_scale": jaxclip.adaptive_norm_scale(),
 }
 
 
@@ -201,7 +225,8 @@ def _exported_text(name, platform):
 
   with jax.numpy_dtype_promotion("standard"):
     exported = jax.export.export(jax.jit(step), platforms=(platform,))(
-        params, tx.init(params), params)
+      params, tx.init(params), params
+    )
   return exported.mlir_module()
 
 
@@ -235,5 +260,9 @@ def test_the_path_of_other_platforms_computes_the_same(name, monkeypatch):
   default = jax.jit(lambda t: clip(t, c))(tree)
   for a, b in zip(default, cpu, strict=True):
     assert a.dtype == b.dtype
-    np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32),
-                               rtol=1e-2 if a.dtype != jnp.float32 else 1e-6, atol=1e-6)
+    np.testing.assert_allclose(
+      np.asarray(a, np.float32),
+      np.asarray(b, np.float32),
+      rtol=1e-2 if a.dtype != jnp.float32 else 1e-6,
+      atol=1e-6,
+    )

@@ -55,28 +55,32 @@ LR = 0.1
 # Leaves large and small, sharded over 'data' along different dimensions (so
 # small leaves of one shape carry different shardings), and one replicated.
 SHAPES = {
-    "embed": (64, 32),
-    "dense": {"kernel": (32, 48), "bias": (48,)},
-    "small_rows": (16, 8),
-    "small_cols": (16, 8),
-    "tiny": (4, 8),
-    "norm_scale": (24,),
+  "embed": (64, 32),
+  "dense": {"kernel": (32, 48), "bias": (48,)},
+  "small_rows": (16, 8),
+  "small_cols": (16, 8),
+  "tiny": (4, 8),
+  "norm_scale": (24,),
 }
 SPECS = {
-    "embed": P("data", None),
-    "dense": {"kernel": P(None, "data"), "bias": P("data")},
-    "small_rows": P("data", None),
-    "small_cols": P(None, "data"),
-    "tiny": P(None, "data"),
-    "norm_scale": P(),
+  "embed": P("data", None),
+  "dense": {"kernel": P(None, "data"), "bias": P("data")},
+  "small_rows": P("data", None),
+  "small_cols": P(None, "data"),
+  "tiny": P(None, "data"),
+  "norm_scale": P(),
 }
 AXIS_TYPES = ("Explicit", "Auto")
+
 
 def _host_tree(seed: int) -> dict:
   """The tree of float32 NumPy arrays every process (and the test) builds."""
   rng = np.random.default_rng(seed)
-  return jax.tree.map(lambda shape: rng.normal(size=shape).astype(np.float32), SHAPES,
-                      is_leaf=lambda x: isinstance(x, tuple))
+  return jax.tree.map(
+    lambda shape: rng.normal(size=shape).astype(np.float32),
+    SHAPES,
+    is_leaf=lambda x: isinstance(x, tuple),
+  )
 
 
 def _tx() -> optax.GradientTransformation:
@@ -95,8 +99,10 @@ def _step(params, state, grads):
 
 def _flat(prefix: str, tree) -> dict[str, np.ndarray]:
   """``tree``'s leaves as NumPy arrays, keyed ``prefix/their/path``."""
+
   def key(path):
     return "/".join([prefix, *(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)])
+
   return {key(path): np.asarray(leaf) for path, leaf in jax.tree_util.tree_leaves_with_path(tree)}
 
 
@@ -117,11 +123,14 @@ def _single_process_results() -> dict[str, np.ndarray]:
   state = jax.jit(_tx().init)(params)
   clipped, clip_norm = jax.jit(_clip)(grads)
   new_params, updates, new_state = jax.jit(_step)(params, state, grads)
-  return {"norm": np.asarray(jax.jit(jaxclip.ops.global_norm)(grads)),
-          "clip_norm": np.asarray(clip_norm),
-          "pre_clip_norm": np.asarray(optax.tree.get(new_state, "pre_clip_norm")),
-          **_flat("clipped", clipped), **_flat("params", new_params),
-          **_flat("updates", updates)}
+  return {
+    "norm": np.asarray(jax.jit(jaxclip.ops.global_norm)(grads)),
+    "clip_norm": np.asarray(clip_norm),
+    "pre_clip_norm": np.asarray(optax.tree.get(new_state, "pre_clip_norm")),
+    **_flat("clipped", clipped),
+    **_flat("params", new_params),
+    **_flat("updates", updates),
+  }
 
 
 # ----------------------------------------------------------------------------
@@ -131,8 +140,10 @@ def _single_process_results() -> dict[str, np.ndarray]:
 
 def _global_tree(host: dict, mesh: jax.sharding.Mesh) -> dict:
   """``host`` as global arrays on ``mesh``; each process makes its own shards."""
+
   def make(x, spec):
     return jax.make_array_from_callback(x.shape, NamedSharding(mesh, spec), lambda idx: x[idx])
+
   return jax.tree.map(make, host, SPECS)
 
 
@@ -152,10 +163,13 @@ def _run_worker(process_id: int, port: int, out: Path) -> None:
   """Computes on the shared mesh and writes ``out``.npz and ``out``.json."""
   jax.config.update("jax_cpu_collectives_implementation", "gloo")
   # The coordinator binds to all interfaces unless told otherwise: loopback only.
-  jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}",
-                             coordinator_bind_address=f"127.0.0.1:{port}",
-                             num_processes=N_PROCESSES, process_id=process_id,
-                             initialization_timeout=60)
+  jax.distributed.initialize(
+    coordinator_address=f"127.0.0.1:{port}",
+    coordinator_bind_address=f"127.0.0.1:{port}",
+    num_processes=N_PROCESSES,
+    process_id=process_id,
+    initialization_timeout=60,
+  )
   assert jax.process_index() == process_id
   assert jax.process_count() == N_PROCESSES and jax.local_device_count() == LOCAL_DEVICES
   assert jax.device_count() == N_PROCESSES * LOCAL_DEVICES, jax.devices()
@@ -168,18 +182,27 @@ def _run_worker(process_id: int, port: int, out: Path) -> None:
       params = _global_tree(_host_tree(1), mesh)
       _check_split_across_processes(grads)
       state = jax.jit(_tx().init)(params)
-      compiled = {"global_norm": jax.jit(jaxclip.ops.global_norm).lower(grads).compile(),
-                  "clip_by_global_norm": jax.jit(_clip).lower(grads).compile(),
-                  "step": jax.jit(_step).lower(params, state, grads).compile()}
+      compiled = {
+        "global_norm": jax.jit(jaxclip.ops.global_norm).lower(grads).compile(),
+        "clip_by_global_norm": jax.jit(_clip).lower(grads).compile(),
+        "step": jax.jit(_step).lower(params, state, grads).compile(),
+      }
       norm = compiled["global_norm"](grads)
       clipped, clip_norm = compiled["clip_by_global_norm"](grads)
       new_params, updates, new_state = compiled["step"](params, state, grads)
       for leaf, spec in zip(jax.tree.leaves(new_params), jax.tree.leaves(SPECS), strict=True):
         assert leaf.sharding.is_equivalent_to(NamedSharding(mesh, spec), leaf.ndim), (
-            leaf.sharding, spec)
-      results = {"norm": norm, "clip_norm": clip_norm,
-                 "pre_clip_norm": optax.tree.get(new_state, "pre_clip_norm"),
-                 "clipped": clipped, "params": new_params, "updates": updates}
+          leaf.sharding,
+          spec,
+        )
+      results = {
+        "norm": norm,
+        "clip_norm": clip_norm,
+        "pre_clip_norm": optax.tree.get(new_state, "pre_clip_norm"),
+        "clipped": clipped,
+        "params": new_params,
+        "updates": updates,
+      }
       gathered = multihost_utils.process_allgather(results, tiled=True)
     arrays.update(_flat(name, gathered))
     report["collectives"][name] = {k: _collective_counts(c) for k, c in compiled.items()}
@@ -201,8 +224,11 @@ def _free_port() -> int:
 
 def _worker_env() -> dict[str, str]:
   env = dict(os.environ)
-  flags = [f for f in env.get("XLA_FLAGS", "").split()
-           if not f.startswith("--xla_force_host_platform_device_count")]
+  flags = [
+    f
+    for f in env.get("XLA_FLAGS", "").split()
+    if not f.startswith("--xla_force_host_platform_device_count")
+  ]
   env["XLA_FLAGS"] = " ".join(flags + [f"--xla_force_host_platform_device_count={LOCAL_DEVICES}"])
   env["JAX_PLATFORMS"] = "cpu"
   env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
@@ -213,11 +239,26 @@ def _run_job(tmp: Path) -> list[tuple[int | None, str]]:
   """Runs the workers; their exit codes and outputs (None: killed)."""
   port = _free_port()
   logs = [open(tmp / f"log{i}.txt", "w+") for i in range(N_PROCESSES)]
-  procs = [subprocess.Popen([sys.executable, __file__, "--process-id", str(i), "--port",
-                             str(port), "--out", str(tmp / f"process{i}")],
-                            env=_worker_env(), cwd=ROOT, text=True, stdout=log,
-                            stderr=subprocess.STDOUT)
-           for i, log in enumerate(logs)]
+  procs = [
+    subprocess.Popen(
+      [
+        sys.executable,
+        __file__,
+        "--process-id",
+        str(i),
+        "--port",
+        str(port),
+        "--out",
+        str(tmp / f"process{i}"),
+      ],
+      env=_worker_env(),
+      cwd=ROOT,
+      text=True,
+      stdout=log,
+      stderr=subprocess.STDOUT,
+    )
+    for i, log in enumerate(logs)
+  ]
   deadline = time.monotonic() + TIMEOUT_S
   try:
     # A worker that fails leaves the other waiting on it: stop at the first failure.
@@ -235,7 +276,7 @@ def _run_job(tmp: Path) -> list[tuple[int | None, str]]:
     log.seek(0)
     outputs.append(log.read())
     log.close()
-  return [(p.returncode, text) for p, text in zip(procs, outputs)]
+  return [(p.returncode, text) for p, text in zip(procs, outputs, strict=True)]
 
 
 @pytest.fixture(scope="module")
@@ -244,8 +285,10 @@ def multihost_results():
   with tempfile.TemporaryDirectory() as tmp:
     tmp = Path(tmp)
     runs = _run_job(tmp)
-    message = "\n".join(f"--- process {i}: exit code {code} ---\n{text[-6000:]}"
-                        for i, (code, text) in enumerate(runs))
+    message = "\n".join(
+      f"--- process {i}: exit code {code} ---\n{text[-6000:]}"
+      for i, (code, text) in enumerate(runs)
+    )
     assert all(code == 0 for code, _ in runs), message
     results = []
     for i in range(N_PROCESSES):
@@ -265,8 +308,11 @@ def test_processes_agree(multihost_results):
 
 @pytest.mark.parametrize("axis_type", AXIS_TYPES)
 def test_multihost_matches_single_process(multihost_results, axis_type):
-  arrays = {k.split("/", 1)[1]: v for k, v in multihost_results[0][0].items()
-            if k.startswith(axis_type + "/")}
+  arrays = {
+    k.split("/", 1)[1]: v
+    for k, v in multihost_results[0][0].items()
+    if k.startswith(axis_type + "/")
+  }
   expected = _single_process_results()
   assert float(expected["norm"]) > MAX_NORM  # the clip is active
   host = _host_tree(0)

@@ -52,10 +52,10 @@ def test_float16_scale_does_not_overflow_in_the_product():
 DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16, jnp.complex64]
 
 OPS = {
-    "clip_by_norm": lambda t: ops.clip_by_norm(t, 0.5),
-    "clip_by_norm_axes": lambda t: ops.clip_by_norm(t, 0.5, axes=[0]),
-    "clip_by_average_norm": lambda t: ops.clip_by_average_norm(t, 0.05),
-    "clip_by_global_norm": lambda t: ops.clip_by_global_norm(t, 0.5)[0],
+  "clip_by_norm": lambda t: ops.clip_by_norm(t, 0.5),
+  "clip_by_norm_axes": lambda t: ops.clip_by_norm(t, 0.5, axes=[0]),
+  "clip_by_average_norm": lambda t: ops.clip_by_average_norm(t, 0.05),
+  "clip_by_global_norm": lambda t: ops.clip_by_global_norm(t, 0.5)[0],
 }
 
 
@@ -101,17 +101,17 @@ def test_complex_leaves_use_modulus():
 # ---------------------------------------------------------------- zero edges
 
 ZERO_CALLS = {
-    "clip_by_norm": lambda t, c: ops.clip_by_norm(t, c),
-    "clip_by_norm_axes": lambda t, c: ops.clip_by_norm(t, c, axes=[1]),
-    "clip_by_average_norm": lambda t, c: ops.clip_by_average_norm(t, c),
-    "clip_by_global_norm": lambda t, c: ops.clip_by_global_norm(t, c)[0],
-    "clip_by_global_norm_ord1": lambda t, c: ops.clip_by_global_norm(t, c, ord=1)[0],
-    "clip_by_global_norm_ordinf": lambda t, c: ops.clip_by_global_norm(t, c, ord="inf")[0],
-    "t.clip_by_block_rms": lambda t, c: _apply(jaxclip.clip_by_block_rms(c), t),
-    "t.clip_by_global_norm": lambda t, c: _apply(jaxclip.clip_by_global_norm(c), t),
-    "t.adaptive_grad_clip": lambda t, c: _apply(jaxclip.adaptive_grad_clip(c), t, params=t),
-    "per_example_global_norm_clip": lambda t, c: jaxclip.per_example_global_norm_clip(t, c)[0],
-    "per_example_layer_norm_clip": lambda t, c: jaxclip.per_example_layer_norm_clip(t, c)[0],
+  "clip_by_norm": lambda t, c: ops.clip_by_norm(t, c),
+  "clip_by_norm_axes": lambda t, c: ops.clip_by_norm(t, c, axes=[1]),
+  "clip_by_average_norm": lambda t, c: ops.clip_by_average_norm(t, c),
+  "clip_by_global_norm": lambda t, c: ops.clip_by_global_norm(t, c)[0],
+  "clip_by_global_norm_ord1": lambda t, c: ops.clip_by_global_norm(t, c, ord=1)[0],
+  "clip_by_global_norm_ordinf": lambda t, c: ops.clip_by_global_norm(t, c, ord="inf")[0],
+  "t.clip_by_block_rms": lambda t, c: _apply(jaxclip.clip_by_block_rms(c), t),
+  "t.clip_by_global_norm": lambda t, c: _apply(jaxclip.clip_by_global_norm(c), t),
+  "t.adaptive_grad_clip": lambda t, c: _apply(jaxclip.adaptive_grad_clip(c), t, params=t),
+  "per_example_global_norm_clip": lambda t, c: jaxclip.per_example_global_norm_clip(t, c)[0],
+  "per_example_layer_norm_clip": lambda t, c: jaxclip.per_example_layer_norm_clip(t, c)[0],
 }
 
 
@@ -142,28 +142,30 @@ def test_infinite_threshold_changes_nothing(name):
 
 # ---------------------------------------------------------------- gradients
 
+
 def _naive(name):
   """Plain jnp formulas whose autodiff is the analytic derivative off zero."""
+
   def n2(t, axis=None):
     return jnp.sqrt(jnp.sum(t * t, axis=axis, keepdims=axis is not None))
 
   return {
-      "clip_by_norm": lambda t, c: t * c / jnp.maximum(n2(t), c),
-      "clip_by_norm_axes": lambda t, c: t * c / jnp.maximum(n2(t, (1,)), c),
-      "clip_by_average_norm": lambda t, c: t * jnp.minimum(1.0, c * t.size / n2(t)),
-      "clip_by_global_norm": lambda t, c: t * c / jnp.maximum(n2(t), c),
-      "global_norm": lambda t, c: n2(t),
-      "t.clip_by_block_rms": lambda t, c: t / jnp.maximum(1.0, n2(t) / math.sqrt(t.size) / c),
+    "clip_by_norm": lambda t, c: t * c / jnp.maximum(n2(t), c),
+    "clip_by_norm_axes": lambda t, c: t * c / jnp.maximum(n2(t, (1,)), c),
+    "clip_by_average_norm": lambda t, c: t * jnp.minimum(1.0, c * t.size / n2(t)),
+    "clip_by_global_norm": lambda t, c: t * c / jnp.maximum(n2(t), c),
+    "global_norm": lambda t, c: n2(t),
+    "t.clip_by_block_rms": lambda t, c: t / jnp.maximum(1.0, n2(t) / math.sqrt(t.size) / c),
   }[name]
 
 
 GRAD_OPS = {
-    "clip_by_norm": lambda t, c: ops.clip_by_norm(t, c),
-    "clip_by_norm_axes": lambda t, c: ops.clip_by_norm(t, c, axes=[1]),
-    "clip_by_average_norm": lambda t, c: ops.clip_by_average_norm(t, c),
-    "clip_by_global_norm": lambda t, c: ops.clip_by_global_norm(t, c)[0],
-    "global_norm": lambda t, c: ops.global_norm(t),
-    "t.clip_by_block_rms": lambda t, c: _apply(jaxclip.clip_by_block_rms(c), t),
+  "clip_by_norm": lambda t, c: ops.clip_by_norm(t, c),
+  "clip_by_norm_axes": lambda t, c: ops.clip_by_norm(t, c, axes=[1]),
+  "clip_by_average_norm": lambda t, c: ops.clip_by_average_norm(t, c),
+  "clip_by_global_norm": lambda t, c: ops.clip_by_global_norm(t, c)[0],
+  "global_norm": lambda t, c: ops.global_norm(t),
+  "t.clip_by_block_rms": lambda t, c: _apply(jaxclip.clip_by_block_rms(c), t),
 }
 
 
@@ -210,11 +212,12 @@ def test_grad_through_optimizer_step_at_zero():
 
 
 DROP_INS = {
-    "adaptive_grad_clip": lambda g: _apply(
-        jaxclip.adaptive_grad_clip(0.1), g, params=jnp.ones_like(g)),
-    "per_example_global_norm_clip": lambda g: jaxclip.per_example_global_norm_clip([g], 1.0)[0][0],
-    "per_example_layer_norm_clip": lambda g: jaxclip.per_example_layer_norm_clip([g], 1.0)[0][0],
-    "unitwise_norm": lambda g: jaxclip.unitwise_norm(g),
+  "adaptive_grad_clip": lambda g: _apply(
+    jaxclip.adaptive_grad_clip(0.1), g, params=jnp.ones_like(g)
+  ),
+  "per_example_global_norm_clip": lambda g: jaxclip.per_example_global_norm_clip([g], 1.0)[0][0],
+  "per_example_layer_norm_clip": lambda g: jaxclip.per_example_layer_norm_clip([g], 1.0)[0][0],
+  "unitwise_norm": lambda g: jaxclip.unitwise_norm(g),
 }
 
 

@@ -58,7 +58,7 @@ def test_worked_example_clip_by_global_norm():
   np.testing.assert_allclose(norm, math.sqrt(245.0), rtol=1e-7)
   scale = 14.5 / math.sqrt(245.0)
   assert isinstance(clipped, list)
-  for c, t in zip(clipped, tree):
+  for c, t in zip(clipped, tree, strict=True):
     np.testing.assert_allclose(c, np.asarray(t) * scale, rtol=2e-7)
 
 
@@ -74,10 +74,10 @@ def _np_norm(x, axis=None):
 def test_clip_by_norm_formula(clip_norm):
   tree = random_tree(1, scale=2.0)
   out = ops.clip_by_norm(tree, clip_norm)
-  expected = jax.tree.map(
-      lambda t: np.asarray(t) * clip_norm / max(_np_norm(t), clip_norm), tree)
-  assert_tree_allclose(out, jax.tree.map(lambda e, t: jnp.asarray(e, t.dtype), expected, tree),
-                       rtol=1e-6)
+  expected = jax.tree.map(lambda t: np.asarray(t) * clip_norm / max(_np_norm(t), clip_norm), tree)
+  assert_tree_allclose(
+    out, jax.tree.map(lambda e, t: jnp.asarray(e, t.dtype), expected, tree), rtol=1e-6
+  )
 
 
 @pytest.mark.parametrize("axes", [[0], [1], (0, 1), 1, -1])
@@ -114,8 +114,9 @@ def test_clip_by_global_norm_formula_and_use_norm():
   norm = math.sqrt(sum(float(_np_norm(t)) ** 2 for t in jax.tree.leaves(tree)))
   clipped, got = ops.clip_by_global_norm(tree, 2.0)
   np.testing.assert_allclose(got, norm, rtol=1e-6)
-  assert_tree_allclose(clipped, jax.tree.map(lambda t: t * jnp.float32(2.0 / norm), tree),
-                       rtol=1e-6)
+  assert_tree_allclose(
+    clipped, jax.tree.map(lambda t: t * jnp.float32(2.0 / norm), tree), rtol=1e-6
+  )
   # use_norm is used for the scale and returned as the norm
   clipped2, got2 = ops.clip_by_global_norm(tree, 2.0, use_norm=jnp.float32(4.0))
   assert float(got2) == 4.0
@@ -147,8 +148,9 @@ def _torch_total_norm(leaves, p):
 @pytest.mark.parametrize("ord_", [1, 2, None, math.inf, "inf", 2.0, jnp.inf, jnp.array(1)])
 def test_global_norm_ord_matches_torch_formula(ord_):
   tree = random_tree(7)
-  p = {1: 1, 2: 2, None: 2, "inf": np.inf}.get(ord_ if not hasattr(ord_, "item") else ord_.item(),
-                                                 ord_)
+  p = {1: 1, 2: 2, None: 2, "inf": np.inf}.get(
+    ord_ if not hasattr(ord_, "item") else ord_.item(), ord_
+  )
   expected = _torch_total_norm(jax.tree.leaves(tree), p)
   np.testing.assert_allclose(ops.global_norm(tree, ord=ord_), expected, rtol=1e-6)
 
@@ -187,30 +189,31 @@ class Layer:
 
 
 ALL_OPS = [
-    lambda t: ops.clip_by_value(t, -0.5, 0.5),
-    lambda t: ops.clip_by_norm(t, 0.5),
-    lambda t: ops.clip_by_average_norm(t, 0.05),
-    lambda t: ops.clip_by_global_norm(t, 0.5)[0],
+  lambda t: ops.clip_by_value(t, -0.5, 0.5),
+  lambda t: ops.clip_by_norm(t, 0.5),
+  lambda t: ops.clip_by_average_norm(t, 0.05),
+  lambda t: ops.clip_by_global_norm(t, 0.5)[0],
 ]
 
 
 @pytest.mark.parametrize("op", ALL_OPS)
 @pytest.mark.parametrize(
-    "tree",
-    [
-        {"a": jnp.ones((2, 3)), "b": None, "c": [jnp.arange(3.0), (jnp.ones(()),)]},
-        [jnp.ones(3), None, jnp.full((2,), 2.0)],
-        (jnp.ones(3), jnp.ones(2)),
-        Pair(jnp.ones(3), jnp.full((2, 2), -3.0)),
-        Layer(jnp.ones((2, 2)), jnp.zeros(2)),
-        jnp.ones((3, 3)),
-    ],
-    ids=["dict", "list", "tuple", "namedtuple", "dataclass", "array"],
+  "tree",
+  [
+    {"a": jnp.ones((2, 3)), "b": None, "c": [jnp.arange(3.0), (jnp.ones(()),)]},
+    [jnp.ones(3), None, jnp.full((2,), 2.0)],
+    (jnp.ones(3), jnp.ones(2)),
+    Pair(jnp.ones(3), jnp.full((2, 2), -3.0)),
+    Layer(jnp.ones((2, 2)), jnp.zeros(2)),
+    jnp.ones((3, 3)),
+  ],
+  ids=["dict", "list", "tuple", "namedtuple", "dataclass", "array"],
 )
 def test_structure_kept_and_none_in_place(op, tree):
   out = op(tree)
   assert jax.tree.structure(out, is_leaf=lambda x: x is None) == jax.tree.structure(
-      tree, is_leaf=lambda x: x is None)
+    tree, is_leaf=lambda x: x is None
+  )
   assert type(out) is type(tree)
   assert_dtypes_kept(tree, out)
 
@@ -227,7 +230,8 @@ def test_clip_by_value_array_bounds_broadcast():
   lo = jnp.array([0.0, 2.0, 1.0])
   hi = jnp.array([[2.5], [4.0]])
   np.testing.assert_array_equal(
-      ops.clip_by_value(x, lo, hi), np.clip(np.asarray(x), np.asarray(lo), np.asarray(hi)))
+    ops.clip_by_value(x, lo, hi), np.clip(np.asarray(x), np.asarray(lo), np.asarray(hi))
+  )
   with pytest.raises(ValueError, match="broadcast"):
     ops.clip_by_value(jnp.ones(3), jnp.zeros((2, 3)), 1.0)
   # Shapes that do not broadcast at all get the same error, naming the leaf.
@@ -252,8 +256,11 @@ def test_clip_by_value_integer_leaves_round_inwards_and_saturate():
 
 
 def test_clip_by_value_mixed_tree_keeps_dtypes():
-  tree = {"i": jnp.array([-5, 5], jnp.int8), "h": jnp.array([-5, 5], jnp.bfloat16),
-          "f": jnp.array([-5.0, 5.0])}
+  tree = {
+    "i": jnp.array([-5, 5], jnp.int8),
+    "h": jnp.array([-5, 5], jnp.bfloat16),
+    "f": jnp.array([-5.0, 5.0]),
+  }
   out = ops.clip_by_value(tree, -2, 2)
   assert_dtypes_kept(tree, out)
   for v in out.values():
@@ -265,20 +272,20 @@ def test_clip_by_value_mixed_tree_keeps_dtypes():
 
 @pytest.mark.parametrize("bad", [-1.0, -1e-9, float("nan"), np.array([1.0, -1.0])])
 @pytest.mark.parametrize(
-    "call",
-    [
-        lambda c: ops.clip_by_norm(jnp.ones(2), c),
-        lambda c: ops.clip_by_average_norm(jnp.ones(2), c),
-        lambda c: ops.clip_by_global_norm([jnp.ones(2)], c),
-        lambda c: jaxclip.clip_by_norm(c),
-        lambda c: jaxclip.clip_by_average_norm(c),
-        lambda c: jaxclip.clip_by_global_norm(c),
-        lambda c: jaxclip.clip(c),
-        lambda c: jaxclip.clip_by_block_rms(c),
-        lambda c: jaxclip.adaptive_grad_clip(c),
-        lambda c: jaxclip.per_example_global_norm_clip([jnp.ones((2, 2))], c),
-        lambda c: jaxclip.per_example_layer_norm_clip([jnp.ones((2, 2))], c),
-    ],
+  "call",
+  [
+    lambda c: ops.clip_by_norm(jnp.ones(2), c),
+    lambda c: ops.clip_by_average_norm(jnp.ones(2), c),
+    lambda c: ops.clip_by_global_norm([jnp.ones(2)], c),
+    lambda c: jaxclip.clip_by_norm(c),
+    lambda c: jaxclip.clip_by_average_norm(c),
+    lambda c: jaxclip.clip_by_global_norm(c),
+    lambda c: jaxclip.clip(c),
+    lambda c: jaxclip.clip_by_block_rms(c),
+    lambda c: jaxclip.adaptive_grad_clip(c),
+    lambda c: jaxclip.per_example_global_norm_clip([jnp.ones((2, 2))], c),
+    lambda c: jaxclip.per_example_layer_norm_clip([jnp.ones((2, 2))], c),
+  ],
 )
 def test_bad_threshold_raises(call, bad):
   with pytest.raises(ValueError, match="non-negative|NaN"):
@@ -297,13 +304,13 @@ def test_min_greater_than_max_raises():
 
 
 @pytest.mark.parametrize(
-    "call",
-    [
-        lambda t: ops.global_norm(t),
-        lambda t: ops.clip_by_norm(t, 1.0),
-        lambda t: ops.clip_by_average_norm(t, 1.0),
-        lambda t: ops.clip_by_global_norm(t, 1.0),
-    ],
+  "call",
+  [
+    lambda t: ops.global_norm(t),
+    lambda t: ops.clip_by_norm(t, 1.0),
+    lambda t: ops.clip_by_average_norm(t, 1.0),
+    lambda t: ops.clip_by_global_norm(t, 1.0),
+  ],
 )
 def test_integer_leaf_in_norm_raises_with_path(call):
   tree = {"encoder": {"kernel": jnp.ones(2), "step": jnp.array([1, 2])}}
@@ -331,7 +338,8 @@ def test_traced_ord_asks_for_static_args():
   with pytest.raises(ValueError, match="static_args"):
     jax.jit(lambda o: ops.global_norm([jnp.ones(2)], ord=o))(1)
   tx = optax.inject_hyperparams(jaxclip.clip_by_global_norm, static_args=("ord",))(
-      max_norm=1.0, ord=1)
+    max_norm=1.0, ord=1
+  )
   out, _ = jax.jit(tx.update)([jnp.array([3.0, -4.0])], tx.init([jnp.zeros(2)]))
   np.testing.assert_allclose(out[0], [3 / 7, -4 / 7], rtol=1e-6)
 

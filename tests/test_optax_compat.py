@@ -14,7 +14,10 @@ from tests.helpers import assert_tree_allclose
 
 def _tree(seed, shapes, scale=1.0):
   keys = jax.random.split(jax.random.key(seed), len(shapes))
-  return {f"p{i}": scale * jax.random.normal(k, s) for i, (k, s) in enumerate(zip(keys, shapes))}
+  return {
+    f"p{i}": scale * jax.random.normal(k, s)
+    for i, (k, s) in enumerate(zip(keys, shapes, strict=True))
+  }
 
 
 SHAPES = [(5,), (4, 3), (2, 3, 4), (3, 3, 2, 4), (2, 2, 2, 3, 2), (1, 6)]
@@ -52,16 +55,22 @@ def test_clip_by_global_norm(seed, max_norm):
 def test_adaptive_grad_clip(seed, clipping):
   g = _tree(seed, SHAPES, 2.0)
   p = _tree(seed + 100, SHAPES)
-  _same_transform(jaxclip.adaptive_grad_clip(clipping), optax.adaptive_grad_clip(clipping),
-                  g, params=p, rtol=2e-6)
+  _same_transform(
+    jaxclip.adaptive_grad_clip(clipping), optax.adaptive_grad_clip(clipping), g, params=p, rtol=2e-6
+  )
 
 
 @pytest.mark.parametrize("axis", [0, 1, (0, 1), -1])
 def test_adaptive_grad_clip_axis(axis):
   g = _tree(0, [(4, 3), (2, 3, 4)], 2.0)
   p = _tree(1, [(4, 3), (2, 3, 4)])
-  _same_transform(jaxclip.adaptive_grad_clip(0.1, axis=axis),
-                  optax.adaptive_grad_clip(0.1, axis=axis), g, params=p, rtol=2e-6)
+  _same_transform(
+    jaxclip.adaptive_grad_clip(0.1, axis=axis),
+    optax.adaptive_grad_clip(0.1, axis=axis),
+    g,
+    params=p,
+    rtol=2e-6,
+  )
 
 
 def test_adaptive_grad_clip_needs_params():
@@ -104,11 +113,11 @@ def test_adaptive_grad_clip_of_bfloat16_gradients_over_stacked_leaves():
   for name in g:
     g64, p64 = np.asarray(g[name], np.float64), np.asarray(p[name], np.float64)
     axis = None if g64.ndim == 1 else 0
-    g_norm = np.sqrt(np.sum(g64 ** 2, axis=axis, keepdims=True))
-    bound = 0.1 * np.maximum(np.sqrt(np.sum(p64 ** 2, axis=axis, keepdims=True)), 1e-3)
+    g_norm = np.sqrt(np.sum(g64**2, axis=axis, keepdims=True))
+    bound = 0.1 * np.maximum(np.sqrt(np.sum(p64**2, axis=axis, keepdims=True)), 1e-3)
     want = np.where(g_norm < bound, g64, g64 * bound / np.maximum(g_norm, 1e-6))
     assert a[name].dtype == jnp.bfloat16
-    np.testing.assert_allclose(np.asarray(a[name], np.float64), want, rtol=2 ** -8)
+    np.testing.assert_allclose(np.asarray(a[name], np.float64), want, rtol=2**-8)
 
 
 @pytest.mark.parametrize("shape", SHAPES + [()])
@@ -117,8 +126,9 @@ def test_unitwise_norm(shape, axis):
   if axis is not None and len(shape) == 0:
     return
   x = jax.random.normal(jax.random.key(3), shape)
-  np.testing.assert_allclose(jaxclip.unitwise_norm(x, axis),
-                             optax.transforms.unitwise_norm(x, axis), rtol=1e-6)
+  np.testing.assert_allclose(
+    jaxclip.unitwise_norm(x, axis), optax.transforms.unitwise_norm(x, axis), rtol=1e-6
+  )
   assert jaxclip.unitwise_norm(x, axis).shape == x.shape
 
 
@@ -131,8 +141,9 @@ def test_unitwise_clip():
   g = jax.random.normal(jax.random.key(4), (4, 3)) * 3
   gn = jaxclip.unitwise_norm(g)
   mn = jnp.full_like(gn, 1.5)
-  np.testing.assert_allclose(jaxclip.unitwise_clip(gn, mn, g),
-                             optax.transforms.unitwise_clip(gn, mn, g), rtol=1e-6)
+  np.testing.assert_allclose(
+    jaxclip.unitwise_clip(gn, mn, g), optax.transforms.unitwise_clip(gn, mn, g), rtol=1e-6
+  )
   with pytest.raises(ValueError, match="shape"):
     jaxclip.unitwise_clip(gn[:1], mn, g)
 
@@ -153,7 +164,7 @@ def test_per_example_layer_norm_clip(uniform, clip_value):
   ours = jaxclip.per_example_layer_norm_clip(g, clip_value, uniform)
   theirs = optax.per_example_layer_norm_clip(g, clip_value, uniform)
   assert_tree_allclose(ours[0], theirs[0], rtol=1e-5, atol=1e-6)
-  for a, b in zip(jax.tree.leaves(ours[1]), jax.tree.leaves(theirs[1])):
+  for a, b in zip(jax.tree.leaves(ours[1]), jax.tree.leaves(theirs[1]), strict=True):
     assert int(a) == int(b)
 
 

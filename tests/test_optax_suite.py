@@ -19,23 +19,24 @@ import pytest
 import jaxclip
 
 DROP_INS = (
-    "adaptive_grad_clip",
-    "clip",
-    "clip_by_block_rms",
-    "clip_by_global_norm",
-    "per_example_global_norm_clip",
-    "per_example_layer_norm_clip",
-    "unitwise_clip",
-    "unitwise_norm",
+  "adaptive_grad_clip",
+  "clip",
+  "clip_by_block_rms",
+  "clip_by_global_norm",
+  "per_example_global_norm_clip",
+  "per_example_layer_norm_clip",
+  "unitwise_clip",
+  "unitwise_norm",
 )
 
 # Tests of the file that fail with optax's own code too, with the reason. The
 # test below checks that each still fails with optax, so a fixed one shows up.
 FAIL_WITH_OPTAX = {
-    "test_clip_by_block_rms": (
-        "asserts that the RMS of a clipped float32 leaf equals the threshold to 7 "
-        "decimal places; optax's own clip gives 0.9999999 (1 ulp off) for the "
-        "first leaf at threshold 1 on XLA:CPU, jaxclip's for the second."),
+  "test_clip_by_block_rms": (
+    "asserts that the RMS of a clipped float32 leaf equals the threshold to 7 "
+    "decimal places; optax's own clip gives 0.9999999 (1 ulp off) for the "
+    "first leaf at threshold 1 on XLA:CPU, jaxclip's for the second."
+  ),
 }
 
 
@@ -65,12 +66,16 @@ def _counting(name: str, calls: dict[str, int]):
 def _run(module: types.ModuleType, names: set[str] | None = None):
   """Runs the module's test cases (only ``names`` if given): ``(run, {name: trace})``."""
   suite = unittest.TestSuite(
-      test for case in unittest.defaultTestLoader.loadTestsFromModule(module)
-      for test in case if names is None or test.id().rsplit(".", 1)[-1] in names)
+    test
+    for case in unittest.defaultTestLoader.loadTestsFromModule(module)
+    for test in case
+    if names is None or test.id().rsplit(".", 1)[-1] in names
+  )
   result = unittest.TestResult()
   suite.run(result)
-  return result.testsRun, {test.id().rsplit(".", 1)[-1]: text
-                           for test, text in result.failures + result.errors}
+  return result.testsRun, {
+    test.id().rsplit(".", 1)[-1]: text for test, text in result.failures + result.errors
+  }
 
 
 def test_optax_clipping_suite_passes_on_jaxclip():

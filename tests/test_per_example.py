@@ -54,10 +54,12 @@ def _assert_trees_close(actual, expected, rtol=1e-5, atol=1e-5):
 def test_has_aux_returns_each_examples_aux_in_batch_order(microbatch_size):
   params, x, y = mlp_problem()
   kwargs = {"microbatch_size": microbatch_size, "batch_argnums": (1, 2)}
-  total, count, aux = jax.jit(jaxclip.per_example_clipped_grad(
-      _loss_aux, CLIP, has_aux=True, **kwargs))(params, x, y)
-  ref_total, ref_count = jax.jit(jaxclip.per_example_clipped_grad(
-      mlp_loss, CLIP, **kwargs))(params, x, y)
+  total, count, aux = jax.jit(
+    jaxclip.per_example_clipped_grad(_loss_aux, CLIP, has_aux=True, **kwargs)
+  )(params, x, y)
+  ref_total, ref_count = jax.jit(jaxclip.per_example_clipped_grad(mlp_loss, CLIP, **kwargs))(
+    params, x, y
+  )
   assert 0 < int(ref_count) < 12 and int(count) == int(ref_count)
   _assert_trees_close(total, ref_total, rtol=0, atol=0)
   _assert_trees_close(aux, _vmap_aux(params, x, y), rtol=1e-6, atol=1e-6)
@@ -65,14 +67,16 @@ def test_has_aux_returns_each_examples_aux_in_batch_order(microbatch_size):
 
 def test_has_aux_with_shared_argument_and_keep_batch_dim():
   params, x, y = mlp_problem(batch=7)
+
   # The batch after a shared argument; each example seen as a batch of one,
   # so the aux keeps that axis of one.
   def loss(p, scale, xb, yb):
     value, aux = _loss_aux(p, xb, yb)
     return scale * value, aux
 
-  fn = jaxclip.per_example_clipped_grad(loss, CLIP, microbatch_size=3, batch_argnums=(2, 3),
-                                        keep_batch_dim=True, has_aux=True)
+  fn = jaxclip.per_example_clipped_grad(
+    loss, CLIP, microbatch_size=3, batch_argnums=(2, 3), keep_batch_dim=True, has_aux=True
+  )
   total, _, aux = jax.jit(fn)(params, jnp.float32(1.0), x, y)
   ref_total, _ = jaxclip.per_example_global_norm_clip(_per_example_grads(params, x, y), CLIP)
   _assert_trees_close(total, ref_total)
@@ -85,16 +89,23 @@ def test_has_aux_under_vmap_with_axis_name_keeps_each_devices_examples():
   # vmap with axis_name stands in for a device axis: 3 "devices" of 4 examples.
   params, x, y = mlp_problem()
   split = lambda a: a.reshape((3, 4) + a.shape[1:])
-  fn = jaxclip.per_example_clipped_grad(_loss_aux, CLIP, microbatch_size=3,
-                                        batch_argnums=(1, 2), axis_name="i", has_aux=True)
+  fn = jaxclip.per_example_clipped_grad(
+    _loss_aux, CLIP, microbatch_size=3, batch_argnums=(1, 2), axis_name="i", has_aux=True
+  )
   total, count, aux = jax.jit(jax.vmap(fn, in_axes=(None, 0, 0), axis_name="i"))(
-      params, split(x), split(y))
+    params, split(x), split(y)
+  )
   ref_total, ref_count = jaxclip.per_example_global_norm_clip(
-      _per_example_grads(params, x, y), CLIP)
+    _per_example_grads(params, x, y), CLIP
+  )
   _assert_trees_close(jax.tree.map(lambda t: t[2], total), ref_total)
   assert list(np.asarray(count)) == [int(ref_count)] * 3
-  _assert_trees_close(jax.tree.map(lambda a: a.reshape((12,) + a.shape[2:]), aux),
-                      _vmap_aux(params, x, y), rtol=1e-6, atol=1e-6)
+  _assert_trees_close(
+    jax.tree.map(lambda a: a.reshape((12,) + a.shape[2:]), aux),
+    _vmap_aux(params, x, y),
+    rtol=1e-6,
+    atol=1e-6,
+  )
 
 
 def test_has_aux_needs_a_pair():
@@ -120,9 +131,12 @@ def test_layer_norm_clip_axis_name_under_vmap(uniform):
   ref_sum, ref_count = jaxclip.per_example_layer_norm_clip(grads, CLIP / 3, uniform)
   assert 0 < sum(int(c) for c in jax.tree.leaves(ref_count))
   split = jax.tree.map(lambda g: g.reshape((3, 4) + g.shape[1:]), grads)
-  out, count = jax.jit(jax.vmap(
+  out, count = jax.jit(
+    jax.vmap(
       lambda g: jaxclip.per_example_layer_norm_clip(g, CLIP / 3, uniform, axis_name="i"),
-      axis_name="i"))(split)
+      axis_name="i",
+    )
+  )(split)
   for device in range(3):
     _assert_trees_close(_row(out, device), ref_sum)
     assert jax.tree.map(int, _row(count, device)) == jax.tree.map(int, ref_count)
@@ -146,22 +160,28 @@ def md_layer_norm_clip_in_shard_map():
       def local(p, xb, yb, uniform=uniform, axis=axis):
         p = _distributed.as_varying(p, axis)
         return jaxclip.per_example_layer_norm_clip(
-            _per_example_grads(p, xb, yb), CLIP / 3, uniform, axis_name=axis)
+          _per_example_grads(p, xb, yb), CLIP / 3, uniform, axis_name=axis
+        )
 
       for check_vma in (True, False) if len(names) == 1 else (True,):
         with jax.set_mesh(mesh):
           xs, ys = (jax.device_put(a, NamedSharding(mesh, P(names))) for a in (x, y))
-          out, count = jax.jit(jax.shard_map(
-              local, mesh=mesh, in_specs=(P(), P(names), P(names)), out_specs=(P(), P()),
-              check_vma=check_vma))(params, xs, ys)
+          out, count = jax.jit(
+            jax.shard_map(
+              local,
+              mesh=mesh,
+              in_specs=(P(), P(names), P(names)),
+              out_specs=(P(), P()),
+              check_vma=check_vma,
+            )
+          )(params, xs, ys)
         _assert_trees_close(out, ref_sum)
         assert jax.tree.map(int, count) == jax.tree.map(int, ref_count)
 
 
 def md_has_aux_in_shard_map_and_under_spmd_axis_name():
   params, x, y = mlp_problem(batch=64, seed=2)
-  ref_sum, ref_count = jaxclip.per_example_global_norm_clip(
-      _per_example_grads(params, x, y), CLIP)
+  ref_sum, ref_count = jaxclip.per_example_global_norm_clip(_per_example_grads(params, x, y), CLIP)
   ref_aux = _vmap_aux(params, x, y)
   mesh = jax.make_mesh((N_DEVICES,), ("data",))
   with jax.set_mesh(mesh):
@@ -170,15 +190,29 @@ def md_has_aux_in_shard_map_and_under_spmd_axis_name():
     results = []
     for microbatch_size in (None, 3):
       local = jaxclip.per_example_clipped_grad(
-          _loss_aux, CLIP, microbatch_size=microbatch_size, batch_argnums=(1, 2),
-          axis_name="data", has_aux=True)
-      results.append(jax.jit(jax.shard_map(
-          local, mesh=mesh, in_specs=(P(), P("data"), P("data")),
-          out_specs=(P(), P(), P("data"))))(params, xs, ys))
+        _loss_aux,
+        CLIP,
+        microbatch_size=microbatch_size,
+        batch_argnums=(1, 2),
+        axis_name="data",
+        has_aux=True,
+      )
+      results.append(
+        jax.jit(
+          jax.shard_map(
+            local, mesh=mesh, in_specs=(P(), P("data"), P("data")), out_specs=(P(), P(), P("data"))
+          )
+        )(params, xs, ys)
+      )
     for microbatch_size in (None, 16, 24):  # 24: a padded last chunk
       fn = jaxclip.per_example_clipped_grad(
-          _loss_aux, CLIP, microbatch_size=microbatch_size, batch_argnums=(1, 2),
-          spmd_axis_name="data", has_aux=True)
+        _loss_aux,
+        CLIP,
+        microbatch_size=microbatch_size,
+        batch_argnums=(1, 2),
+        spmd_axis_name="data",
+        has_aux=True,
+      )
       out = jax.jit(fn)(ps, xs, ys)
       # The aux stays with the examples: sharded over 'data' like the batch.
       assert out[2]["pred"].sharding.spec[0] == "data", out[2]["pred"].sharding

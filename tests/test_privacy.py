@@ -61,8 +61,9 @@ def test_padding_is_finite_when_the_loss_divides_by_the_data():
   grads = 1.0 / x  # each example's gradient
   ref, ref_count = jaxclip.per_example_global_norm_clip([grads], 1.0)
   for method in METHODS:
-    fn = jaxclip.per_example_clipped_grad(loss, 1.0, microbatch_size=2, method=method,
-                                          return_norms=True)
+    fn = jaxclip.per_example_clipped_grad(
+      loss, 1.0, microbatch_size=2, method=method, return_norms=True
+    )
     total, count, norms = fn(jnp.ones(2), x)
     np.testing.assert_allclose(total, ref[0], rtol=1e-6, err_msg=method)
     assert int(count) == int(ref_count) == 2, method
@@ -77,9 +78,16 @@ def test_mask_drops_examples_with_microbatches_and_aux(method):
   ref_total, ref_count, ref_norms = _reference(params, x, y, CLIP, keep)
   assert 0 < ref_count < keep.sum()
   for microbatch_size in (None, 5):  # 5: chunks with a padded last one
-    fn = jax.jit(jaxclip.per_example_clipped_grad(
-        _loss_aux, CLIP, microbatch_size=microbatch_size, method=method, return_norms=True,
-        has_aux=True))
+    fn = jax.jit(
+      jaxclip.per_example_clipped_grad(
+        _loss_aux,
+        CLIP,
+        microbatch_size=microbatch_size,
+        method=method,
+        return_norms=True,
+        has_aux=True,
+      )
+    )
     total, count, norms, losses = fn(params, _poisoned(x, mask), y, example_mask=mask)
     _close(total, ref_total)
     assert int(count) == ref_count, (microbatch_size, int(count), ref_count)
@@ -102,11 +110,16 @@ def test_mask_under_vmap_with_axis_name():
   ref_total, ref_count, _ = _reference(params, x, y, CLIP, np.asarray(mask))
   split = lambda a: a.reshape((3, 4) + a.shape[1:])
   for method in METHODS:
-    fn = jaxclip.per_example_clipped_grad(mlp_loss, CLIP, microbatch_size=3, axis_name="i",
-                                          method=method)
-    total, count = jax.jit(jax.vmap(lambda p, a, b, m, fn=fn: fn(p, a, b, example_mask=m),
-                                    in_axes=(None, 0, 0, 0), axis_name="i"))(
-        params, split(_poisoned(x, mask)), split(y), split(mask))
+    fn = jaxclip.per_example_clipped_grad(
+      mlp_loss, CLIP, microbatch_size=3, axis_name="i", method=method
+    )
+    total, count = jax.jit(
+      jax.vmap(
+        lambda p, a, b, m, fn=fn: fn(p, a, b, example_mask=m),
+        in_axes=(None, 0, 0, 0),
+        axis_name="i",
+      )
+    )(params, split(_poisoned(x, mask)), split(y), split(mask))
     _close(jax.tree.map(lambda t: t[1], total), ref_total)
     assert list(np.asarray(count)) == [ref_count] * 3, method
 
@@ -123,12 +136,14 @@ def test_empty_batch_and_empty_params_agree_across_methods():
   results = {}
   for method in METHODS:
     for mb in (None, 2):
-      fn = jaxclip.per_example_clipped_grad(lambda w, x: jnp.sum(w * x), 0.5, method=method,
-                                            microbatch_size=mb, return_norms=True)
+      fn = jaxclip.per_example_clipped_grad(
+        lambda w, x: jnp.sum(w * x), 0.5, method=method, microbatch_size=mb, return_norms=True
+      )
       total, count, norms = fn(jnp.ones(2), jnp.ones((0, 2)))
       results[method, mb, "batch"] = (np.asarray(total).tolist(), int(count), norms.shape)
-      fn = jaxclip.per_example_clipped_grad(lambda p, x: jnp.sum(x), 0.5, method=method,
-                                            microbatch_size=mb, return_norms=True)
+      fn = jaxclip.per_example_clipped_grad(
+        lambda p, x: jnp.sum(x), 0.5, method=method, microbatch_size=mb, return_norms=True
+      )
       total, count, norms = fn({}, jnp.ones((3, 2)))
       results[method, mb, "params"] = (total, int(count), np.asarray(norms).tolist())
   for key, value in results.items():
@@ -156,7 +171,8 @@ def test_default_batch_is_every_argument_and_shared_ones_warn_once():
   with warnings.catch_warnings():
     warnings.simplefilter("error")  # no warning for a shared argument of another size
     jaxclip.per_example_clipped_grad(loss, CLIP, batch_argnums=(1, 2))(
-        params, x, y, jnp.ones((4, 2)))
+      params, x, y, jnp.ones((4, 2))
+    )
 
 
 # ----------------------------------------------------------------------------
@@ -171,15 +187,27 @@ def test_group_size_clips_each_users_summed_gradient(method):
   grads = jax.vmap(jax.grad(mlp_loss), in_axes=(None, 0, 0))(params, x, y)
   # Users of 3 consecutive examples: the gradient of their masked summed loss.
   per_user = jax.tree.map(
-      lambda g: jnp.sum(jnp.where(mask.reshape((12,) + (1,) * (g.ndim - 1)), g, 0)
-                        .reshape((4, 3) + g.shape[1:]), axis=1), grads)
+    lambda g: jnp.sum(
+      jnp.where(mask.reshape((12,) + (1,) * (g.ndim - 1)), g, 0).reshape((4, 3) + g.shape[1:]),
+      axis=1,
+    ),
+    grads,
+  )
   flat = jnp.concatenate([g.reshape(4, -1) for g in jax.tree.leaves(per_user)], axis=1)
   clip = float(np.median(np.linalg.norm(flat, axis=1)))
   ref_total, ref_count = jaxclip.per_example_global_norm_clip(per_user, clip)
   assert 0 < int(ref_count) < 4
-  fn = jax.jit(jaxclip.per_example_clipped_grad(
-      _loss_aux, clip, group_size=3, microbatch_size=6, method=method, return_norms=True,
-      has_aux=True))
+  fn = jax.jit(
+    jaxclip.per_example_clipped_grad(
+      _loss_aux,
+      clip,
+      group_size=3,
+      microbatch_size=6,
+      method=method,
+      return_norms=True,
+      has_aux=True,
+    )
+  )
   total, count, norms, losses = fn(params, _poisoned(x, mask), y, example_mask=mask)
   _close(total, ref_total, rtol=1e-4, atol=1e-4)
   assert int(count) == int(ref_count)
@@ -206,21 +234,25 @@ def test_quantile_update_counts_real_examples_only():
   assert float(got) == pytest.approx(1.0 - 0.5)
   assert float(got) == float(jaxclip.quantile_clip_norm_update(1.0, real, **kw))
   # Centred and over the expected batch size: (2 - 4 / 2) / 8 + 1/2 below.
-  got = jaxclip.quantile_clip_norm_update(1.0, norms, example_mask=mask, expected_batch_size=8,
-                                          **kw)
+  got = jaxclip.quantile_clip_norm_update(
+    1.0, norms, example_mask=mask, expected_batch_size=8, **kw
+  )
   assert float(got) == pytest.approx(1.0 - 0.5)
-  got = jaxclip.quantile_clip_norm_update(1.0, norms, example_mask=mask, expected_batch_size=2,
-                                          **kw)
+  got = jaxclip.quantile_clip_norm_update(
+    1.0, norms, example_mask=mask, expected_batch_size=2, **kw
+  )
   assert float(got) == pytest.approx(1.0 - 0.5)
   # 3 real, the NaN among them (counted as above C): sum(b - 1/2) = -1/2, over 4, plus 1/2.
   three = jnp.array([True, True, True, False, False, False])
-  got = jaxclip.quantile_clip_norm_update(1.0, norms, example_mask=three, expected_batch_size=4,
-                                          **kw)
+  got = jaxclip.quantile_clip_norm_update(
+    1.0, norms, example_mask=three, expected_batch_size=4, **kw
+  )
   assert float(got) == pytest.approx(1.0 - (-0.5 / 4 + 0.5))
   # The noise scale stays the caller's: σ_b N(0, 1) / B on the fraction.
   key = jax.random.key(0)
-  noisy = jaxclip.quantile_clip_norm_update(1.0, norms, example_mask=mask, expected_batch_size=8,
-                                            count_stddev=2.0, key=key, **kw)
+  noisy = jaxclip.quantile_clip_norm_update(
+    1.0, norms, example_mask=mask, expected_batch_size=8, count_stddev=2.0, key=key, **kw
+  )
   expected = 1.0 - (0.5 + 2.0 * float(jax.random.normal(key, (), jnp.float32)) / 8)
   assert float(noisy) == pytest.approx(expected, rel=1e-6)
   with pytest.raises(ValueError, match="example_mask must be a boolean array"):
@@ -256,8 +288,10 @@ def test_poisson_batch_overflow_keeps_a_random_subset():
   b = jaxclip.poisson_batch(jax.random.key(1), 100, 0.5, 10)
   assert bool(b.overflow) and bool(b.mask.all()) and len(set(np.asarray(b.indices))) == 10
   # Which 10 are kept is random, not the lowest indices.
-  kept = [set(np.asarray(jaxclip.poisson_batch(jax.random.key(s), 100, 0.5, 10).indices))
-          for s in range(5)]
+  kept = [
+    set(np.asarray(jaxclip.poisson_batch(jax.random.key(s), 100, 0.5, 10).indices))
+    for s in range(5)
+  ]
   assert max(max(k) for k in kept) > 50 and len(set.union(*kept)) > 30
   # More rows than examples: padded, masked rows; q traced; q = 0 and q = 1.
   full = jax.jit(lambda q: jaxclip.poisson_batch(jax.random.key(2), 5, q, 8))(1.0)
@@ -307,10 +341,13 @@ def test_example_epsilon_matches_dp_accounting_dp_sgd():
   # Calibrated the other way: dp_accounting's noise for ε = 1 gives ε = 1 back.
   target = 1.0
   sigma = dp_accounting.calibrate_dp_mechanism(
-      dp_accounting.rdp.RdpAccountant,
-      lambda s: dp_accounting.SelfComposedDpEvent(
-          dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(s)), steps),
-      target, delta)
+    dp_accounting.rdp.RdpAccountant,
+    lambda s: dp_accounting.SelfComposedDpEvent(
+      dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(s)), steps
+    ),
+    target,
+    delta,
+  )
   assert example.epsilon(q, sigma, steps, delta, "rdp") == pytest.approx(target, abs=1e-3)
   # Andrew et al.'s split: gradient σ and count σ_b (sensitivity 1/2) recombine to z.
   sigma = example.gradient_noise_multiplier(z, 256 / 20)
@@ -321,8 +358,10 @@ def test_example_epsilon_matches_dp_accounting_dp_sgd():
   if importlib.util.find_spec("jax_privacy") is not None:
     config = example.Config(train_size=60000, batch=256, noise_multiplier=z, steps=steps)
     assert example.jax_privacy_epsilon(config) == pytest.approx(ref_rdp, rel=1e-3)
-  print(f"reference: q={q:.5g} z={z} steps={steps} delta={delta}: "
-        f"RDP eps={ref_rdp:.4f} PLD eps={ref_pld:.4f}")
+  print(
+    f"reference: q={q:.5g} z={z} steps={steps} delta={delta}: "
+    f"RDP eps={ref_rdp:.4f} PLD eps={ref_pld:.4f}"
+  )
 
 
 def test_jax_privacy_noise_on_jaxclip_ghost_sum():
@@ -330,15 +369,17 @@ def test_jax_privacy_noise_on_jaxclip_ghost_sum():
   params, x, y = mlp_problem(batch=8)
   mask = jnp.arange(8) < 6
   total, _, norms = jaxclip.per_example_clipped_grad(
-      mlp_loss, CLIP, method="ghost", return_norms=True)(params, x, y, example_mask=mask)
+    mlp_loss, CLIP, method="ghost", return_norms=True
+  )(params, x, y, example_mask=mask)
   assert np.all(np.asarray(norms)[6:] == 0)
   # jax_privacy's Gaussian privatizer on the clipped sum in units of C.
   sigma = 1.5
   privatizer = noise_addition.gaussian_privatizer(stddev=sigma, prng_key=jax.random.key(0))
   unit = jax.tree.map(lambda g: g / CLIP, total)
   noisy, _ = jax.jit(privatizer.update)(unit, privatizer.init(unit))
-  noise = np.concatenate([np.ravel(a - b) for a, b in zip(
-      jax.tree.leaves(noisy), jax.tree.leaves(unit), strict=True)])
+  noise = np.concatenate(
+    [np.ravel(a - b) for a, b in zip(jax.tree.leaves(noisy), jax.tree.leaves(unit), strict=True)]
+  )
   assert noise.size > 50 and abs(noise.std() / sigma - 1) < 0.3 and abs(noise.mean()) < 0.5
   # The other way in: jax_privacy's Poisson batches, padded with -1, as a jaxclip mask.
   batch_selection = pytest.importorskip("jax_privacy.batch_selection")
@@ -370,20 +411,31 @@ def md_mask_in_shard_map_and_under_spmd_axis_name():
     sharded = [jax.device_put(a, NamedSharding(mesh, P("data"))) for a in (xs_bad, y, mask)]
     ps = jax.device_put(params, NamedSharding(mesh, P()))
     for method in METHODS:
-      local = jaxclip.per_example_clipped_grad(mlp_loss, CLIP, microbatch_size=3,
-                                               axis_name="data", method=method)
-      total, count = jax.jit(jax.shard_map(
-          lambda p, a, b, m, local=local: local(p, a, b, example_mask=m), mesh=mesh,
-          in_specs=(P(), P("data"), P("data"), P("data")), out_specs=(P(), P())))(
-              params, *sharded)
+      local = jaxclip.per_example_clipped_grad(
+        mlp_loss, CLIP, microbatch_size=3, axis_name="data", method=method
+      )
+      total, count = jax.jit(
+        jax.shard_map(
+          lambda p, a, b, m, local=local: local(p, a, b, example_mask=m),
+          mesh=mesh,
+          in_specs=(P(), P("data"), P("data"), P("data")),
+          out_specs=(P(), P()),
+        )
+      )(params, *sharded)
       _close(total, ref_total)
       assert int(count) == ref_count, (method, int(count), ref_count)
       for microbatch_size in (None, 24):  # 24: a padded last chunk
         fn = jaxclip.per_example_clipped_grad(
-            mlp_loss, CLIP, microbatch_size=microbatch_size, spmd_axis_name="data",
-            method=method, return_norms=True)
+          mlp_loss,
+          CLIP,
+          microbatch_size=microbatch_size,
+          spmd_axis_name="data",
+          method=method,
+          return_norms=True,
+        )
         total, count, norms = jax.jit(lambda p, a, b, m, fn=fn: fn(p, a, b, example_mask=m))(
-            ps, *sharded)
+          ps, *sharded
+        )
         _close(total, ref_total)
         assert int(count) == ref_count, (method, microbatch_size)
         np.testing.assert_allclose(np.asarray(norms)[np.asarray(mask)], ref_norms, rtol=2e-5)

@@ -14,8 +14,9 @@ from jaxclip import ops
 SETTINGS = settings(max_examples=40, deadline=None)
 
 floats = st.floats(-1e3, 1e3, allow_nan=False, allow_subnormal=False, width=32)
-arrays = hnp.arrays(np.float32, hnp.array_shapes(min_dims=1, max_dims=3, max_side=4),
-                    elements=floats)
+arrays = hnp.arrays(
+  np.float32, hnp.array_shapes(min_dims=1, max_dims=3, max_side=4), elements=floats
+)
 trees = st.lists(arrays, min_size=1, max_size=4)
 thresholds = st.floats(float(np.float32(1e-3)), 1e3, width=32)
 
@@ -47,11 +48,11 @@ def test_direction_kept(tree, c):
 def test_idempotent(tree, c):
   once, _ = ops.clip_by_global_norm([jnp.asarray(x) for x in tree], c)
   twice, _ = ops.clip_by_global_norm(once, c)
-  for a, b in zip(once, twice):
+  for a, b in zip(once, twice, strict=True):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6 * c)
   once = ops.clip_by_norm([jnp.asarray(x) for x in tree], c)
   twice = ops.clip_by_norm(once, c)
-  for a, b in zip(once, twice):
+  for a, b in zip(once, twice, strict=True):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6 * c)
 
 
@@ -62,7 +63,7 @@ def test_under_threshold_unchanged(tree):
   c = _norm(tree) * 1.01 + 1e-3
   clipped, _ = ops.clip_by_global_norm(tree, c)
   per_leaf = ops.clip_by_norm(tree, c)
-  for x, a, b in zip(tree, clipped, per_leaf):
+  for x, a, b in zip(tree, clipped, per_leaf, strict=True):
     np.testing.assert_array_equal(a, x)
     np.testing.assert_array_equal(b, x)
 
@@ -72,7 +73,7 @@ def test_under_threshold_unchanged(tree):
 def test_clip_by_value_bounds_hold(tree, a, b):
   lo, hi = min(a, b), max(a, b)
   out = ops.clip_by_value([jnp.asarray(x) for x in tree], lo, hi)
-  for x, y in zip(tree, out):
+  for x, y in zip(tree, out, strict=True):
     y = np.asarray(y)
     assert np.all(y >= np.float32(lo)) and np.all(y <= np.float32(hi))
     inside = (x >= lo) & (x <= hi)
@@ -87,9 +88,17 @@ def test_per_leaf_norm_bounded(tree, c):
 
 
 @SETTINGS
-@given(st.lists(hnp.arrays(np.int32, hnp.array_shapes(max_dims=2, max_side=4),
-                           elements=st.integers(-1000, 1000)), min_size=1, max_size=3),
-       st.floats(-500, 500), st.floats(-500, 500))
+@given(
+  st.lists(
+    hnp.arrays(
+      np.int32, hnp.array_shapes(max_dims=2, max_side=4), elements=st.integers(-1000, 1000)
+    ),
+    min_size=1,
+    max_size=3,
+  ),
+  st.floats(-500, 500),
+  st.floats(-500, 500),
+)
 def test_clip_by_value_integers_stay_inside(tree, a, b):
   # Host-side float64 rounding of concrete bounds: -1e-80 still rounds to -1.
   lo, hi = min(a, b), max(a, b)
@@ -103,9 +112,12 @@ def test_clip_by_value_integers_stay_inside(tree, a, b):
 
 def test_jit_agrees_with_eager_on_random_trees():
   tree = [jax.random.normal(jax.random.key(i), (3, i + 1)) * 5 for i in range(4)]
-  for fn in (lambda t: ops.clip_by_global_norm(t, 2.0), lambda t: ops.clip_by_norm(t, 2.0),
-             lambda t: ops.clip_by_value(t, -1.0, 1.0),
-             lambda t: ops.clip_by_average_norm(t, 0.1)):
+  for fn in (
+    lambda t: ops.clip_by_global_norm(t, 2.0),
+    lambda t: ops.clip_by_norm(t, 2.0),
+    lambda t: ops.clip_by_value(t, -1.0, 1.0),
+    lambda t: ops.clip_by_average_norm(t, 0.1),
+  ):
     eager, jitted = fn(tree), jax.jit(fn)(tree)
-    for a, b in zip(jax.tree.leaves(eager), jax.tree.leaves(jitted)):
+    for a, b in zip(jax.tree.leaves(eager), jax.tree.leaves(jitted), strict=True):
       np.testing.assert_allclose(a, b, rtol=1e-6)

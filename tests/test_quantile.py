@@ -41,10 +41,10 @@ def noises(keys):
 
 
 CONFIGS = {
-    "geometric_median": dict(q=0.5, lr=0.2, stddev=0.0, geometric=True, c0=0.3),
-    "geometric_p90_noisy": dict(q=0.9, lr=0.2, stddev=BATCH / 20, geometric=True, c0=5.0),
-    "linear_median": dict(q=0.5, lr=0.1, stddev=0.0, geometric=False, c0=0.3),
-    "linear_p25_noisy": dict(q=0.25, lr=0.3, stddev=BATCH / 20, geometric=False, c0=2.0),
+  "geometric_median": dict(q=0.5, lr=0.2, stddev=0.0, geometric=True, c0=0.3),
+  "geometric_p90_noisy": dict(q=0.9, lr=0.2, stddev=BATCH / 20, geometric=True, c0=5.0),
+  "linear_median": dict(q=0.5, lr=0.1, stddev=0.0, geometric=False, c0=0.3),
+  "linear_p25_noisy": dict(q=0.25, lr=0.3, stddev=BATCH / 20, geometric=False, c0=2.0),
 }
 
 
@@ -54,16 +54,29 @@ def test_matches_numpy_port_over_a_run(name):
   runs = norm_run(seed=len(name))
   keys = jax.random.split(jax.random.key(7), NUM_STEPS)
   draws = noises(keys)
-  update = jax.jit(jaxclip.quantile_clip_norm_update,
-                   static_argnames=("geometric",))
+  update = jax.jit(jaxclip.quantile_clip_norm_update, static_argnames=("geometric",))
   c, want = jnp.float32(cfg["c0"]), cfg["c0"]
   got_run, want_run = [], []
   for t in range(NUM_STEPS):
     # Under jit count_stddev is traced, so a key is always passed (0 * noise when unused).
-    c = update(c, jnp.asarray(runs[t]), target_quantile=cfg["q"], learning_rate=cfg["lr"],
-               count_stddev=cfg["stddev"], key=keys[t], geometric=cfg["geometric"])
-    want = port_step(want, runs[t], q=cfg["q"], lr=cfg["lr"], stddev=cfg["stddev"],
-                     noise=draws[t], geometric=cfg["geometric"])
+    c = update(
+      c,
+      jnp.asarray(runs[t]),
+      target_quantile=cfg["q"],
+      learning_rate=cfg["lr"],
+      count_stddev=cfg["stddev"],
+      key=keys[t],
+      geometric=cfg["geometric"],
+    )
+    want = port_step(
+      want,
+      runs[t],
+      q=cfg["q"],
+      lr=cfg["lr"],
+      stddev=cfg["stddev"],
+      noise=draws[t],
+      geometric=cfg["geometric"],
+    )
     assert c.dtype == jnp.float32 and c.shape == ()
     got_run.append(float(c))
     want_run.append(want)
@@ -80,8 +93,9 @@ def test_noise_is_the_keys_normal_draw_scaled_by_count_stddev():
   (z,) = noises([key])
   for geometric in (True, False):
     plain = jaxclip.quantile_clip_norm_update(1.5, norms, geometric=geometric)
-    noisy = jaxclip.quantile_clip_norm_update(1.5, norms, count_stddev=4.0, key=key,
-                                              geometric=geometric)
+    noisy = jaxclip.quantile_clip_norm_update(
+      1.5, norms, count_stddev=4.0, key=key, geometric=geometric
+    )
     want = port_step(1.5, norms, q=0.5, lr=0.2, stddev=4.0, noise=z, geometric=geometric)
     np.testing.assert_allclose(float(noisy), want, rtol=1e-6)
     assert float(noisy) != float(plain)
@@ -89,15 +103,17 @@ def test_noise_is_the_keys_normal_draw_scaled_by_count_stddev():
     silent = jaxclip.quantile_clip_norm_update(1.5, norms, key=key, geometric=geometric)
     assert float(silent) == float(plain)
   # A legacy uint32 key works too.
-  legacy = jaxclip.quantile_clip_norm_update(1.5, norms, count_stddev=4.0,
-                                             key=jax.random.PRNGKey(0))
+  legacy = jaxclip.quantile_clip_norm_update(
+    1.5, norms, count_stddev=4.0, key=jax.random.PRNGKey(0)
+  )
   assert np.isfinite(float(legacy))
 
 
 def test_linear_update_is_clamped_at_zero():
   norms = jnp.full((8,), 1e-3)  # all below C: the fraction is 1
-  c = jaxclip.quantile_clip_norm_update(0.05, norms, target_quantile=0.1, learning_rate=1.0,
-                                        geometric=False)
+  c = jaxclip.quantile_clip_norm_update(
+    0.05, norms, target_quantile=0.1, learning_rate=1.0, geometric=False
+  )
   assert float(c) == 0.0
   assert port_step(0.05, norms, q=0.1, lr=1.0, stddev=0.0, noise=0.0, geometric=False) == 0.0
   # and from 0 it grows again once the norms are above it
@@ -117,8 +133,14 @@ def run_to_convergence(q, geometric, lr, count_stddev, steps=1500, batch=256, mu
       k_norms, k_noise = jax.random.split(k)
       norms = jnp.exp(mu + sigma * jax.random.normal(k_norms, (batch,)))
       c = jaxclip.quantile_clip_norm_update(
-          c, norms, target_quantile=q, learning_rate=lr, count_stddev=count_stddev,
-          key=k_noise, geometric=geometric)
+        c,
+        norms,
+        target_quantile=q,
+        learning_rate=lr,
+        count_stddev=count_stddev,
+        key=k_noise,
+        geometric=geometric,
+      )
       return c, c
 
     _, cs = jax.lax.scan(step, c0, jax.random.split(key, steps))
@@ -126,15 +148,16 @@ def run_to_convergence(q, geometric, lr, count_stddev, steps=1500, batch=256, mu
 
   cs = np.asarray(run(jnp.float32(0.2), jax.random.key(int(q * 100) + int(geometric))))
   assert np.all(np.isfinite(cs))
-  return cs, float(np.mean(cs[-steps // 3:]))
+  return cs, float(np.mean(cs[-steps // 3 :]))
 
 
 NORMAL_QUANTILE = {0.5: 0.0, 0.9: 1.2815515655446004}
 
 
 @pytest.mark.parametrize("q", [0.5, 0.9])
-@pytest.mark.parametrize("geometric,lr,count_stddev", [
-    (True, 0.2, 0.0), (True, 0.2, 256 / 20), (False, 0.3, 0.0)])
+@pytest.mark.parametrize(
+  "geometric,lr,count_stddev", [(True, 0.2, 0.0), (True, 0.2, 256 / 20), (False, 0.3, 0.0)]
+)
 def test_converges_to_the_target_quantile_of_the_norms(q, geometric, lr, count_stddev):
   mu, sigma = 0.5, 1.0
   cs, settled = run_to_convergence(q, geometric, lr, count_stddev, mu=mu, sigma=sigma)
@@ -152,13 +175,18 @@ def test_converges_to_the_target_quantile_of_the_norms(q, geometric, lr, count_s
 def test_jit_with_every_hyperparameter_traced_matches_eager():
   norms = jnp.asarray(norm_run(5)[3])
   key = jax.random.key(2)
-  traced = jax.jit(lambda c, n, q, lr, s, k, g: jaxclip.quantile_clip_norm_update(
-      c, n, target_quantile=q, learning_rate=lr, count_stddev=s, key=k, geometric=g))
+  traced = jax.jit(
+    lambda c, n, q, lr, s, k, g: jaxclip.quantile_clip_norm_update(
+      c, n, target_quantile=q, learning_rate=lr, count_stddev=s, key=k, geometric=g
+    )
+  )
   for q, lr, s, g in ((0.5, 0.2, 0.0, True), (0.9, 0.1, 3.0, True), (0.3, 0.4, 3.0, False)):
-    eager = jaxclip.quantile_clip_norm_update(2.0, norms, target_quantile=q, learning_rate=lr,
-                                              count_stddev=s, key=key, geometric=g)
-    got = traced(jnp.float32(2.0), norms, jnp.float32(q), jnp.float32(lr), jnp.float32(s), key,
-                 jnp.asarray(g))
+    eager = jaxclip.quantile_clip_norm_update(
+      2.0, norms, target_quantile=q, learning_rate=lr, count_stddev=s, key=key, geometric=g
+    )
+    got = traced(
+      jnp.float32(2.0), norms, jnp.float32(q), jnp.float32(lr), jnp.float32(s), key, jnp.asarray(g)
+    )
     np.testing.assert_allclose(float(got), float(eager), rtol=1e-6)
     assert got.dtype == jnp.float32
 
@@ -166,12 +194,14 @@ def test_jit_with_every_hyperparameter_traced_matches_eager():
 def test_traced_count_stddev_without_a_key_raises():
   with pytest.raises(ValueError, match="count_stddev"):
     jax.jit(lambda s: jaxclip.quantile_clip_norm_update(1.0, jnp.ones(4), count_stddev=s))(
-        jnp.float32(0.0))
+      jnp.float32(0.0)
+    )
 
 
 def test_traced_negative_clip_norm_acts_as_zero():
-  got = jax.jit(lambda c: jaxclip.quantile_clip_norm_update(
-      c, jnp.ones(4), learning_rate=0.5, geometric=False))(jnp.float32(-3.0))
+  got = jax.jit(
+    lambda c: jaxclip.quantile_clip_norm_update(c, jnp.ones(4), learning_rate=0.5, geometric=False)
+  )(jnp.float32(-3.0))
   np.testing.assert_allclose(float(got), 0.25)  # 0 - 0.5 * (0 - 0.5)
   got = jax.jit(lambda c: jaxclip.quantile_clip_norm_update(c, jnp.ones(4)))(jnp.float32(-3.0))
   assert float(got) == 0.0
@@ -183,19 +213,21 @@ def test_nonfinite_norms_count_as_above_and_keep_c_finite(geometric):
   dirty = clean.copy()
   dirty[[2, 3, 4]] = [np.nan, np.inf, np.nan]  # all three were above C = 1
   kw = dict(target_quantile=0.6, learning_rate=0.3, geometric=geometric)
-  for update in (jaxclip.quantile_clip_norm_update,
-                 jax.jit(jaxclip.quantile_clip_norm_update, static_argnames=tuple(kw))):
+  for update in (
+    jaxclip.quantile_clip_norm_update,
+    jax.jit(jaxclip.quantile_clip_norm_update, static_argnames=tuple(kw)),
+  ):
     got = update(1.0, jnp.asarray(dirty), **kw)
     assert np.isfinite(float(got))
     assert float(got) == float(update(1.0, jnp.asarray(clean), **kw))
   # All NaN: nothing is below, so C grows as for norms all above it.
   got = jaxclip.quantile_clip_norm_update(1.0, jnp.full((4,), jnp.nan), **kw)
-  want = port_step(1.0, np.full(4, 1e9), q=0.6, lr=0.3, stddev=0.0, noise=0.0,
-                   geometric=geometric)
+  want = port_step(1.0, np.full(4, 1e9), q=0.6, lr=0.3, stddev=0.0, noise=0.0, geometric=geometric)
   np.testing.assert_allclose(float(got), want, rtol=1e-6)
   # Even a NaN norm with noise keeps C finite.
-  got = jaxclip.quantile_clip_norm_update(1.0, jnp.asarray(dirty), count_stddev=2.0,
-                                          key=jax.random.key(0), **kw)
+  got = jaxclip.quantile_clip_norm_update(
+    1.0, jnp.asarray(dirty), count_stddev=2.0, key=jax.random.key(0), **kw
+  )
   assert np.isfinite(float(got))
 
 
@@ -219,12 +251,14 @@ def test_clip_norm_dtype_is_kept(dtype):
   for norms in (norms32, norms32.astype(jnp.bfloat16)):
     for geometric in (True, False):
       c = jnp.asarray(1.5, dtype)
-      got = jaxclip.quantile_clip_norm_update(c, norms, count_stddev=2.0,
-                                              key=jax.random.key(1), geometric=geometric)
+      got = jaxclip.quantile_clip_norm_update(
+        c, norms, count_stddev=2.0, key=jax.random.key(1), geometric=geometric
+      )
       assert got.dtype == dtype and got.shape == ()
       # Computed in float32, then rounded once to the dtype.
-      want = jaxclip.quantile_clip_norm_update(c.astype(jnp.float32), norms, count_stddev=2.0,
-                                               key=jax.random.key(1), geometric=geometric)
+      want = jaxclip.quantile_clip_norm_update(
+        c.astype(jnp.float32), norms, count_stddev=2.0, key=jax.random.key(1), geometric=geometric
+      )
       assert got == want.astype(dtype)
   # An integer clip norm gives float32.
   got = jaxclip.quantile_clip_norm_update(jnp.asarray(2, jnp.int32), norms32)
@@ -237,42 +271,42 @@ def test_norms_from_per_example_gradients():
   grads = jax.vmap(jax.grad(mlp_loss), in_axes=(None, 0, 0))(params, x, y)
   norms = jax.vmap(ops.global_norm)(grads)
   c = float(np.median(np.asarray(norms)))
-  _, num_clipped = jaxclip.per_example_clipped_grad(mlp_loss, c, batch_argnums=(1, 2))(
-      params, x, y)
+  _, num_clipped = jaxclip.per_example_clipped_grad(mlp_loss, c, batch_argnums=(1, 2))(params, x, y)
   # With q = 0 and lr = 1, the linear update subtracts exactly the fraction below C.
-  new = jaxclip.quantile_clip_norm_update(c, norms, target_quantile=0.0, learning_rate=1.0,
-                                          geometric=False)
+  new = jaxclip.quantile_clip_norm_update(
+    c, norms, target_quantile=0.0, learning_rate=1.0, geometric=False
+  )
   np.testing.assert_allclose(c - float(new), (16 - int(num_clipped)) / 16, rtol=1e-5)
 
 
 # ------------------------------------------------------------------ bad input
 
 BAD = [
-    (dict(clip_norm=-1.0), ValueError, "clip_norm"),
-    (dict(clip_norm=math.nan), ValueError, "clip_norm"),
-    (dict(clip_norm=jnp.ones(2)), ValueError, "clip_norm"),
-    (dict(clip_norm=None), TypeError, "clip_norm"),
-    (dict(clip_norm="1.0"), TypeError, "clip_norm"),
-    (dict(target_quantile=-0.1), ValueError, "target_quantile"),
-    (dict(target_quantile=1.5), ValueError, "target_quantile"),
-    (dict(target_quantile=math.nan), ValueError, "target_quantile"),
-    (dict(target_quantile=[0.5, 0.9]), ValueError, "target_quantile"),
-    (dict(learning_rate=-0.2), ValueError, "learning_rate"),
-    (dict(learning_rate=math.inf), ValueError, "learning_rate"),
-    (dict(learning_rate=True), TypeError, "learning_rate"),
-    (dict(count_stddev=-1.0), ValueError, "count_stddev"),
-    (dict(count_stddev=math.inf, key=jax.random.key(0)), ValueError, "count_stddev"),
-    (dict(count_stddev=1.0), ValueError, "key"),
-    (dict(count_stddev=1.0, key=0), TypeError, "key"),
-    (dict(count_stddev=1.0, key=jax.random.split(jax.random.key(0))), TypeError, "key"),
-    (dict(geometric="yes"), TypeError, "geometric"),
-    (dict(geometric=2), TypeError, "geometric"),
-    (dict(norms=jnp.ones((2, 3))), ValueError, "norms"),
-    (dict(norms=jnp.ones(())), ValueError, "norms"),
-    (dict(norms=jnp.ones((0,))), ValueError, "norms"),
-    (dict(norms=jnp.ones(3, jnp.complex64)), TypeError, "norms"),
-    (dict(norms=["a", "b"]), TypeError, "norms"),
-    (dict(norms=None), TypeError, "norms"),
+  (dict(clip_norm=-1.0), ValueError, "clip_norm"),
+  (dict(clip_norm=math.nan), ValueError, "clip_norm"),
+  (dict(clip_norm=jnp.ones(2)), ValueError, "clip_norm"),
+  (dict(clip_norm=None), TypeError, "clip_norm"),
+  (dict(clip_norm="1.0"), TypeError, "clip_norm"),
+  (dict(target_quantile=-0.1), ValueError, "target_quantile"),
+  (dict(target_quantile=1.5), ValueError, "target_quantile"),
+  (dict(target_quantile=math.nan), ValueError, "target_quantile"),
+  (dict(target_quantile=[0.5, 0.9]), ValueError, "target_quantile"),
+  (dict(learning_rate=-0.2), ValueError, "learning_rate"),
+  (dict(learning_rate=math.inf), ValueError, "learning_rate"),
+  (dict(learning_rate=True), TypeError, "learning_rate"),
+  (dict(count_stddev=-1.0), ValueError, "count_stddev"),
+  (dict(count_stddev=math.inf, key=jax.random.key(0)), ValueError, "count_stddev"),
+  (dict(count_stddev=1.0), ValueError, "key"),
+  (dict(count_stddev=1.0, key=0), TypeError, "key"),
+  (dict(count_stddev=1.0, key=jax.random.split(jax.random.key(0))), TypeError, "key"),
+  (dict(geometric="yes"), TypeError, "geometric"),
+  (dict(geometric=2), TypeError, "geometric"),
+  (dict(norms=jnp.ones((2, 3))), ValueError, "norms"),
+  (dict(norms=jnp.ones(())), ValueError, "norms"),
+  (dict(norms=jnp.ones((0,))), ValueError, "norms"),
+  (dict(norms=jnp.ones(3, jnp.complex64)), TypeError, "norms"),
+  (dict(norms=["a", "b"]), TypeError, "norms"),
+  (dict(norms=None), TypeError, "norms"),
 ]
 
 

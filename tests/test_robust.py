@@ -53,11 +53,13 @@ def vec(values):
 
 def test_skip_nonfinite_skips_bad_steps_bit_identically():
   tx = jaxclip.skip_nonfinite(optax.adam(0.1))
-  grads = [{"w": jnp.array([1.0, 2.0]), "b": jnp.array(0.5)},
-           {"w": jnp.array([NAN, 2.0]), "b": jnp.array(0.5)},
-           {"w": jnp.array([1.0, 2.0]), "b": jnp.array(INF)},
-           {"w": jnp.array([-1.0, 1.0]), "b": jnp.array(0.1)},
-           {"w": jnp.array([1.0, -INF]), "b": jnp.array(0.1)}]
+  grads = [
+    {"w": jnp.array([1.0, 2.0]), "b": jnp.array(0.5)},
+    {"w": jnp.array([NAN, 2.0]), "b": jnp.array(0.5)},
+    {"w": jnp.array([1.0, 2.0]), "b": jnp.array(INF)},
+    {"w": jnp.array([-1.0, 1.0]), "b": jnp.array(0.1)},
+    {"w": jnp.array([1.0, -INF]), "b": jnp.array(0.1)},
+  ]
   params = {"w": jnp.zeros(2), "b": jnp.zeros(())}
   steps = run(tx, grads, params)
   bad = [False, True, True, False, True]
@@ -80,8 +82,9 @@ def test_skip_nonfinite_skips_bad_steps_bit_identically():
 def test_skip_nonfinite_matches_optax_apply_if_finite(limit):
   grads = vec([1.0, NAN, NAN, NAN, 2.0, INF, 3.0])
   params = jnp.zeros(2)
-  ours = run(jaxclip.skip_nonfinite(optax.sgd(0.5, momentum=0.9), max_consecutive=limit),
-             grads, params)
+  ours = run(
+    jaxclip.skip_nonfinite(optax.sgd(0.5, momentum=0.9), max_consecutive=limit), grads, params
+  )
   ref = run(optax.apply_if_finite(optax.sgd(0.5, momentum=0.9), limit), grads, params)
   for a, b in zip(ours, ref, strict=True):
     np.testing.assert_array_equal(np.asarray(a[0]), np.asarray(b[0]))
@@ -132,22 +135,31 @@ def _nonfinite_probe_tree():
   # Leaves on each path of the grouped reduction: tiny (<= 64 elements, padded
   # and maxed together), small (concatenated), large (reduced alone) and 0-d;
   # three floating dtypes, a complex leaf and an integer leaf.
-  tree = {"tiny": jnp.full((3,), 0.5), "tiny2": jnp.full((5,), -0.5),
-          "small": jnp.full((200,), 0.25, jnp.bfloat16), "small2": jnp.full((300,), 2.0),
-          "large": jnp.full((40, 50), -1.5, jnp.float16), "scalar": jnp.array(3.0),
-          "complex": jnp.full((4,), 1 - 2j, jnp.complex64), "int": jnp.arange(4)}
+  tree = {
+    "tiny": jnp.full((3,), 0.5),
+    "tiny2": jnp.full((5,), -0.5),
+    "small": jnp.full((200,), 0.25, jnp.bfloat16),
+    "small2": jnp.full((300,), 2.0),
+    "large": jnp.full((40, 50), -1.5, jnp.float16),
+    "scalar": jnp.array(3.0),
+    "complex": jnp.full((4,), 1 - 2j, jnp.complex64),
+    "int": jnp.arange(4),
+  }
   return tree
 
 
 @pytest.mark.parametrize("bad", [NAN, INF, -INF])
 def test_all_finite_finds_a_nonfinite_entry_in_any_leaf(bad):
   from jaxclip._robust import all_finite
+
   check = jax.jit(all_finite)
   tree = _nonfinite_probe_tree()
   assert bool(check(tree))
   # The largest finite value of each dtype is finite.
-  biggest = {k: jnp.full_like(v, jnp.finfo(v.dtype).max if jnp.issubdtype(v.dtype, jnp.floating)
-                              else v) for k, v in tree.items()}
+  biggest = {
+    k: jnp.full_like(v, jnp.finfo(v.dtype).max if jnp.issubdtype(v.dtype, jnp.floating) else v)
+    for k, v in tree.items()
+  }
   assert bool(check(biggest))
   for name, leaf in tree.items():
     if name == "int":
@@ -165,10 +177,14 @@ def _compiled_instructions(tx, num_leaves):
   return len(re.findall(r"^\s+\S+ = ", text, re.M))
 
 
-@pytest.mark.parametrize("make", [
+@pytest.mark.parametrize(
+  "make",
+  [
     lambda: jaxclip.skip_nonfinite(optax.sgd(0.1)),
     lambda: jaxclip.skip_on_spike(optax.sgd(0.1), ord=1),
-], ids=["skip_nonfinite", "skip_on_spike"])
+  ],
+  ids=["skip_nonfinite", "skip_on_spike"],
+)
 def test_skipping_compiles_to_a_program_linear_in_the_number_of_leaves(make):
   # The skip flag combines every leaf and every leaf's select reads it. When
   # XLA copied that chain of scalar ops into each select's kernel, the program
@@ -183,13 +199,19 @@ def test_skipping_compiles_to_a_program_linear_in_the_number_of_leaves(make):
 
 def test_zero_nonfinite_repairs_counts_and_keeps_dtypes():
   tx = jaxclip.zero_nonfinite()
-  tree = {"f32": jnp.array([1.0, NAN, INF]),
-          "bf16": jnp.array([-INF, 2.0], jnp.bfloat16),
-          "f16": jnp.array([[3.0, NAN]], jnp.float16),
-          "int": jnp.array([1, 2], jnp.int32)}
+  tree = {
+    "f32": jnp.array([1.0, NAN, INF]),
+    "bf16": jnp.array([-INF, 2.0], jnp.bfloat16),
+    "f16": jnp.array([[3.0, NAN]], jnp.float16),
+    "int": jnp.array([1, 2], jnp.int32),
+  }
   out, state = jax.jit(tx.update)(tree, tx.init(None))
-  expected = {"f32": jnp.array([1.0, 0.0, 0.0]), "bf16": jnp.array([0.0, 2.0], jnp.bfloat16),
-              "f16": jnp.array([[3.0, 0.0]], jnp.float16), "int": jnp.array([1, 2], jnp.int32)}
+  expected = {
+    "f32": jnp.array([1.0, 0.0, 0.0]),
+    "bf16": jnp.array([0.0, 2.0], jnp.bfloat16),
+    "f16": jnp.array([[3.0, 0.0]], jnp.float16),
+    "int": jnp.array([1, 2], jnp.int32),
+  }
   assert_tree_allclose(out, expected, rtol=0)
   assert int(state.num_nonfinite_zeroed) == 4
   assert int(state.num_steps_with_nonfinite) == 1
@@ -201,13 +223,20 @@ def test_zero_nonfinite_repairs_counts_and_keeps_dtypes():
 def test_zero_nonfinite_repairs_each_leaf_of_a_shared_shape_and_complex_leaves():
   # Leaves of one shape and dtype share their zeros; each keeps its own values.
   tx = jaxclip.zero_nonfinite()
-  rows = [jnp.array([float(i), NAN if i % 3 == 0 else 1.0, INF if i % 2 else -2.0])
-          for i in range(7)]
-  tree = {"rows": rows, "c": jnp.array([1 + 1j, NAN + 0j, complex(1, INF)], jnp.complex64),
-          "scalar": jnp.float32(-INF)}
+  rows = [
+    jnp.array([float(i), NAN if i % 3 == 0 else 1.0, INF if i % 2 else -2.0]) for i in range(7)
+  ]
+  tree = {
+    "rows": rows,
+    "c": jnp.array([1 + 1j, NAN + 0j, complex(1, INF)], jnp.complex64),
+    "scalar": jnp.float32(-INF),
+  }
   out, state = jax.jit(tx.update)(tree, tx.init(None))
-  expected = {"rows": [jnp.where(jnp.isfinite(r), r, 0.0) for r in rows],
-              "c": jnp.array([1 + 1j, 0, 0], jnp.complex64), "scalar": jnp.float32(0.0)}
+  expected = {
+    "rows": [jnp.where(jnp.isfinite(r), r, 0.0) for r in rows],
+    "c": jnp.array([1 + 1j, 0, 0], jnp.complex64),
+    "scalar": jnp.float32(0.0),
+  }
   assert_tree_allclose(out, expected, rtol=0)
   assert int(state.num_nonfinite_zeroed) == 3 + 3 + 2 + 1
 
@@ -258,8 +287,9 @@ def test_skip_on_spike_matches_olmo_reference(with_loss):
   window, sigma = 16, 4.0
   norms = spiky_sequence(70, 0, {5: 30.0, 24: 8.0, 45: 6.0}, {3: NAN, 30: INF, 50: NAN})
   losses = spiky_sequence(70, 1, {33: 5.0, 60: 4.0}, {40: NAN}) if with_loss else None
-  ref = olmo_reference([float(v) for v in norms],
-                       None if losses is None else [float(v) for v in losses], window, sigma)
+  ref = olmo_reference(
+    [float(v) for v in norms], None if losses is None else [float(v) for v in losses], window, sigma
+  )
   tx = jaxclip.skip_on_spike(optax.adam(0.1), window=window, sigma=sigma)
   extra = {} if losses is None else {"loss": list(jnp.asarray(losses))}
   steps = run(tx, vec(norms), jnp.zeros(2), **extra)
@@ -290,10 +320,18 @@ def test_skip_on_spike_jit_eager_inject_and_scan_agree():
   eager = run(tx, vec(norms), params, jit=False)
   jitted = run(tx, vec(norms), params, jit=True)
   # The window may be static or (with an eager init) a hyperparameter array.
-  injected = run(optax.inject_hyperparams(jaxclip.skip_on_spike, static_args="window")(
-      optax.sgd(1.0), window=8, sigma=3.0), vec(norms), params)
-  injected_window = run(optax.inject_hyperparams(jaxclip.skip_on_spike)(
-      optax.sgd(1.0), window=8, sigma=3.0), vec(norms), params)
+  injected = run(
+    optax.inject_hyperparams(jaxclip.skip_on_spike, static_args="window")(
+      optax.sgd(1.0), window=8, sigma=3.0
+    ),
+    vec(norms),
+    params,
+  )
+  injected_window = run(
+    optax.inject_hyperparams(jaxclip.skip_on_spike)(optax.sgd(1.0), window=8, sigma=3.0),
+    vec(norms),
+    params,
+  )
   for a, b, c, d in zip(eager, jitted, injected, injected_window, strict=True):
     assert_tree_allclose(a[0], b[0])
     assert_tree_allclose(a[0], c[0])
@@ -305,8 +343,7 @@ def test_skip_on_spike_jit_eager_inject_and_scan_agree():
     return state, u
 
   state, us = jax.lax.scan(body, tx.init(params), jnp.stack(vec(norms)))
-  np.testing.assert_allclose(np.asarray(us), np.stack([np.asarray(s[0]) for s in eager]),
-                             rtol=1e-6)
+  np.testing.assert_allclose(np.asarray(us), np.stack([np.asarray(s[0]) for s in eager]), rtol=1e-6)
   assert int(state.num_spike_skipped) == int(eager[-1][2].num_spike_skipped)
 
 

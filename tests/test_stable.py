@@ -23,16 +23,19 @@ def gradient_run(seed=0):
   shapes = {"w": (8, 3), "b": (4,), "h": (4, 2)}
   steps = []
   for t in range(NUM_STEPS):
-    g = {k: rng.normal(size=s).astype(np.float32) * (1 + 0.3 * i)
-         for i, (k, s) in enumerate(shapes.items())}
+    g = {
+      k: rng.normal(size=s).astype(np.float32) * (1 + 0.3 * i)
+      for i, (k, s) in enumerate(shapes.items())
+    }
     if t in SPIKES:
       g["w"] *= SPIKES[t]
     if t == ZERO_STEP:
       g = {k: np.zeros_like(v) for k, v in g.items()}
     if t == ZERO_LEAF_STEP:
       g["b"] = np.zeros_like(g["b"])
-    steps.append({"w": jnp.asarray(g["w"]), "b": jnp.asarray(g["b"]),
-                  "h": jnp.asarray(g["h"], jnp.bfloat16)})
+    steps.append(
+      {"w": jnp.asarray(g["w"]), "b": jnp.asarray(g["b"]), "h": jnp.asarray(g["h"], jnp.bfloat16)}
+    )
   return steps
 
 
@@ -99,13 +102,22 @@ def norm_scale_port(steps, beta1, beta2, eps):
 
 
 CONFIGS = {
-    "adagc": (jaxclip.adagc, dict(beta=0.9, lambda_abs=6.0, lambda_rel=1.05, warmup_steps=5,
-                                  eps=1e-8), adagc_port),
-    "adagc_no_warmup": (jaxclip.adagc, dict(beta=0.98, lambda_abs=1.0, lambda_rel=1.5,
-                                            warmup_steps=0, eps=1e-8), adagc_port),
-    "adaptive_value_clip": (jaxclip.adaptive_value_clip, dict(beta=0.9), value_clip_port),
-    "adaptive_norm_scale": (jaxclip.adaptive_norm_scale, dict(beta1=0.7, beta2=0.9, eps=1e-8),
-                            norm_scale_port),
+  "adagc": (
+    jaxclip.adagc,
+    dict(beta=0.9, lambda_abs=6.0, lambda_rel=1.05, warmup_steps=5, eps=1e-8),
+    adagc_port,
+  ),
+  "adagc_no_warmup": (
+    jaxclip.adagc,
+    dict(beta=0.98, lambda_abs=1.0, lambda_rel=1.5, warmup_steps=0, eps=1e-8),
+    adagc_port,
+  ),
+  "adaptive_value_clip": (jaxclip.adaptive_value_clip, dict(beta=0.9), value_clip_port),
+  "adaptive_norm_scale": (
+    jaxclip.adaptive_norm_scale,
+    dict(beta1=0.7, beta2=0.9, eps=1e-8),
+    norm_scale_port,
+  ),
 }
 
 
@@ -131,8 +143,9 @@ def run_steps(tx, steps):
 def assert_close(got, want, rtol):
   for k in want:
     tol = 2e-2 if k == "h" else rtol  # bfloat16 output rounding
-    np.testing.assert_allclose(np.asarray(got[k], np.float64), want[k], rtol=tol,
-                               atol=tol * 1e-6, err_msg=k)
+    np.testing.assert_allclose(
+      np.asarray(got[k], np.float64), want[k], rtol=tol, atol=tol * 1e-6, err_msg=k
+    )
 
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))
@@ -143,17 +156,21 @@ def test_matches_numpy_port(name):
   want_outs, want_states = port(steps, **kw)
   changed = 0
   for t, (g, out, want, state, want_state) in enumerate(
-      zip(steps, outs, want_outs, states, want_states, strict=True)):
+    zip(steps, outs, want_outs, states, want_states, strict=True)
+  ):
     assert_dtypes_kept(g, out)
     assert all(bool(jnp.all(jnp.isfinite(x))) for x in jax.tree.leaves((out, state))), t
     assert_close(out, want, rtol=2e-5)
     got_state = state_values(state)
-    for got_part, want_part in zip(jax.tree.leaves(got_state),
-                                   jax.tree.leaves(want_state), strict=True):
+    for got_part, want_part in zip(
+      jax.tree.leaves(got_state), jax.tree.leaves(want_state), strict=True
+    ):
       np.testing.assert_allclose(float(got_part), want_part, rtol=2e-5, atol=1e-30)
     assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(got_state))
-    changed += not all(np.allclose(np.asarray(out[k], np.float64), np.asarray(g[k], np.float64),
-                                   rtol=1e-3) for k in g)
+    changed += not all(
+      np.allclose(np.asarray(out[k], np.float64), np.asarray(g[k], np.float64), rtol=1e-3)
+      for k in g
+    )
     if t == ZERO_STEP:
       assert all(not np.any(np.asarray(x)) for x in jax.tree.leaves(out))
   assert changed >= 3  # the run exercises the rule
@@ -162,22 +179,26 @@ def test_matches_numpy_port(name):
 def test_inject_hyperparams_gives_the_same_run():
   steps = gradient_run(1)[:12]
   for factory, kw, static in (
-      (jaxclip.adagc, dict(beta=0.9, lambda_abs=6.0, lambda_rel=1.05, warmup_steps=4), ()),
-      (jaxclip.adagc, dict(beta=0.9, lambda_rel=1.05, warmup_steps=4), ("warmup_steps",)),
-      (jaxclip.adaptive_value_clip, dict(beta=0.9), ()),
-      (jaxclip.adaptive_norm_scale, dict(beta1=0.6, beta2=0.95, eps=1e-6), ())):
+    (jaxclip.adagc, dict(beta=0.9, lambda_abs=6.0, lambda_rel=1.05, warmup_steps=4), ()),
+    (jaxclip.adagc, dict(beta=0.9, lambda_rel=1.05, warmup_steps=4), ("warmup_steps",)),
+    (jaxclip.adaptive_value_clip, dict(beta=0.9), ()),
+    (jaxclip.adaptive_norm_scale, dict(beta1=0.6, beta2=0.95, eps=1e-6), ()),
+  ):
     plain, _ = run_steps(factory(**kw), steps)
     injected, _ = run_steps(optax.inject_hyperparams(factory, static_args=static)(**kw), steps)
     for a, b in zip(plain, injected, strict=True):
       for k in a:
-        np.testing.assert_allclose(np.asarray(a[k], np.float32), np.asarray(b[k], np.float32),
-                                   rtol=1e-6)
+        np.testing.assert_allclose(
+          np.asarray(a[k], np.float32), np.asarray(b[k], np.float32), rtol=1e-6
+        )
 
 
 def _makers(**kw):
-  return (jaxclip.adagc(beta=0.9, lambda_abs=6.0, warmup_steps=3, **kw),
-          jaxclip.adaptive_value_clip(beta=0.9, **kw),
-          jaxclip.adaptive_norm_scale(**kw))
+  return (
+    jaxclip.adagc(beta=0.9, lambda_abs=6.0, warmup_steps=3, **kw),
+    jaxclip.adaptive_value_clip(beta=0.9, **kw),
+    jaxclip.adaptive_norm_scale(**kw),
+  )
 
 
 def test_axis_name_under_vmap_matches_the_unsharded_run():
@@ -200,10 +221,13 @@ def test_axis_name_under_vmap_matches_the_unsharded_run():
     outs, state = jax.jit(jax.vmap(run, axis_name="d"))([shard(g) for g in steps])
     for out, want in zip(outs, want_outs, strict=True):
       for k in want:
-        np.testing.assert_allclose(np.asarray(out[k], np.float32).reshape(want[k].shape),
-                                   np.asarray(want[k], np.float32), rtol=1e-5, err_msg=k)
-    for got, expected in zip(jax.tree.leaves(state), jax.tree.leaves(want_states[-1]),
-                             strict=True):
+        np.testing.assert_allclose(
+          np.asarray(out[k], np.float32).reshape(want[k].shape),
+          np.asarray(want[k], np.float32),
+          rtol=1e-5,
+          err_msg=k,
+        )
+    for got, expected in zip(jax.tree.leaves(state), jax.tree.leaves(want_states[-1]), strict=True):
       got = np.asarray(got)
       assert np.all(got == got[0])  # every replica keeps the same state
       np.testing.assert_allclose(got[0], np.asarray(expected), rtol=1e-5)
@@ -212,11 +236,15 @@ def test_axis_name_under_vmap_matches_the_unsharded_run():
 def test_grad_is_finite_at_zero():
   params = {"w": jnp.zeros((2, 3)), "h": jnp.zeros(3, jnp.bfloat16)}
   warm = {"w": jnp.ones((2, 3)), "h": jnp.ones(3, jnp.bfloat16)}
-  for tx in (*_makers(), jaxclip.adagc(warmup_steps=0, eps=0.0),
-             jaxclip.adaptive_norm_scale(eps=0.0)):
+  for tx in (
+    *_makers(),
+    jaxclip.adagc(warmup_steps=0, eps=0.0),
+    jaxclip.adaptive_norm_scale(eps=0.0),
+  ):
     fresh = tx.init(params)
     _, used = tx.update(warm, fresh)
     for state in (fresh, used):
+
       def loss(g, state=state, tx=tx):
         out = tx.update(g, state)[0]
         return sum(jnp.sum(x.astype(jnp.float32)) for x in jax.tree.leaves(out))
@@ -230,10 +258,11 @@ def test_grad_is_finite_at_zero():
 
 def test_strict_promotion_and_scan(strict_promotion):
   tree = {"a": jnp.ones(3, jnp.bfloat16), "b": jnp.ones(2)}
-  for tx in (*_makers(),
-             optax.inject_hyperparams(jaxclip.adagc, hyperparam_dtype=jnp.bfloat16)(),
-             optax.inject_hyperparams(jaxclip.adaptive_norm_scale,
-                                      hyperparam_dtype=jnp.bfloat16)()):
+  for tx in (
+    *_makers(),
+    optax.inject_hyperparams(jaxclip.adagc, hyperparam_dtype=jnp.bfloat16)(),
+    optax.inject_hyperparams(jaxclip.adaptive_norm_scale, hyperparam_dtype=jnp.bfloat16)(),
+  ):
     init = tx.init(tree)
 
     def body(state, scale, tx=tx):
@@ -243,18 +272,21 @@ def test_strict_promotion_and_scan(strict_promotion):
 
     state, outs = jax.lax.scan(body, init, jnp.array([1.0, 3.0, 0.0, 50.0]))
     assert jax.tree.map(lambda x: (x.shape, x.dtype), state) == jax.tree.map(
-        lambda x: (x.shape, x.dtype), init)
+      lambda x: (x.shape, x.dtype), init
+    )
     assert_dtypes_kept(tree, jax.tree.map(lambda x: x[0], outs))
 
 
 def test_validation_names_the_argument():
-  for make, name in ((lambda: jaxclip.adagc(beta=1.0), "beta"),
-                     (lambda: jaxclip.adagc(lambda_rel=-1.0), "lambda_rel"),
-                     (lambda: jaxclip.adagc(warmup_steps=-1), "warmup_steps"),
-                     (lambda: jaxclip.adagc(warmup_steps=2.5), "warmup_steps"),
-                     (lambda: jaxclip.adaptive_value_clip(beta=-0.1), "beta"),
-                     (lambda: jaxclip.adaptive_norm_scale(beta2=1.0), "beta2"),
-                     (lambda: jaxclip.adaptive_norm_scale(eps=-1.0), "eps")):
+  for make, name in (
+    (lambda: jaxclip.adagc(beta=1.0), "beta"),
+    (lambda: jaxclip.adagc(lambda_rel=-1.0), "lambda_rel"),
+    (lambda: jaxclip.adagc(warmup_steps=-1), "warmup_steps"),
+    (lambda: jaxclip.adagc(warmup_steps=2.5), "warmup_steps"),
+    (lambda: jaxclip.adaptive_value_clip(beta=-0.1), "beta"),
+    (lambda: jaxclip.adaptive_norm_scale(beta2=1.0), "beta2"),
+    (lambda: jaxclip.adaptive_norm_scale(eps=-1.0), "eps"),
+  ):
     with pytest.raises((ValueError, TypeError), match=name):
       make()
   tx = jaxclip.adagc()
@@ -276,5 +308,6 @@ def test_a_nonfinite_gradient_never_reaches_the_state(bad):
       np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     assert not np.all(np.isfinite(np.asarray(out["w"])))
     # and the run goes on from the last finite step as if the bad one never came
-    np.testing.assert_array_equal(np.asarray(tx.update(warm, after)[0]["w"]),
-                                  np.asarray(tx.update(warm, state)[0]["w"]))
+    np.testing.assert_array_equal(
+      np.asarray(tx.update(warm, after)[0]["w"]), np.asarray(tx.update(warm, state)[0]["w"])
+    )
