@@ -151,19 +151,11 @@ def run_model(model: _zoo.Model, batches: list[int], reps: int) -> list[dict]:
       res = row[m]
       print(
         f"    {m:5s} temp {_report._f(res['temp_mb'], '{:.1f}'):>8s} MiB  "
-        f"{_num(res['ms']):>8s} ms  {res['why'] or ''}",
+        f"{_report.num(res['ms']):>8s} ms  {res['why'] or ''}",
         flush=True,
       )
     rows.append(row)
   return rows
-
-
-def _num(x: float | None) -> str:
-  if x is None or math.isnan(x) or math.isinf(x):
-    return "n/a"
-  if abs(x) >= 100:
-    return f"{x:.0f}"
-  return f"{x:.1f}" if abs(x) >= 10 else f"{x:.2f}" if abs(x) >= 0.1 else f"{x:.3f}"
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:
@@ -207,8 +199,10 @@ def table(rows: list[dict], plans: dict[str, dict]) -> str:
     missed = [k for k, t in TARGETS.items() if rat[k] is not None and rat[k] > t]
     unknown = [k for k in TARGETS if rat[k] is None]
     cells = [r["model"], str(r["B"]), f"{r['params']:,}"]
-    cells += [r[m]["status"] if r[m]["status"] != "ok" else _num(r[m]["temp_mb"]) for m in METHODS]
-    cells += [r[m]["status"] if r[m]["status"] != "ok" else _num(r[m]["ms"]) for m in METHODS]
+    for key in ("temp_mb", "ms"):
+      cells += [
+        r[m]["status"] if r[m]["status"] != "ok" else _report.num(r[m][key]) for m in METHODS
+      ]
     cells += [f"{rat[k]:.2f}" if rat[k] is not None else "n/a" for k in list(TARGETS)[:3]]
     p = plans[r["model"]]
     cells.append(

@@ -277,3 +277,12 @@ def plot(
   fig.tight_layout()
   fig.savefig(path, dpi=110)
   plt.close(fig)
+
+
+def num(x: float | None) -> str:
+  """Three significant figures or so, never in scientific notation."""
+  if x is None or math.isnan(x) or math.isinf(x):
+    return "n/a"
+  if abs(x) >= 100:
+    return f"{x:.0f}"
+  return f"{x:.1f}" if abs(x) >= 10 else f"{x:.2f}" if abs(x) >= 0.1 else f"{x:.3f}"

@@ -333,21 +333,12 @@ def run(
 # ----------------------------------------------------------------------------
 
 
-def _num(x: float | None) -> str:
-  """Three significant figures or so, never in scientific notation."""
-  if x is None or math.isnan(x) or math.isinf(x):
-    return "n/a"
-  if abs(x) >= 100:
-    return f"{x:.0f}"
-  return f"{x:.1f}" if abs(x) >= 10 else f"{x:.2f}" if abs(x) >= 0.1 else f"{x:.3f}"
-
-
 def _cell(res: dict, key: str) -> str:
   if res["status"] in ("n/a", "error"):
     return res["status"]
   if key == "ms" and res["status"] != "ok":
     return "not run"
-  return _num(res[key])
+  return _report.num(res[key])
 
 
 def _ratio(a: float | None, b: float | None) -> str:
@@ -378,7 +369,7 @@ def table(rows: list[dict]) -> str:
   for r in rows:
     g, v, h = r["grad"], r["vmap"], r["ghost"]
     body.append(
-      [str(r["B"]), str(r["T"]), _num(_grad_mb(r["B"], r["params"]))]
+      [str(r["B"]), str(r["T"]), _report.num(_grad_mb(r["B"], r["params"]))]
       + [_cell(x, "temp_mb") for x in (g, v, h)]
       + [_cell(x, "ms") for x in (g, v, h)]
       + [
