@@ -16,6 +16,7 @@ import jaxlib
 import optax
 
 from benchmarks import _cases, _model, _report, _trees
+from tools.figure_record import package_sources, write_record
 
 HERE = Path(__file__).resolve().parent
 SECTIONS = ("train", "full-step", "standalone", "compile", "transforms", "sizes")
@@ -181,5 +182,7 @@ def main(argv: list[str] | None = None) -> str:
   args.out.mkdir(parents=True, exist_ok=True)
   (args.out / "results.md").write_text(text + "\n")
   _report.plot(str(args.out / "results.png"), compile_rows, _cases.COMPILE_IMPLS, size_rows)
+  command = " ".join(["python -m benchmarks", *(sys.argv[1:] if argv is None else argv)])
+  write_record(args.out / "results.png", package_sources("benchmarks"), command)
   print(text)
   return text

@@ -49,6 +49,7 @@ import jaxlib
 
 import jaxclip
 from benchmarks import _cases, _ghost_mask, _main, _model, _report, _timing
+from tools.figure_record import package_sources, write_record
 
 HERE = Path(__file__).resolve().parent
 METHODS = ("grad", "vmap", "ghost")
@@ -530,6 +531,8 @@ def main(argv: list[str] | None = None) -> str:
   args.out.mkdir(parents=True, exist_ok=True)
   (args.out / "ghost.md").write_text(text + "\n")
   plot(str(args.out / "ghost.png"), rows)
+  command = " ".join(["python -m benchmarks.ghost", *(sys.argv[1:] if argv is None else argv)])
+  write_record(args.out / "ghost.png", package_sources("benchmarks"), command)
   print(text)
   return text
 

@@ -70,6 +70,7 @@ from __future__ import annotations
 import argparse
 import functools
 import math
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -83,6 +84,10 @@ from matplotlib.figure import Figure
 from tqdm import tqdm  # not tqdm.auto: it warns in a notebook kernel without ipywidgets
 
 import jaxclip
+
+# The repository root, for the figures' provenance records (tools/figure_record.py).
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tools.figure_record import write_record  # noqa: E402
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "output" / "dp_sgd.png"
 
@@ -665,6 +670,8 @@ def main(argv: list[str] | None = None) -> dict[str, History]:
     + ", ".join(f"step {t}: ε={e:.2f}" for t, e in zip(*eps["pld"], strict=True))
   )
   plot(results, config, eps, args.out)
+  command = " ".join(["python examples/dp_sgd.py", *(sys.argv[1:] if argv is None else argv)])
+  write_record(args.out, [__file__], command)
   print(f"\nplot written to {args.out}")
   return results
 

@@ -45,6 +45,7 @@ from __future__ import annotations
 import argparse
 import functools
 import math
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -59,6 +60,10 @@ from matplotlib.figure import Figure
 from tqdm import tqdm  # not tqdm.auto: it warns in a notebook kernel without ipywidgets
 
 import jaxclip
+
+# The repository root, for the figures' provenance records (tools/figure_record.py).
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tools.figure_record import write_record  # noqa: E402
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "output" / "exploding_gradients.png"
 
@@ -398,11 +403,12 @@ def plot(results: dict[str, dict[str, History]], config: Config, out: Path) -> N
         steps, np.minimum(q25, 1e3), np.minimum(q75, 1e3), color=color, alpha=0.15, lw=0
       )
       _, norm_med, _ = seed_quartiles(h.pre_clip_norm, window)
-      ax_norm.plot(steps, np.where(np.isfinite(norm_med), norm_med, np.nan), color=color, lw=1.2)
-    ax_loss.axhline(1 / 6, color="gray", ls=":", lw=1)
-    ax_loss.axhline(config.target, color="gray", ls="--", lw=1)
-    ax_loss.text(0, 1 / 6, " predict the mean", color="gray", va="bottom", fontsize=8)
-    ax_loss.text(0, config.target, " target", color="gray", va="bottom", fontsize=8)
+      ax_norm.plot(
+        steps, np.where(np.isfinite(norm_med), norm_med, np.nan), color=color, lw=1.2, label=name
+      )
+    # The reference lines are labelled in the legend: text on the plot hides behind the curves.
+    ax_loss.axhline(1 / 6, color="gray", ls=":", lw=1, label="predict the mean (1/6)")
+    ax_loss.axhline(config.target, color="gray", ls="--", lw=1, label=f"target ({config.target:g})")
     ax_loss.set_yscale("log")
     ax_loss.set_ylim(1e-3, 1.0)
     lr = config.sgd_learning_rate if opt == "sgd" else config.adam_learning_rate
@@ -412,8 +418,12 @@ def plot(results: dict[str, dict[str, History]], config: Config, out: Path) -> N
     )
     ax_loss.set_ylabel(f"training loss (MSE, {window}-step moving average)")
     ax_norm.set_yscale("log")
+    # Headroom above the curves for the legend.
+    low, high = ax_norm.get_ylim()
+    ax_norm.set_ylim(low, high * (high / low) ** 0.6)
     ax_norm.set_ylabel("median pre-clip global gradient norm")
     ax_norm.set_xlabel("step")
+    ax_norm.legend(loc="upper left", fontsize=7, ncol=3)
   axes[0, 0].legend(loc="lower left", fontsize=8)
   fig.suptitle(
     f"Adding problem, tanh RNN, T={config.length}, hidden {config.hidden}, "
@@ -470,6 +480,9 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, History]]:
     print(f"\n{opt}: success = final loss < {config.target:g} on k of {config.seeds} seeds")
     print(format_table([summary_row(n, h, config.target) for n, h in histories.items()]))
   plot(results, config, args.out)
+  args_given = sys.argv[1:] if argv is None else argv
+  command = " ".join(["python examples/exploding_gradients.py", *args_given])
+  write_record(args.out, [__file__], command)
   print(f"\nplot written to {args.out}")
   return results
 
