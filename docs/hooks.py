@@ -2,7 +2,8 @@
 
 * ``on_files`` adds ``notebooks/*.ipynb`` (outside ``docs/``) before
   mkdocs-jupyter turns notebooks into pages; they are rendered with the
-  outputs stored in them (``tools/execute_notebooks.py``), not executed.
+  outputs stored in them (``tools/execute_notebooks.py``), not executed. It
+  also adds ``benchmarks/*.png``, which the docs pages show.
 * ``on_page_markdown`` fills ``api.md``'s placeholder with one mkdocstrings
   block per name in ``jaxclip.__all__`` and ``jaxclip.ops.__all__``, grouped by
   the private module that defines it (its docstring's first line is the
@@ -45,6 +46,16 @@ def on_files(files, config):
     files.append(
       File(
         f"notebooks/{path.name}",
+        src_dir=str(ROOT),
+        dest_dir=config["site_dir"],
+        use_directory_urls=config["use_directory_urls"],
+      )
+    )
+  # The benchmarks' figures (outside docs/ too), shown by the performance and privacy pages.
+  for path in sorted((ROOT / "benchmarks").glob("*.png")):
+    files.append(
+      File(
+        f"benchmarks/{path.name}",
         src_dir=str(ROOT),
         dest_dir=config["site_dir"],
         use_directory_urls=config["use_directory_urls"],

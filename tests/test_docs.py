@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import json
 import os
 import re
 import subprocess
@@ -12,6 +13,7 @@ from pathlib import Path
 import pytest
 
 import jaxclip
+from tests.helpers import device_env
 
 pytest.importorskip("mkdocs")
 pytest.importorskip("mkdocstrings")
@@ -87,3 +89,52 @@ def test_every_public_function_has_a_doctest_example():
     if inspect.isfunction(obj) and ">>>" not in (inspect.getdoc(obj) or ""):
       without.append(name)
   assert not without, f"public functions without an Examples: doctest: {without}"
+
+
+# Runs the README's Python blocks in order in one namespace, as a reader pasting them would,
+# and prints what each block printed, as a JSON list.
+_RUN_BLOCKS = """
+import contextlib, io, json, sys
+namespace, printed = {"__name__": "__main__"}, []
+for i, block in enumerate(json.load(open(sys.argv[1]))):
+  out = io.StringIO()
+  with contextlib.redirect_stdout(out):
+    exec(compile(block, f"README.md, python block {i + 1}", "exec"), namespace)
+  printed.append(out.getvalue())
+print(json.dumps(printed))
+"""
+
+
+def test_every_python_block_in_the_readme_runs_and_prints_what_it_says(tmp_path):
+  readme = (ROOT / "README.md").read_text()
+  blocks = re.findall(r"^```python\n(.*?)^```", readme, re.MULTILINE | re.DOTALL)
+  recipes = {
+    "chain": "jaxclip.skip_nonfinite(optax.chain(",
+    "nnx": "nnx.Optimizer(",
+    "equinox": "eqx.filter_jit",
+    "multisteps": "jaxclip.skip_bad_microbatches()",
+    "schedule": "optax.inject_hyperparams(jaxclip.clip_by_global_norm)",
+    "dp": "jaxclip.per_example_clipped_grad(",
+    "sharded": "AxisType.Explicit",
+  }
+  where = {name: [i for i, b in enumerate(blocks) if code in b] for name, code in recipes.items()}
+  assert all(len(found) == 1 for found in where.values()), where
+  (tmp_path / "blocks.json").write_text(json.dumps(blocks))
+  (tmp_path / "run.py").write_text(_RUN_BLOCKS)
+  done = subprocess.run(
+    [sys.executable, "run.py", "blocks.json"],
+    cwd=tmp_path,  # outside the repository: jaxclip comes from PYTHONPATH
+    env=device_env(8),  # the sharded recipe runs on 8 devices
+    capture_output=True,
+    text=True,
+    timeout=300,
+  )
+  assert done.returncode == 0, done.stderr[-4000:]
+  printed = json.loads(done.stdout.splitlines()[-1])
+  out = {name: printed[found[0]] for name, found in where.items()}
+  assert float(printed[0]) > 1.0  # the quick example's pre-clip norm: it clipped
+  assert out["chain"].split()[-1] == "0"  # no step skipped
+  assert out["multisteps"].split()[0] == "2"  # the NaN microbatch did not count
+  # linear_schedule(5, 1, 1000) at the last of three steps (count 2): 5 - 4 * 2 / 1000
+  assert abs(float(out["schedule"]) - 4.992) < 1e-5
+  assert "('data', None)" in out["sharded"]  # the update keeps the parameter's sharding
