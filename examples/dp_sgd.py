@@ -87,7 +87,7 @@ import jaxclip
 
 # The repository root, for the figures' provenance records (tools/figure_record.py).
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tools.figure_record import write_record  # noqa: E402
+from tools.figure_record import save_png, write_record  # noqa: E402
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "output" / "dp_sgd.png"
 
@@ -553,7 +553,7 @@ def plot(results: dict[str, History], config: Config, eps: dict[str, Any], out: 
     f"({config.dim} features)"
   )
   out.parent.mkdir(parents=True, exist_ok=True)
-  fig.savefig(out, dpi=100)
+  save_png(fig, out)
 
 
 def main(argv: list[str] | None = None) -> dict[str, History]:

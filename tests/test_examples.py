@@ -12,6 +12,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tools.figure_record import sha256
+
 pytest.importorskip("matplotlib")
 pytest.importorskip("tqdm")
 
@@ -32,6 +34,13 @@ def test_exploding_gradients_tiny_run(tmp_path, capsys):
   out = tmp_path / "plot.png"
   results = example.main(["--tiny", "--seed", "3", "--seeds", "3", "--out", str(out)])
   assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+  # Its provenance record (tests/test_figures.py): the script that drew it, and how.
+  record = json.loads((tmp_path / "plot.png.json").read_text())
+  script = ROOT / "examples" / "exploding_gradients.py"
+  assert record["inputs"] == {"examples/exploding_gradients.py": sha256(script)}
+  command = f"python examples/exploding_gradients.py --tiny --seed 3 --seeds 3 --out {out}"
+  assert record["command"] == command
+  assert record["figure_sha256"] == sha256(out)
   printed = capsys.readouterr().out
   assert f"plot written to {out}" in printed
   assert "3 seeds (3..5) per method" in printed
@@ -218,6 +227,12 @@ def test_clipping_study_tiny_run(tmp_path):
   again = tmp_path / "again"
   study.main(["--tiny", "--replot", str(tmp_path / "clipping_study.json"), "--out", str(again)])
   assert (again / "clipping_study.md").read_text() == page
+  record = json.loads((again / "clipping_study.png.json").read_text())
+  assert set(record["inputs"]) == {
+    "examples/clipping_study.py",
+    "examples/exploding_gradients.py",  # its training loop made the data
+    str((tmp_path / "clipping_study.json").resolve()),  # the data it drew
+  }
 
 
 def test_dp_sgd_tiny_run(tmp_path, capsys):
@@ -226,6 +241,12 @@ def test_dp_sgd_tiny_run(tmp_path, capsys):
   out = tmp_path / "dp.png"
   results = example.main(["--tiny", "--out", str(out)])
   assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+  # Its provenance record (tests/test_figures.py): the script that drew it, and how.
+  record = json.loads((tmp_path / "dp.png.json").read_text())
+  script = ROOT / "examples" / "dp_sgd.py"
+  assert record["inputs"] == {"examples/dp_sgd.py": sha256(script)}
+  assert record["command"] == f"python examples/dp_sgd.py --tiny --out {out}"
+  assert record["figure_sha256"] == sha256(out)
   printed = capsys.readouterr().out
   assert f"plot written to {out}" in printed
   assert "Poisson batches, sampling rate q=0.0625" in printed

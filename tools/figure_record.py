@@ -18,6 +18,7 @@ repository root on ``sys.path``.
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import subprocess
 import sys
@@ -29,6 +30,26 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def sha256(path: str | Path) -> str:
   return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def save_png(fig, out: str | Path, dpi: int = 100) -> None:
+  """Saves a matplotlib figure as a 128-colour palette PNG, a third of the bytes of RGBA.
+
+  Matplotlib's figures use few colours, so they look the same (the notebooks' figures are
+  stored the same way, by ``tools/execute_notebooks.py``).
+
+  Args:
+    fig: a ``matplotlib.figure.Figure``.
+    out: the PNG to write.
+    dpi: its resolution.
+  """
+  from PIL import Image
+
+  buffer = io.BytesIO()
+  fig.savefig(buffer, format="png", dpi=dpi)
+  image = Image.open(buffer).convert("RGB")
+  palette = image.quantize(128, method=Image.Quantize.MEDIANCUT, dither=Image.Dither.NONE)
+  palette.save(out, format="png", optimize=True)
 
 
 def record_path(figure: str | Path) -> Path:
