@@ -9,7 +9,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxclip import _numerics, _per_tensor, _validation
+from jaxclip._kernel import _numerics, _validation
+from jaxclip.transforms import _per_tensor
 
 ArrayLike = jax.typing.ArrayLike
 

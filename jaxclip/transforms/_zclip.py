@@ -8,7 +8,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxclip import _distributed, _numerics, _ops, _validation
+from jaxclip import ops
+from jaxclip._kernel import _numerics, _reduction, _validation
 
 ArrayLike = jax.typing.ArrayLike
 
@@ -184,7 +185,7 @@ def zclip(
     del params, extra_args
     _validation.check_state(state, ZClipState, "zclip")
     updates = _validation.numeric_leaves(updates, "zclip")
-    norm = _distributed.tree_norm(updates, ord, axis_name, replicated, partition_specs)
+    norm = _reduction.tree_norm(updates, ord, axis_name, replicated, partition_specs)
     x = norm.astype(jnp.float32)
     finite = jnp.isfinite(x)
     count = state.zclip_warmup_count
@@ -227,7 +228,7 @@ def zclip(
     new_mean = jnp.where(init_now, w_mean, jnp.where(move, ema_mean, mean))
     new_var = jnp.where(init_now, w_var, jnp.where(move, ema_var, var))
 
-    clipped, _ = _ops.clip_by_global_norm(updates, threshold, use_norm=norm)
+    clipped, _ = ops.clip_by_global_norm(updates, threshold, use_norm=norm)
     return clipped, ZClipState(
       zclip_warmup_norms=buf,
       zclip_warmup_count=new_count,

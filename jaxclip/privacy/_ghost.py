@@ -67,7 +67,7 @@ import jax.extend.core as jex
 import jax.numpy as jnp
 import numpy as np
 
-from jaxclip import _distributed, _numerics
+from jaxclip._kernel import _numerics, _sharding
 
 PARAM, DATA, CONST = "param", "data", "const"
 # Call primitives whose body is walked when a parameter goes in (so that the
@@ -1032,7 +1032,7 @@ def trace(
   def example(x, batched):
     # Inside shard_map the jaxpr must keep the axes each value varies over (and
     # record the casts they need): it is traced on the first example itself.
-    if _distributed.varying_axes(x):
+    if _sharding.varying_axes(x):
       return x[0] if batched else x
     aval = jax.typeof(x)
     return jax.ShapeDtypeStruct(
@@ -1112,9 +1112,9 @@ def clipped_sum(
   ]
   # Inside shard_map the zeros must vary as the examples do: the gradient with
   # respect to a value that is the same on every device is summed over them.
-  vary = frozenset().union(*map(_distributed.varying_axes, leaves + arg_leaves))
+  vary = frozenset().union(*map(_sharding.varying_axes, leaves + arg_leaves))
   if vary:
-    zs = _distributed.cast_varying(zs, tuple(sorted(vary, key=str)))
+    zs = _sharding.cast_varying(zs, tuple(sorted(vary, key=str)))
   gs, (aux, drecs) = jax.grad(total, has_aux=True)(zs)
 
   def params_pass(ls):
