@@ -45,6 +45,21 @@ def accumulation_dtype(dtype: Any) -> jnp.dtype:
   return jnp.dtype(jnp.float32)
 
 
+def upcast_for_accumulation(x: jax.Array) -> jax.Array:
+  """``x`` in :func:`accumulation_dtype` (float32, or float64 for float64 leaves)."""
+  return x.astype(accumulation_dtype(x.dtype))
+
+
+def hparam_float32(x: Any) -> jax.Array:
+  """A hyperparameter or statistic as a float32 array.
+
+  Hyperparameters may arrive as Python numbers, NumPy values or (from
+  ``optax.inject_hyperparams``) arrays of another float dtype; an adaptive
+  statistic is kept in float32 whatever the leaves' dtype.
+  """
+  return jnp.asarray(x).astype(jnp.float32)
+
+
 def tree_accumulation_dtype(tree: Any) -> jnp.dtype:
   """The accumulation dtype shared by the inexact leaves of ``tree`` (float32 if none).
 

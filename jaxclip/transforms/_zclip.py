@@ -14,11 +14,6 @@ from jaxclip._kernel import _numerics, _reduction, _validation
 ArrayLike = jax.typing.ArrayLike
 
 
-def _f32(x: Any) -> jax.Array:
-  # Hyperparameters may arrive as bfloat16 arrays from inject_hyperparams.
-  return jnp.asarray(x).astype(jnp.float32)
-
-
 class ZClipState(NamedTuple):
   """State of :func:`zclip`.
 
@@ -191,7 +186,11 @@ def zclip(
     count = state.zclip_warmup_count
     size = state.zclip_warmup_norms.shape[0]  # warmup_steps, static
     warming = count < size
-    a, zt, cap32 = _f32(alpha), _f32(z_thresh), _f32(cap)
+    a, zt, cap32 = (
+      _numerics.hparam_float32(alpha),
+      _numerics.hparam_float32(z_thresh),
+      _numerics.hparam_float32(cap),
+    )
 
     # Warm-up: collect finite norms; the last one initialises the EMAs.
     collect = warming & finite
@@ -206,11 +205,13 @@ def zclip(
     # After warm-up: z-score against the current EMAs.
     mean, var = state.zclip_norm_ema, state.zclip_norm_var_ema
     std = jnp.sqrt(var)
-    z = (x - mean) / (std + _f32(eps))
+    z = (x - mean) / (std + _numerics.hparam_float32(eps))
     if mode == "zscore":
       spike = z > zt
       if clip_option == "adaptive_scaling":
-        adaptive = (mean + zt * zt * std / jnp.where(spike, z, 1)) * _f32(clip_factor)
+        adaptive = (mean + zt * zt * std / jnp.where(spike, z, 1)) * _numerics.hparam_float32(
+          clip_factor
+        )
       else:
         adaptive = mean
     else:
