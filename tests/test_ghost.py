@@ -25,7 +25,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxclip
-from jaxclip import _ghost
+from jaxclip.privacy import _ghost
 from tests.helpers import checks_in_subprocess, mlp_loss, mlp_problem, run_checks
 
 N_DEVICES = 8
