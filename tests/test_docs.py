@@ -81,6 +81,26 @@ def test_every_image_the_readme_shows_is_committed():
     assert (ROOT / target).is_file(), f"README.md shows {target}, which is not committed"
 
 
+def test_every_link_in_the_readme_resolves():
+  """Files it links are committed; its ``#anchors`` are headings of the README (GitHub's slugs)."""
+  readme = (ROOT / "README.md").read_text()
+  code_free = re.sub(r"^```.*?^```", "", readme, flags=re.MULTILINE | re.DOTALL)
+  slugs = {
+    re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+    for heading in re.findall(r"^#+ (.+)$", code_free, re.MULTILINE)
+  }
+  links = re.findall(r"\]\(([^)\s]+)\)", code_free)
+  assert any(link.startswith("docs/") for link in links)
+  for link in links:
+    if re.match(r"[a-z]+:", link):
+      continue
+    path, _, anchor = link.partition("#")
+    if path:
+      assert (ROOT / path).is_file(), f"README.md links {link}, which is not committed"
+    else:
+      assert anchor in slugs, f"README.md links #{anchor}, which is no heading of it"
+
+
 def test_every_public_function_has_a_doctest_example():
   """Their examples run under ``pytest --doctest-modules jaxclip``."""
   without = []
