@@ -14,10 +14,7 @@ import contextlib
 import json
 import math
 import re
-import subprocess
 import sys
-import time
-import traceback
 from pathlib import Path
 
 import jax
@@ -32,7 +29,14 @@ from jax.sharding import PartitionSpec as P
 
 import jaxclip
 from jaxclip import _distributed
-from tests.helpers import device_env, hlo_collectives, mlp_loss, mlp_problem
+from tests.helpers import (
+  device_env,
+  hlo_collectives,
+  mlp_loss,
+  mlp_problem,
+  multi_device_checks,
+  run_subprocess,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 N_DEVICES = 8
@@ -694,84 +698,34 @@ def _get_path(tree, path):
   return leaves[jax.tree_util.keystr(path)]
 
 
-MD_CHECKS = sorted(name for name in dict(globals()) if name.startswith("md_"))
+def _take_collectives():
+  """What the check that just ended compiled (reported with its result, then forgotten)."""
+  taken = dict(COLLECTIVES)
+  COLLECTIVES.clear()
+  return taken
 
 
-def _run_checks_in_this_process() -> dict[str, str]:
-  assert jax.device_count() == N_DEVICES, jax.devices()
-  results = {}
-  for name in MD_CHECKS:
-    try:
-      globals()[name]()
-      results[name] = "ok"
-    except Exception:  # reported to the parent test, one case per check
-      results[name] = traceback.format_exc()
-  return {"results": results, "collectives": COLLECTIVES}
-
-
-@pytest.fixture(scope="module")
-def subprocess_runs():
-  """Runs the multi-device checks and the FSDP example, side by side."""
-  example = ROOT / "examples" / "fsdp_training.py"
-  commands = {
-    "checks": [sys.executable, __file__],
-    "example": [sys.executable, str(example), "--steps", "40"],
-  }
-  procs = {
-    name: subprocess.Popen(
-      cmd,
-      env=device_env(N_DEVICES),
-      cwd=ROOT,
-      text=True,
-      stdout=subprocess.PIPE,
-      stderr=subprocess.PIPE,
-    )
-    for name, cmd in commands.items()
-  }
-  start, results = time.monotonic(), {}
-  for name, proc in procs.items():
-    try:
-      stdout, stderr = proc.communicate(timeout=max(1.0, 900 - (time.monotonic() - start)))
-      took = time.monotonic() - start
-      what = (
-        ""
-        if proc.returncode == 0
-        else f"the {name} subprocess exited with status {proc.returncode} after {took:.0f} s "
-        "(a negative status is the signal that killed it: out of memory?)\n"
-      )
-    except subprocess.TimeoutExpired:
-      proc.kill()
-      stdout, stderr = proc.communicate()
-      what = (
-        f"the {name} subprocess was killed by this test after "
-        f"{time.monotonic() - start:.0f} s (its wall-clock limit is 900 s; the machine "
-        "may be overloaded)\n"
-      )
-    results[name] = (proc.returncode, stdout, what + stderr)
-  return results
-
-
-@pytest.fixture(scope="module")
-def multi_device_results(subprocess_runs):
-  returncode, stdout, stderr = subprocess_runs["checks"]
-  lines = stdout.strip().splitlines()
-  assert returncode == 0 and lines, stderr[:500] + stdout[-3000:] + stderr[-3000:]
-  return json.loads(lines[-1])
-
-
-@pytest.mark.parametrize("name", MD_CHECKS)
-def test_multi_device(multi_device_results, name):
-  assert multi_device_results["results"][name] == "ok", multi_device_results["results"][name]
+# In the subprocess (this file run as a script) this runs the checks and exits.
+test_multi_device = multi_device_checks(
+  globals(),
+  N_DEVICES,
+  setup=lambda: jax.config.update("jax_numpy_dtype_promotion", "strict"),
+  report=_take_collectives,
+)
 
 
 @pytest.mark.hlo
-def test_collectives(multi_device_results):
+@pytest.mark.xdist_group("multi_device_test_distributed")
+def test_collectives():
   """Every program the md_* checks compiled all-reduces scalars, nothing else.
 
   No all-to-all, collective-permute or all-gather (a resharding) on any kind
   of mesh. Per-example gradients all-reduce their sum, which is not a scalar.
   """
-  recorded = multi_device_results["collectives"]
+  runner = test_multi_device.runner()
+  recorded = {}
+  for name in runner.run_all():
+    recorded.update(runner.data(name) or {})
   assert any(label.startswith("legacy/") for label in recorded)  # the checks ran
   problems = {
     label: p
@@ -781,9 +735,12 @@ def test_collectives(multi_device_results):
   assert not problems, json.dumps(problems, indent=1)
 
 
-def test_fsdp_example_runs(subprocess_runs):
-  returncode, stdout, stderr = subprocess_runs["example"]
-  assert returncode == 0, stderr[:500] + stdout[-3000:] + stderr[-3000:]
+def test_fsdp_example_runs():
+  example = ROOT / "examples" / "fsdp_training.py"
+  returncode, stdout, stderr, problem = run_subprocess(
+    [sys.executable, str(example), "--steps", "40"], device_env(N_DEVICES)
+  )
+  assert returncode == 0, f"{problem}\n{stdout[-3000:]}{stderr[-3000:]}"
   assert "loss decreased" in stdout and "all-reduces of scalars only: True" in stdout, stdout
 
 
@@ -977,8 +934,3 @@ def test_per_example_clipped_grad_rejects_bad_threshold_and_int_params():
     jaxclip.per_example_clipped_grad(lambda w, x: w @ x, 1.0)(
       jnp.ones(3, jnp.int32), jnp.ones((2, 3))
     )
-
-
-if __name__ == "__main__":
-  jax.config.update("jax_numpy_dtype_promotion", "strict")
-  print(json.dumps(_run_checks_in_this_process()))

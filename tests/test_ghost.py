@@ -26,7 +26,7 @@ from jax.sharding import PartitionSpec as P
 
 import jaxclip
 from jaxclip import _ghost
-from tests.helpers import checks_in_subprocess, mlp_loss, mlp_problem, run_checks
+from tests.helpers import mlp_loss, mlp_problem, multi_device_checks
 
 N_DEVICES = 8
 
@@ -735,18 +735,4 @@ def md_ghost_under_spmd_axis_name_gathers_no_examples():
     _spmd(axis_type, mlp_loss, params, [x, y], ref, 30.0)
 
 
-MD_CHECKS = sorted(name for name in dict(globals()) if name.startswith("md_"))
-
-
-@pytest.fixture(scope="module")
-def multi_device_results():
-  return checks_in_subprocess(__file__, N_DEVICES)
-
-
-@pytest.mark.parametrize("name", MD_CHECKS)
-def test_multi_device(multi_device_results, name):
-  assert multi_device_results[name] == "ok", multi_device_results[name]
-
-
-if __name__ == "__main__":
-  run_checks({name: globals()[name] for name in MD_CHECKS}, N_DEVICES)
+test_multi_device = multi_device_checks(globals(), N_DEVICES)
