@@ -40,12 +40,14 @@ def always_ghost(monkeypatch):
 
 def _compare(loss_fn, params, *args, rtol=2e-5, atol=1e-6, **kwargs):
   """Runs both methods at the median norm; returns the plan's ghost rules used."""
-  vmap = jax.jit(jaxclip.per_example_clipped_grad(loss_fn, 1.0, return_norms=True, **kwargs))
-  norms = vmap(params, *args)[2]
+
+  @jax.jit  # the reference, compiled once: the clip is traced
+  def vmap(clip, *a):
+    return jaxclip.per_example_clipped_grad(loss_fn, clip, return_norms=True, **kwargs)(*a)
+
+  norms = vmap(1.0, params, *args)[2]
   clip = float(np.median(np.asarray(norms)))
-  ref = jax.jit(jaxclip.per_example_clipped_grad(loss_fn, clip, return_norms=True, **kwargs))(
-    params, *args
-  )
+  ref = vmap(clip, params, *args)
   got = jax.jit(
     jaxclip.per_example_clipped_grad(loss_fn, clip, method="ghost", return_norms=True, **kwargs)
   )(params, *args)
@@ -645,11 +647,15 @@ def test_static_shared_arguments_and_a_loss_that_ignores_the_batch_as_with_vmap(
 # ----------------------------------------------------------------------------
 
 
+@jax.jit
+def _gpt_reference(clip, params, tokens):
+  return jaxclip.per_example_clipped_grad(gpt_loss, clip, return_norms=True)(params, tokens)
+
+
 def _reference(batch, seed):
   params, tokens = _gpt_params(seed), _tokens(batch, seed)
-  norms = jaxclip.per_example_clipped_grad(gpt_loss, 1.0, return_norms=True)(params, tokens)[2]
-  clip = float(np.median(np.asarray(norms)))
-  return params, tokens, clip, jaxclip.per_example_clipped_grad(gpt_loss, clip)(params, tokens)
+  clip = float(np.median(np.asarray(_gpt_reference(1.0, params, tokens)[2])))
+  return params, tokens, clip, _gpt_reference(clip, params, tokens)
 
 
 def _check(out, ref):
