@@ -1,4 +1,12 @@
-"""Test configuration: strict dtype promotion, and the order tests reach pytest-xdist's workers.
+"""Test configuration: XLA flags, the order tests reach pytest-xdist's workers, strict promotion.
+
+The suite is compile-bound: XLA:CPU compiles about twice as fast without its
+backend (LLVM) optimisations, and the tests check results, not speed. So the
+tests and every subprocess they start (which inherit the environment) run
+with ``--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes``
+unless ``XLA_FLAGS`` already sets a backend optimisation level (set
+``XLA_FLAGS=--xla_backend_optimization_level=3`` to test as users compile).
+XLA's HLO passes still run: the ``hlo`` tests read fused, partitioned HLO.
 
 The README's command runs the suite on two pytest-xdist workers with
 ``--dist loadgroup`` (``addopts`` in ``pyproject.toml``): tests that share a
@@ -8,8 +16,20 @@ work units start first, so that no long test starts last on one worker while
 the other sits idle.
 """
 
-import jax
-import pytest
+import os
+
+# Before JAX starts its backend (it reads XLA_FLAGS then).
+if "--xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
+  os.environ["XLA_FLAGS"] = " ".join(
+    [
+      os.environ.get("XLA_FLAGS", ""),
+      "--xla_backend_optimization_level=0",
+      "--xla_llvm_disable_expensive_passes=true",
+    ]
+  ).strip()
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
 
 # Work that takes tens of seconds, started first, longest first: node id
 # prefixes with the wall seconds measured on 2 cores (loaded). A stale entry

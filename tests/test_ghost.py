@@ -512,9 +512,9 @@ def test_bfloat16_parameters_keep_their_dtype():
   _compare(mlp_loss, params, x, y, batch_argnums=(1, 2), rtol=3e-2, atol=1e-2)
   # Nothing clipped: ghost's sum is the non-private gradient's, bit for bit (vmap's is not).
   want = jax.grad(lambda p: jnp.sum(jax.vmap(mlp_loss, (None, 0, 0))(p, x, y)))(params)
-  got = jaxclip.per_example_clipped_grad(mlp_loss, 1e6, method="ghost", batch_argnums=(1, 2))(
-    params, x, y
-  )[0]
+  got = jax.jit(
+    jaxclip.per_example_clipped_grad(mlp_loss, 1e6, method="ghost", batch_argnums=(1, 2))
+  )(params, x, y)[0]
   for a, e in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
     np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(e, np.float32))
 
@@ -533,8 +533,10 @@ def test_return_norms_are_the_pre_clip_norms_in_batch_order():
   want = jax.vmap(jaxclip.ops.global_norm)(grads)
   for method in ("vmap", "ghost"):
     for mb in (None, 4):
-      out = jaxclip.per_example_clipped_grad(
-        mlp_loss, 1.0, batch_argnums=(1, 2), method=method, microbatch_size=mb, return_norms=True
+      out = jax.jit(
+        jaxclip.per_example_clipped_grad(
+          mlp_loss, 1.0, batch_argnums=(1, 2), method=method, microbatch_size=mb, return_norms=True
+        )
       )(params, x, y)
       np.testing.assert_allclose(out[2], want, rtol=1e-5)
 
@@ -543,9 +545,8 @@ def test_non_finite_example_shows_in_the_sum_as_with_vmap():
   params, x, y = mlp_problem(batch=6, seed=7)
   x = x.at[2, 0].set(jnp.nan)
   for method in ("vmap", "ghost"):
-    total, _ = jaxclip.per_example_clipped_grad(mlp_loss, 1.0, batch_argnums=(1, 2), method=method)(
-      params, x, y
-    )
+    fn = jaxclip.per_example_clipped_grad(mlp_loss, 1.0, batch_argnums=(1, 2), method=method)
+    total, _ = jax.jit(fn)(params, x, y)
     assert all(np.isnan(np.asarray(t)).any() for t in jax.tree.leaves(total)), method
 
 
