@@ -40,7 +40,7 @@ import numpy as np
 
 import jaxclip
 from benchmarks import _cases, _main, _report, _timing, _zoo
-from jaxclip import _ghost
+from jaxclip.privacy import _ghost
 
 METHODS = ("grad", "vmap", "ghost")
 BATCHES, QUICK_BATCHES = (16, 128), (4,)

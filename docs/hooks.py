@@ -26,16 +26,17 @@ from mkdocs.structure.files import File
 ROOT = Path(__file__).resolve().parents[1]
 PLACEHOLDER = "<!-- jaxclip-api -->"
 MODULE_ORDER = (
-  "jaxclip._transforms",
-  "jaxclip._keras",
-  "jaxclip._autoclip",
-  "jaxclip._zclip",
-  "jaxclip._stable",
-  "jaxclip._spike",
-  "jaxclip._robust",
-  "jaxclip._accumulation",
-  "jaxclip._record",
-  "jaxclip._threshold",
+  "jaxclip.transforms._fixed",
+  "jaxclip.transforms._keras",
+  "jaxclip.transforms._unitwise",
+  "jaxclip.transforms._autoclip",
+  "jaxclip.transforms._zclip",
+  "jaxclip.transforms._adaptive",
+  "jaxclip.skipping._spike",
+  "jaxclip.skipping._rules",
+  "jaxclip.skipping._accumulation",
+  "jaxclip.transforms._record",
+  "jaxclip.transforms._threshold",
 )
 
 

@@ -14,7 +14,7 @@ import optax
 import pytest
 
 import jaxclip
-from jaxclip import _history
+from jaxclip._kernel import _history
 from tests.helpers import assert_dtypes_kept
 
 NAN, INF = float("nan"), float("inf")

@@ -47,11 +47,14 @@ def test_version_and_typed_marker():
 
 
 def _jaxclip_imports(path, package_dir):
-  """``(module, imported jaxclip module, at top level?)`` for each import in ``path``."""
+  """``(module, imported module, at top level?)`` for each jaxclip import in ``path``.
+
+  Modules are named relative to the package: ``"ops"``, ``"_kernel._numerics"``,
+  ``"transforms"`` (a subpackage's ``__init__``).
+  """
   import ast
 
   tree = ast.parse(path.read_text(), filename=str(path))
-  modules = {p.stem for p in package_dir.glob("*.py")}
   top_level = {id(node) for node in tree.body}
   found = []
   for node in ast.walk(tree):
@@ -59,37 +62,55 @@ def _jaxclip_imports(path, package_dir):
     if isinstance(node, ast.Import):
       names = [a.name for a in node.names]
     elif isinstance(node, ast.ImportFrom):
-      if node.level:  # relative: from . import x / from ._x import y
-        names = [node.module or ""] if node.module else [a.name for a in node.names]
-        names = [f"jaxclip.{n}" for n in names]
-      elif node.module == "jaxclip":
-        names = [f"jaxclip.{a.name}" for a in node.names]
+      assert not node.level, f"{path}: relative import"
+      if node.module == "jaxclip" or (node.module or "").split(".")[-1] in _SUBPACKAGES:
+        names = [f"{node.module}.{a.name}" for a in node.names]
       else:
         names = [node.module or ""]
     for name in names:
       parts = name.split(".")
-      if parts[0] == "jaxclip" and len(parts) > 1 and parts[1] in modules:
-        found.append((path.stem, parts[1], id(node) in top_level))
+      if parts[0] == "jaxclip" and len(parts) > 1:
+        found.append((_module_name(path, package_dir), ".".join(parts[1:]), id(node) in top_level))
   return found
 
 
-def test_import_graph_is_layered():
-  """jaxclip's modules import each other at top level only, and without a cycle.
+_SUBPACKAGES = ("_kernel", "transforms", "skipping", "privacy")
+# The layers, from the norm kernel up; imports run downward only.
+_RANK = {"_kernel": 0, "ops": 1, "transforms": 2, "skipping": 3, "privacy": 3, "": 4}
 
-  The layers: backend workarounds (``_backends``) -> norm math
-  (``_numerics``) -> collectives (``_distributed``) -> ops (``_ops``) ->
-  transforms, adaptive and per-example modules. A function-level import is
-  how a cycle hides, so there is none.
+
+def _module_name(path, package_dir):
+  rel = path.relative_to(package_dir).with_suffix("")
+  parts = [p for p in rel.parts if p != "__init__"]
+  return ".".join(parts)
+
+
+def _layer(module):
+  return module.split(".")[0] if module.split(".")[0] in _RANK else ""
+
+
+def test_import_graph_is_layered():
+  """jaxclip's modules import each other at top level only, downward, without a cycle.
+
+  The layers: the norm kernel (``_kernel``: ``_platform`` and ``_sharding`` ->
+  ``_numerics`` -> ``_reduction``) -> ``ops`` (TensorFlow's family) ->
+  ``transforms`` -> ``skipping`` and ``privacy``, which do not import each
+  other -> the package's ``__init__``. A function-level import is how a cycle
+  hides, so there is none.
   """
   import pathlib
 
   package_dir = pathlib.Path(jaxclip.__file__).parent
-  edges = [e for p in sorted(package_dir.glob("*.py")) for e in _jaxclip_imports(p, package_dir)]
+  files = sorted(package_dir.rglob("*.py"))
+  assert {p.parent.name for p in files} == {"jaxclip", *_SUBPACKAGES}, files
+  edges = [e for p in files for e in _jaxclip_imports(p, package_dir)]
   hidden = [(a, b) for a, b, top in edges if not top]
   assert not hidden, f"function-level imports of jaxclip modules: {hidden}"
   graph = {}
   for a, b, _ in edges:
     graph.setdefault(a, set()).add(b)
+    la, lb = _layer(a), _layer(b)
+    assert _RANK[lb] < _RANK[la] or la == lb, f"{a} imports {b}: an import climbing up or across"
 
   def visit(node, stack):
     assert node not in stack, f"import cycle: {' -> '.join([*stack, node])}"
@@ -98,7 +119,8 @@ def test_import_graph_is_layered():
 
   for node in sorted(graph):
     visit(node, [])
-  assert not graph.get("_backends"), graph.get("_backends")
-  assert graph["_numerics"] == {"_backends"}
-  assert graph["_distributed"] == {"_numerics"}
-  assert "_distributed" in graph["_ops"]
+  assert not graph.get("_kernel._platform"), graph.get("_kernel._platform")
+  assert not graph.get("_kernel._sharding"), graph.get("_kernel._sharding")
+  assert graph["_kernel._numerics"] == {"_kernel._platform", "_kernel._sharding"}
+  assert "_kernel._numerics" in graph["_kernel._reduction"]
+  assert "_kernel._reduction" in graph["ops"]

@@ -18,7 +18,7 @@ import pytest
 
 import jaxclip
 from benchmarks import _cases, _main, _model, _trees, ghost
-from jaxclip import _numerics
+from jaxclip._kernel import _numerics
 
 # Gradient-sized leaves (one above the kernel's small-leaf size, the others
 # grouped) and a bias: a clipped copy of any weight would need at least

@@ -28,7 +28,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxclip
-from jaxclip import _distributed
+from jaxclip._kernel import _sharding
 from tests.helpers import (
   device_env,
   hlo_collectives,
@@ -392,7 +392,7 @@ def md_per_example_clipping_in_shard_map():
   mesh = jax.make_mesh((N_DEVICES,), ("data",))
 
   def with_op(p, xb, yb):
-    p = _distributed.as_varying(p, "data")
+    p = _sharding.as_varying(p, "data")
     grads = jax.vmap(jax.grad(mlp_loss), in_axes=(None, 0, 0))(p, xb, yb)
     return jaxclip.per_example_global_norm_clip(grads, CLIP, axis_name="data")
 
@@ -445,7 +445,7 @@ def md_per_example_helper_under_jit_with_spmd_axis_name():
 
 def _per_device(tree):
   """Each leaf with a new leading axis, to come out of shard_map once per device."""
-  return jax.tree.map(lambda x: x[None], _distributed.as_varying(tree, "data"))
+  return jax.tree.map(lambda x: x[None], _sharding.as_varying(tree, "data"))
 
 
 def _assert_same_on_every_device(tree, skip=lambda path: False):
@@ -767,12 +767,12 @@ def test_fsdp_example_runs():
 def test_leaf_reduction_axes_forms():
   tree = {"a": jnp.ones(2), "b": {"c": jnp.ones(3), "d": None}, "e": jnp.ones(1)}
   names = ("data", "model")
-  axes = lambda r: _distributed.leaf_reduction_axes(tree, names, r)
+  axes = lambda r: _sharding.leaf_reduction_axes(tree, names, r)
   assert axes(None) == [names] * 3
   assert axes({"a": True, "b": False, "e": "model"}) == [(), names, ("data",)]
   assert axes({"a": ("data", "model"), "b": "data", "e": ("model",)}) == [(), ("model",), ("data",)]
   assert axes(lambda path, leaf: leaf.size == 3) == [names, (), names]
-  specs = lambda s, axis_name=names: _distributed.leaf_reduction_axes(
+  specs = lambda s, axis_name=names: _sharding.leaf_reduction_axes(
     tree, axis_name, partition_specs=s
   )
   assert specs({"a": P(), "b": P(None, "model"), "e": P(("data", "model"))}) == [

@@ -25,7 +25,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxclip
-from jaxclip import _ghost
+from jaxclip.privacy import _ghost
 from tests.helpers import mlp_loss, mlp_problem, multi_device_checks
 
 N_DEVICES = 8

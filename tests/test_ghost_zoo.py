@@ -42,7 +42,7 @@ import pytest
 
 import jaxclip
 from benchmarks import _zoo
-from jaxclip import _ghost
+from jaxclip.privacy import _ghost
 
 BATCH = 8
 # Path patterns (searched in ``jax.tree_util.keystr`` of each leaf) and the rule

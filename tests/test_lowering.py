@@ -1,6 +1,6 @@
 """How the kernel lowers: per platform, under ``jax.grad`` and under ``jax.vmap``.
 
-The XLA:CPU workarounds (``jaxclip._backends``) are chosen by the platform a
+The XLA:CPU workarounds (``jaxclip._kernel._platform``) are chosen by the platform a
 program is lowered for. The tests marked ``hlo`` read exported or compiled
 program text and cost analyses; the others check values.
 """
@@ -16,7 +16,7 @@ import optax
 import pytest
 
 import jaxclip
-from jaxclip import _backends, _numerics
+from jaxclip._kernel import _numerics, _platform
 
 # Many small leaves of a few shapes (stacked on CPU) and one larger leaf.
 _SHAPES = [(64,)] * 12 + [(8, 4), (4,), (3, 5)] * 6 + [(32, 32)]
@@ -256,7 +256,7 @@ def test_the_path_of_other_platforms_computes_the_same(name, monkeypatch):
   clip, _ = CLIPS[name]
   tree, c = _mixed_precision_tree(), THRESHOLD[name]
   cpu = jax.jit(lambda t: clip(t, c))(tree)
-  monkeypatch.setattr(_backends, "on_cpu", lambda cpu, default, *args: default(*args))
+  monkeypatch.setattr(_platform, "on_cpu", lambda cpu, default, *args: default(*args))
   default = jax.jit(lambda t: clip(t, c))(tree)
   for a, b in zip(default, cpu, strict=True):
     assert a.dtype == b.dtype

@@ -14,7 +14,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxclip
-from jaxclip import _distributed
+from jaxclip._kernel import _sharding
 from tests.helpers import mlp_loss, mlp_problem, multi_device_checks
 
 N_DEVICES = 8
@@ -158,7 +158,7 @@ def md_layer_norm_clip_in_shard_map():
       assert 0 < sum(int(c) for c in jax.tree.leaves(ref_count)) < 64 * 3
 
       def local(p, xb, yb, uniform=uniform, axis=axis):
-        p = _distributed.as_varying(p, axis)
+        p = _sharding.as_varying(p, axis)
         return jaxclip.per_example_layer_norm_clip(
           _per_example_grads(p, xb, yb), CLIP / 3, uniform, axis_name=axis
         )

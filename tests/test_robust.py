@@ -150,7 +150,7 @@ def _nonfinite_probe_tree():
 
 @pytest.mark.parametrize("bad", [NAN, INF, -INF])
 def test_all_finite_finds_a_nonfinite_entry_in_any_leaf(bad):
-  from jaxclip._robust import all_finite
+  from jaxclip.skipping._scaffold import all_finite
 
   check = jax.jit(all_finite)
   tree = _nonfinite_probe_tree()

@@ -7,7 +7,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from jaxclip import _validation
+from jaxclip._kernel import _validation
 
 
 class ThresholdSuggestion(NamedTuple):

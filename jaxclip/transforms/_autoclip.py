@@ -8,7 +8,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxclip import _distributed, _history, _numerics, _ops, _validation
+from jaxclip import ops
+from jaxclip._kernel import _history, _numerics, _reduction, _validation
 
 ArrayLike = jax.typing.ArrayLike
 
@@ -125,7 +126,7 @@ def autoclip(
     del params, extra_args
     _validation.check_state(state, AutoClipState, "autoclip")
     updates = _validation.numeric_leaves(updates, "autoclip")
-    norm = _distributed.tree_norm(updates, ord, axis_name, replicated, partition_specs)
+    norm = _reduction.tree_norm(updates, ord, axis_name, replicated, partition_specs)
     buf = _history.push(
       _history.History(
         state.autoclip_norm_history, state.autoclip_norm_count, state.autoclip_norm_index
@@ -133,7 +134,7 @@ def autoclip(
       norm,
     )
     threshold = _history.percentile(buf, percentile)
-    clipped, _ = _ops.clip_by_global_norm(updates, threshold, use_norm=norm)
+    clipped, _ = ops.clip_by_global_norm(updates, threshold, use_norm=norm)
     return clipped, AutoClipState(
       autoclip_norm_history=buf.values,
       autoclip_norm_count=buf.size,

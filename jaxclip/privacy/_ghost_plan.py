@@ -9,7 +9,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxclip import _ghost, _validation
+from jaxclip._kernel import _validation
+from jaxclip.privacy import _ghost
 
 
 @dataclasses.dataclass(frozen=True)

@@ -2,7 +2,7 @@
 
 It sits above the ops and the optax-compatible transforms: each chunk of
 examples is clipped by :func:`jaxclip.per_example_global_norm_clip`'s kernel,
-and :mod:`jaxclip._distributed` keeps the parameters local inside
+and :mod:`jaxclip._kernel._sharding` keeps the parameters local inside
 ``shard_map``.
 """
 
@@ -16,10 +16,11 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxclip import _distributed, _ghost, _numerics, _optax_compat, _validation
+from jaxclip._kernel import _numerics, _sharding, _validation
+from jaxclip.privacy import _clip_batch, _ghost
 
 PyTree = Any
-AxisName = _distributed.AxisName
+AxisName = _sharding.AxisName
 
 
 def _mesh_axis_size(axis_name: AxisName | None) -> int | None:
@@ -28,7 +29,7 @@ def _mesh_axis_size(axis_name: AxisName | None) -> int | None:
   if axis_name is None or get_mesh is None:
     return None
   mesh = get_mesh()
-  names = _distributed.axis_names(axis_name)
+  names = _sharding.axis_names(axis_name)
   if mesh.empty or any(n not in mesh.axis_names for n in names):
     return None
   return math.prod(mesh.shape[n] for n in names)
@@ -454,7 +455,7 @@ def per_example_clipped_grad(
 
   def _clipped_units(example_loss, params, args, idx, size, mask, microbatch_size):
     if axis_name is not None:
-      params = _distributed.as_varying(params, axis_name)
+      params = _sharding.as_varying(params, axis_name)
     example_grad = jax.grad(example_loss, has_aux=has_aux)
     in_axes = (None,) + tuple(0 if i in idx else None for i in range(len(args)))
     vgrad = jax.vmap(example_grad, in_axes=in_axes, spmd_axis_name=spmd_axis_name)
@@ -479,15 +480,13 @@ def per_example_clipped_grad(
         if out is not None:  # None: per-example gradients cost less than ghost norms
           return out
       grads, aux = vgrad(params, *full) if has_aux else (vgrad(params, *full), None)
-      total, count, norms = _optax_compat._per_example_clip(
+      total, count, norms = _clip_batch._per_example_clip(
         grads, l2_norm_clip, mask=mask, accumulate=True, return_norms=True
       )
       if not jax.tree.leaves(grads):  # no parameters: every norm is 0, as under ghost
         n = jax.tree.leaves(batch_args)[0].shape[0]
         norms = jnp.zeros((n,), _numerics.tree_accumulation_dtype(params))
-        count = _optax_compat.clip_multipliers(norms, jnp.asarray(l2_norm_clip, norms.dtype), mask)[
-          1
-        ]
+        count = _clip_batch.clip_multipliers(norms, jnp.asarray(l2_norm_clip, norms.dtype), mask)[1]
       return total, count, norms, aux
 
     padded = chunk * num_chunks
@@ -544,9 +543,9 @@ def per_example_clipped_grad(
 
       # Inside shard_map the sums vary over the axes the inputs vary over; the
       # scan carry must have that type from the start.
-      vary = frozenset().union(*map(_distributed.varying_axes, jax.tree.leaves((params, args))))
+      vary = frozenset().union(*map(_sharding.varying_axes, jax.tree.leaves((params, args))))
       if vary:
-        init = _distributed.cast_varying(init, tuple(sorted(vary, key=str)))
+        init = _sharding.cast_varying(init, tuple(sorted(vary, key=str)))
       (total, num_clipped), (norms, aux) = jax.lax.scan(body, init, (xs, masks))
       # The inverse of to_chunks: row i of chunk j is example i * num_chunks + j.
       norms, aux = jax.tree.map(
@@ -559,7 +558,7 @@ def per_example_clipped_grad(
       total = jax.tree.map(lambda t: jnp.where(any_real, t, jnp.zeros((), t.dtype)), total)
     total = jax.tree.map(lambda t, p: t.astype(jnp.result_type(p)), total, params)
     if axis_name is not None:
-      total, num_clipped = jax.lax.psum((total, num_clipped), _distributed.axis_names(axis_name))
+      total, num_clipped = jax.lax.psum((total, num_clipped), _sharding.axis_names(axis_name))
     out = (total, num_clipped) + ((norms,) if return_norms else ())
     return out + (aux,) if has_aux else out
 
@@ -578,7 +577,7 @@ def _ghost_chunk(example_loss, params, args, idx, l2_norm_clip, mask, spmd_axis_
   bound = jnp.asarray(l2_norm_clip, _numerics.tree_accumulation_dtype(leaves))
 
   def weights_fn(norms):
-    multipliers, count = _optax_compat.clip_multipliers(norms, bound, mask)
+    multipliers, count = _clip_batch.clip_multipliers(norms, bound, mask)
     return (multipliers if mask is None else jnp.where(mask, multipliers, 0)), count
 
   grads, norms, count, aux_leaves = _ghost.clipped_sum(

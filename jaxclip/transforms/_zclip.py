@@ -8,14 +8,10 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxclip import _distributed, _numerics, _ops, _validation
+from jaxclip import ops
+from jaxclip._kernel import _numerics, _reduction, _validation
 
 ArrayLike = jax.typing.ArrayLike
-
-
-def _f32(x: Any) -> jax.Array:
-  # Hyperparameters may arrive as bfloat16 arrays from inject_hyperparams.
-  return jnp.asarray(x).astype(jnp.float32)
 
 
 class ZClipState(NamedTuple):
@@ -184,13 +180,17 @@ def zclip(
     del params, extra_args
     _validation.check_state(state, ZClipState, "zclip")
     updates = _validation.numeric_leaves(updates, "zclip")
-    norm = _distributed.tree_norm(updates, ord, axis_name, replicated, partition_specs)
+    norm = _reduction.tree_norm(updates, ord, axis_name, replicated, partition_specs)
     x = norm.astype(jnp.float32)
     finite = jnp.isfinite(x)
     count = state.zclip_warmup_count
     size = state.zclip_warmup_norms.shape[0]  # warmup_steps, static
     warming = count < size
-    a, zt, cap32 = _f32(alpha), _f32(z_thresh), _f32(cap)
+    a, zt, cap32 = (
+      _numerics.hparam_float32(alpha),
+      _numerics.hparam_float32(z_thresh),
+      _numerics.hparam_float32(cap),
+    )
 
     # Warm-up: collect finite norms; the last one initialises the EMAs.
     collect = warming & finite
@@ -205,11 +205,13 @@ def zclip(
     # After warm-up: z-score against the current EMAs.
     mean, var = state.zclip_norm_ema, state.zclip_norm_var_ema
     std = jnp.sqrt(var)
-    z = (x - mean) / (std + _f32(eps))
+    z = (x - mean) / (std + _numerics.hparam_float32(eps))
     if mode == "zscore":
       spike = z > zt
       if clip_option == "adaptive_scaling":
-        adaptive = (mean + zt * zt * std / jnp.where(spike, z, 1)) * _f32(clip_factor)
+        adaptive = (mean + zt * zt * std / jnp.where(spike, z, 1)) * _numerics.hparam_float32(
+          clip_factor
+        )
       else:
         adaptive = mean
     else:
@@ -227,7 +229,7 @@ def zclip(
     new_mean = jnp.where(init_now, w_mean, jnp.where(move, ema_mean, mean))
     new_var = jnp.where(init_now, w_var, jnp.where(move, ema_var, var))
 
-    clipped, _ = _ops.clip_by_global_norm(updates, threshold, use_norm=norm)
+    clipped, _ = ops.clip_by_global_norm(updates, threshold, use_norm=norm)
     return clipped, ZClipState(
       zclip_warmup_norms=buf,
       zclip_warmup_count=new_count,

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import optax
 
-from jaxclip import _transforms, _validation
+from jaxclip._kernel import _validation
+from jaxclip.transforms import _fixed
 
 
 def clipped(
@@ -81,11 +82,11 @@ def clipped(
   if global_clipnorm is not None:
     _validation.check_scalar(global_clipnorm, "global_clipnorm")
   if clipnorm is not None:
-    clip = _transforms.clip_by_norm(clipnorm)
+    clip = _fixed.clip_by_norm(clipnorm)
   elif clipvalue is not None:
-    clip = _transforms.clip_by_value(-clipvalue, clipvalue)
+    clip = _fixed.clip_by_value(-clipvalue, clipvalue)
   elif global_clipnorm is not None:
-    clip = _transforms.clip_by_global_norm(global_clipnorm)
+    clip = _fixed.clip_by_global_norm(global_clipnorm)
   else:
     return optax.with_extra_args_support(optimizer)
   return optax.chain(clip, optimizer)

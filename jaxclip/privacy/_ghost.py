@@ -67,7 +67,7 @@ import jax.extend.core as jex
 import jax.numpy as jnp
 import numpy as np
 
-from jaxclip import _distributed, _numerics
+from jaxclip._kernel import _numerics, _sharding
 
 PARAM, DATA, CONST = "param", "data", "const"
 # Call primitives whose body is walked when a parameter goes in (so that the
@@ -530,10 +530,6 @@ def per_iteration(site: Site, fn: Callable[..., jax.Array], *xs: jax.Array) -> j
   return jnp.sum(out.reshape(out.shape[0], -1), axis=1)
 
 
-def _f32(x: jax.Array) -> jax.Array:
-  return x.astype(_numerics.accumulation_dtype(x.dtype))
-
-
 def _dot_dims(site: Site, pos: int) -> tuple[tuple[int, int, int, int], tuple[list[int], ...]]:
   """``(n, T, C, F)`` of :func:`_dot_operands`, and the data operand's batch, free and
   contracting dims."""
@@ -567,8 +563,8 @@ def _dot_operands(site: Site, pos: int, a: jax.Array, g: jax.Array) -> tuple[jax
   (nb, t, c, f), (batch, free, contract) = _dot_dims(site, pos)
   n = a.shape[0]
   perm = [0] + [1 + i for i in (*batch, *free, *contract)]
-  a = _f32(jnp.transpose(a, perm).reshape(n, nb, t, c))
-  g = _f32(g)
+  a = _numerics.upcast_for_accumulation(jnp.transpose(a, perm).reshape(n, nb, t, c))
+  g = _numerics.upcast_for_accumulation(g)
   if pos == 1:  # output dims: batch, data free, param free
     return a, g.reshape(n, nb, t, f)
   return a, jnp.swapaxes(g.reshape(n, nb, f, t), 2, 3)  # batch, param free, data free
@@ -645,7 +641,7 @@ def conv_sumsq(site: Site, kernel: jax.Array, a: jax.Array, g: jax.Array) -> jax
     def one(k_b, a_b, g_b):
       _, vjp = jax.vjp(lambda k: _bind(eqn, [a_b, k])[0], k_b)
       (grad,) = vjp(g_b.astype(out_aval.dtype))
-      return jnp.sum(_numerics.abs_sq(_f32(grad)))
+      return jnp.sum(_numerics.abs_sq(_numerics.upcast_for_accumulation(grad)))
 
     return jax.vmap(one)(kernel, a, g)
   filt = [rhs_aval.shape[d] for d in dn.rhs_spec[2:]]
@@ -664,8 +660,10 @@ def conv_sumsq(site: Site, kernel: jax.Array, a: jax.Array, g: jax.Array) -> jax
     return jnp.moveaxis(p, 1, -1).reshape(positions, -1)
 
   n = a.shape[0]
-  pa = jax.vmap(patches)(_f32(a)).reshape(n, positions, groups, taps)
-  pg = jnp.moveaxis(jnp.transpose(_f32(g), (0, *(1 + d for d in dn.out_spec))), 2, -1)
+  pa = jax.vmap(patches)(_numerics.upcast_for_accumulation(a)).reshape(n, positions, groups, taps)
+  pg = jnp.moveaxis(
+    jnp.transpose(_numerics.upcast_for_accumulation(g), (0, *(1 + d for d in dn.out_spec))), 2, -1
+  )
   pg = pg.reshape(n, positions, groups, outs)
   return _mixed_sumsq(jnp.swapaxes(pa, 1, 2), jnp.swapaxes(pg, 1, 2))
 
@@ -681,7 +679,7 @@ def _lookup_operands(site: Site, ids: jax.Array, g: jax.Array) -> tuple[jax.Arra
   rows = eqn.invars[0].aval.shape[0]
   n = ids.shape[0]
   ids = ids.reshape(n, -1)
-  g = _f32(g).reshape(n, ids.shape[1], -1)
+  g = _numerics.upcast_for_accumulation(g).reshape(n, ids.shape[1], -1)
   mode = getattr(eqn.params["mode"], "name", str(eqn.params["mode"]))
   if "FILL" in mode or "PROMISE" in mode:  # out-of-range rows: dropped from the gradient
     g = jnp.where(((ids >= 0) & (ids < rows))[..., None], g, 0)
@@ -1032,7 +1030,7 @@ def trace(
   def example(x, batched):
     # Inside shard_map the jaxpr must keep the axes each value varies over (and
     # record the casts they need): it is traced on the first example itself.
-    if _distributed.varying_axes(x):
+    if _sharding.varying_axes(x):
       return x[0] if batched else x
     aval = jax.typeof(x)
     return jax.ShapeDtypeStruct(
@@ -1112,9 +1110,9 @@ def clipped_sum(
   ]
   # Inside shard_map the zeros must vary as the examples do: the gradient with
   # respect to a value that is the same on every device is summed over them.
-  vary = frozenset().union(*map(_distributed.varying_axes, leaves + arg_leaves))
+  vary = frozenset().union(*map(_sharding.varying_axes, leaves + arg_leaves))
   if vary:
-    zs = _distributed.cast_varying(zs, tuple(sorted(vary, key=str)))
+    zs = _sharding.cast_varying(zs, tuple(sorted(vary, key=str)))
   gs, (aux, drecs) = jax.grad(total, has_aux=True)(zs)
 
   def params_pass(ls):
@@ -1278,12 +1276,14 @@ def _group_sumsq(group, sites, leaves, params_pass, pvals, cvals, drecs, gs, spm
       vjp = _site_vjp(site, fn, [pvals[u][k] for k in ks])
       for k, ct in zip(ks, vjp(list(gg[u]))[0], strict=True):
         if sites[u].infos[k].deps <= direct:
-          total = total + jnp.sum(_numerics.abs_sq(_f32(ct)))
+          total = total + jnp.sum(_numerics.abs_sq(_numerics.upcast_for_accumulation(ct)))
         else:
           cts.append(ct)
     if pull is not None:
       (grads,) = pull(cts)
-      total = total + sum(jnp.sum(_numerics.abs_sq(_f32(x))) for x in grads)
+      total = total + sum(
+        jnp.sum(_numerics.abs_sq(_numerics.upcast_for_accumulation(x))) for x in grads
+      )
     return total
 
   ds = {u: drecs[u] for u in by_site}

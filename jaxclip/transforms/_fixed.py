@@ -8,7 +8,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxclip import _numerics, _ops, _validation
+from jaxclip import ops
+from jaxclip._kernel import _numerics, _validation
 
 ArrayLike = jax.typing.ArrayLike
 
@@ -51,7 +52,7 @@ def value_clip(lo: ArrayLike, hi: ArrayLike, fn_name: str) -> Any:
 
   def update(updates):
     updates = _validation.numeric_leaves(updates, fn_name, dtype_for=dtype_for)
-    return _ops.clip_by_value(updates, lo, hi)
+    return ops.clip_by_value(updates, lo, hi)
 
   return update
 
@@ -140,7 +141,7 @@ def clip_by_norm(max_norm: ArrayLike, axes: Any = None) -> optax.GradientTransfo
   """
   _validation.check_threshold(max_norm, "max_norm")
   return stateless(
-    lambda u: _ops.clip_by_norm(_validation.numeric_leaves(u, "clip_by_norm"), max_norm, axes)
+    lambda u: ops.clip_by_norm(_validation.numeric_leaves(u, "clip_by_norm"), max_norm, axes)
   )
 
 
@@ -165,7 +166,7 @@ def clip_by_average_norm(max_norm: ArrayLike) -> optax.GradientTransformationExt
   """
   _validation.check_threshold(max_norm, "max_norm")
   return stateless(
-    lambda u: _ops.clip_by_average_norm(
+    lambda u: ops.clip_by_average_norm(
       _validation.numeric_leaves(u, "clip_by_average_norm"), max_norm
     )
   )
@@ -272,7 +273,7 @@ def clip_by_global_norm(
   def update_fn(updates, state, params=None, **extra_args):
     del params, extra_args
     updates = _validation.numeric_leaves(updates, "clip_by_global_norm")
-    clipped, norm = _ops.clip_by_global_norm(
+    clipped, norm = ops.clip_by_global_norm(
       updates,
       max_norm,
       ord=ord,

@@ -9,14 +9,10 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxclip import _numerics, _per_tensor, _validation
+from jaxclip._kernel import _numerics, _validation
+from jaxclip.transforms import _per_tensor
 
 ArrayLike = jax.typing.ArrayLike
-
-
-def _f32(x: Any) -> jax.Array:
-  # Hyperparameters may arrive as bfloat16 arrays from inject_hyperparams.
-  return jnp.asarray(x).astype(jnp.float32)
 
 
 def _bias_correction(beta: jax.Array, count: jax.Array) -> jax.Array:
@@ -150,8 +146,12 @@ def adagc(
     (gamma,), n = s.stats, s.stat
     first = s.prev_count == 0
     warming = s.count < jnp.asarray(warmup_steps)
-    b, rel, abs_ = _f32(beta), _f32(lambda_rel), _f32(lambda_abs)
-    denominator = s.total + _f32(eps)
+    b, rel, abs_ = (
+      _numerics.hparam_float32(beta),
+      _numerics.hparam_float32(lambda_rel),
+      _numerics.hparam_float32(lambda_abs),
+    )
+    denominator = s.total + _numerics.hparam_float32(eps)
     global_scale = _ratio(abs_, denominator, denominator > abs_)
     warm_norm = n * global_scale
     warm_gamma = jnp.where(first, warm_norm, jnp.minimum(gamma, warm_norm))
@@ -259,7 +259,7 @@ def adaptive_value_clip(
 
   def step(s: _per_tensor.Step):
     (m,), top = s.stats, s.stat
-    b = _f32(beta)
+    b = _numerics.hparam_float32(beta)
     m = b * m + (1 - b) * top
     bound = m / _bias_correction(b, s.count)
     return (bound, _ratio(bound, top, top > 0)), (m,)
@@ -385,10 +385,12 @@ def adaptive_norm_scale(
 
   def step(s: _per_tensor.Step):
     (mu, nu), n = s.stats, s.stat
-    b1, b2 = _f32(beta1), _f32(beta2)
+    b1, b2 = _numerics.hparam_float32(beta1), _numerics.hparam_float32(beta2)
     mu = b1 * mu + (1 - b1) * n
     nu = b2 * nu + (1 - b2) * n * n
-    denominator = _numerics.safe_sqrt(nu / _bias_correction(b2, s.count)) + _f32(eps)
+    denominator = _numerics.safe_sqrt(
+      nu / _bias_correction(b2, s.count)
+    ) + _numerics.hparam_float32(eps)
     target = _ratio(mu / _bias_correction(b1, s.count), denominator, denominator > 0)
     return (_ratio(target, n, n > 0),), (mu, nu)
 

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxclip import _numerics, _validation
+from jaxclip._kernel import _numerics, _validation
 
 ArrayLike = jax.typing.ArrayLike
 

@@ -9,7 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jaxclip import _distributed, _history, _numerics, _robust, _validation
+from jaxclip._kernel import _history, _numerics, _reduction, _validation
+from jaxclip.skipping import _scaffold
 
 ArrayLike = jax.typing.ArrayLike
 
@@ -217,7 +218,7 @@ def skip_on_spike(
   def decide(updates, state, extra_args):
     loss = objective(extra_args, "skip_on_spike")
     numbers = _validation.numeric_leaves(updates, "skip_on_spike")
-    norm = _distributed.tree_norm(numbers, ord, axis_name, replicated, partition_specs).astype(
+    norm = _reduction.tree_norm(numbers, ord, axis_name, replicated, partition_specs).astype(
       jnp.float32
     )
     min_count = max(2, state.spike_norm_history.shape[0] // 2)
@@ -237,11 +238,11 @@ def skip_on_spike(
           "skip_on_spike needs a real scalar loss (value= or loss=), got "
           f"{loss.dtype} of shape {loss.shape}."
         )
-      loss = _distributed.mean_across_devices(loss.astype(jnp.float32), axis_name)
+      loss = _reduction.mean_across_devices(loss.astype(jnp.float32), axis_name)
       loss_spike, loss_threshold = _check(losses, loss, sigma, min_count)
       skip = skip | loss_spike
       losses = _history.push(losses, loss)
-    skip = _distributed.any_across_devices(skip, axis_name)
+    skip = _reduction.any_across_devices(skip, axis_name)
     return skip, _fields(
       norms,
       losses,
@@ -251,6 +252,6 @@ def skip_on_spike(
       spike_step_skipped=skip,
     )
 
-  return _robust.skip_transform(
+  return _scaffold.skip_transform(
     inner, SkipOnSpikeState, "skip_on_spike", "num_spike_skipped", init_fields, decide
   )

@@ -8,7 +8,8 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jaxclip import _quantile, _validation
+from jaxclip._kernel import _validation
+from jaxclip.privacy import _quantile
 
 
 class PoissonBatch(NamedTuple):

@@ -8,7 +8,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxclip import _distributed, _robust, _validation
+from jaxclip._kernel import _reduction, _validation
+from jaxclip.skipping import _scaffold
 
 ArrayLike = jax.typing.ArrayLike
 
@@ -85,9 +86,9 @@ def skip_bad_microbatches(
     del gradient_step, params
     updates = _validation.numeric_leaves(updates, "skip_bad_microbatches")
     if max_norm is None:
-      skip = jnp.logical_not(_robust.all_finite(updates, axis_name))
+      skip = jnp.logical_not(_scaffold.all_finite(updates, axis_name))
       return skip, {"microbatch_skipped": skip}
-    norm = _distributed.tree_norm(updates, 2, axis_name, replicated, partition_specs).astype(
+    norm = _reduction.tree_norm(updates, 2, axis_name, replicated, partition_specs).astype(
       jnp.float32
     )
     # Written so that a NaN norm fails the comparison and is skipped.

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxclip import _distributed, _numerics, _validation
+from jaxclip._kernel import _numerics, _reduction, _validation
 
 
 class RecordNormsState(NamedTuple):
@@ -97,9 +97,7 @@ def record_norms(
     del params, extra_args
     _validation.check_state(state, RecordNormsState, "record_norms")
     numbers = _validation.numeric_leaves(updates, "record_norms")
-    norms, total = _distributed.tree_leaf_norms(
-      numbers, ord, axis_name, replicated, partition_specs
-    )
+    norms, total = _reduction.tree_leaf_norms(numbers, ord, axis_name, replicated, partition_specs)
     dtype = state.global_norm.dtype
     norms, total = [n.astype(dtype) for n in norms], total.astype(dtype)
     # In the state's own structure (a tuple stays a tuple when the updates

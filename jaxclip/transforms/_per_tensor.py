@@ -1,4 +1,4 @@
-"""The scaffolding shared by the per-tensor adaptive transforms of :mod:`jaxclip._stable`.
+"""The scaffolding shared by the per-tensor adaptive transforms: AdaGC and its two siblings.
 
 A per-tensor rule keeps a few float32 statistics per leaf of the params and
 a step count. Each step it reads one number per leaf of the updates (its
@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxclip import _backends, _distributed, _numerics, _validation
+from jaxclip._kernel import _numerics, _platform, _reduction, _validation
 
 
 class Step(NamedTuple):
@@ -159,7 +159,7 @@ def per_tensor_transform(
           f"{rule.fn_name}'s state has a {field} of another structure than its {stat_fields[0]}."
         )
     leaves, treedef = jax.tree.flatten(updates)
-    stat, total = _distributed.tree_leaf_parts(
+    stat, total = _reduction.tree_leaf_parts(
       updates, rule.ord, axis_name, replicated, partition_specs
     )
     stat = [jnp.asarray(x).astype(jnp.float32) for x in stat]  # before the square roots
@@ -170,7 +170,7 @@ def per_tensor_transform(
     # The guard: one flag for the whole step, read by every new statistic.
     finite = jnp.all(jnp.isfinite(_vector(stat))) & jnp.isfinite(total)
     finite = _numerics.computed_once(finite)
-    per_leaf, new = _backends.on_cpu(
+    per_leaf, new = _platform.on_cpu(
       lambda *a: _vector_step(rule, *a),
       lambda *a: _scalar_step(rule, *a),
       stat,

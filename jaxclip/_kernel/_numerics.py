@@ -25,7 +25,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxclip import _backends
+from jaxclip._kernel import _platform, _sharding
 
 Axes = int | Sequence[int] | None
 
@@ -43,6 +43,21 @@ def accumulation_dtype(dtype: Any) -> jnp.dtype:
   if real == jnp.dtype(jnp.float64):
     return real
   return jnp.dtype(jnp.float32)
+
+
+def upcast_for_accumulation(x: jax.Array) -> jax.Array:
+  """``x`` in :func:`accumulation_dtype` (float32, or float64 for float64 leaves)."""
+  return x.astype(accumulation_dtype(x.dtype))
+
+
+def hparam_float32(x: Any) -> jax.Array:
+  """A hyperparameter or statistic as a float32 array.
+
+  Hyperparameters may arrive as Python numbers, NumPy values or (from
+  ``optax.inject_hyperparams``) arrays of another float dtype; an adaptive
+  statistic is kept in float32 whatever the leaves' dtype.
+  """
+  return jnp.asarray(x).astype(jnp.float32)
 
 
 def tree_accumulation_dtype(tree: Any) -> jnp.dtype:
@@ -133,7 +148,7 @@ def _convert(x: jax.Array, dtype: Any) -> jax.Array:
 
 def abs_sq(x: jax.Array) -> jax.Array:
   """``|x|**2`` elementwise, in ``x``'s accumulation dtype."""
-  x = _backends.reduction_input(jnp.asarray(x))
+  x = _platform.reduction_input(jnp.asarray(x))
   acc = accumulation_dtype(x.dtype)
   if jnp.iscomplexobj(x):
     re, im = _convert(jax.lax.real(x), acc), _convert(jax.lax.imag(x), acc)
@@ -144,7 +159,7 @@ def abs_sq(x: jax.Array) -> jax.Array:
 
 def safe_abs(x: jax.Array) -> jax.Array:
   """``|x|`` elementwise in the accumulation dtype; finite gradient at 0."""
-  x = _backends.reduction_input(jnp.asarray(x))
+  x = _platform.reduction_input(jnp.asarray(x))
   if jnp.iscomplexobj(x):
     return safe_sqrt(abs_sq(x))
   return jax.lax.abs(_convert(x, accumulation_dtype(x.dtype)))
@@ -161,11 +176,11 @@ def _reduce(
   """``jnp.sum`` (``op="sum"``) or ``jnp.max`` of non-negative ``terms``.
 
   ``of_float16`` says that the terms are computed from float16 values, which
-  XLA:CPU reduces faster another way (:func:`jaxclip._backends.float16_reduce`).
+  XLA:CPU reduces faster another way (:func:`jaxclip._kernel._platform.float16_reduce`).
   """
   if of_float16:
-    return _backends.float16_reduce(terms, op, axes, keepdims)
-  return _backends.plain_reduce(terms, op, axes, keepdims)
+    return _platform.float16_reduce(terms, op, axes, keepdims)
+  return _platform.plain_reduce(terms, op, axes, keepdims)
 
 
 def leaf_sumsq(x: jax.Array, axis: Axes = None, keepdims: bool = False) -> jax.Array:
@@ -213,48 +228,6 @@ _STATIC_ROWS = 512
 def _leaf_part(x: jax.Array, ord: float) -> jax.Array:
   """One leaf's share of a tree norm: ``sum |x|**2``, ``sum |x|`` or ``max |x|``."""
   return leaf_sumsq(x) if ord == 2 else leaf_norm(x, ord)
-
-
-# The layout key of a leaf whose values are all on the device that computes
-# with them: it may be reshaped and concatenated with any other such leaf.
-LOCAL = "local"
-
-
-def layout(x: jax.Array) -> Any:
-  """What JAX's type of ``x`` says about its layout across devices.
-
-  Returns :data:`LOCAL` where reshaping ``x`` or joining it with other local
-  leaves adds no communication: a program of one device, or values inside
-  ``shard_map`` whose mesh axes are all manual. Returns ``x``'s sharding
-  where it is known and laid out over several devices (an Explicit mesh under
-  ``jax.set_mesh``): only leaves of the identical sharding and shape may be
-  combined, elementwise. Returns ``None`` where the layout is chosen later by
-  XLA's partitioner (an Auto mesh, a legacy ``Mesh``, shardings given to
-  ``jit`` on a process with several devices): such a leaf is reduced on its
-  own, since combining it with a leaf of another layout would make XLA move
-  data between devices.
-  """
-  sharding = getattr(jax.typeof(x), "sharding", None)
-  mesh = getattr(sharding, "mesh", None)
-  if mesh is None or mesh.empty:
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty:
-      return LOCAL if jax.device_count() == 1 else None
-  manual = jax.sharding.AxisType.Manual
-  spread = [
-    t
-    for n, t in zip(mesh.axis_names, mesh.axis_types, strict=True)
-    if t != manual and mesh.shape[n] > 1
-  ]
-  if not spread:
-    return LOCAL
-  if (
-    sharding is not None
-    and not sharding.mesh.empty
-    and all(t == jax.sharding.AxisType.Explicit for t in spread)
-  ):
-    return sharding
-  return None
 
 
 def _grouped_parts(leaves: list[Any], ord: float, acc: jnp.dtype) -> list[jax.Array]:
@@ -315,7 +288,7 @@ def leaf_parts(leaves: list[Any], ord: float, acc: jnp.dtype) -> list[jax.Array]
   if not leaves:
     return []
   return list(
-    _backends.on_cpu(
+    _platform.on_cpu(
       lambda xs: _stacked_leaf_parts(ord, acc, xs),
       lambda xs: tuple(_leaf_part(x, ord).astype(acc) for x in xs),
       leaves,
@@ -328,7 +301,7 @@ def _stacked_leaf_parts(ord: float, acc: jnp.dtype, leaves: list[jax.Array]) -> 
   out: list[Any] = [None] * len(leaves)
   groups: dict[Any, list[int]] = {}
   for i, x in enumerate(leaves):
-    if 0 < x.size <= _SMALL_LEAF and layout(x) is LOCAL:
+    if 0 < x.size <= _SMALL_LEAF and _sharding.layout(x) is _sharding.LOCAL:
       groups.setdefault((x.size, x.dtype), []).append(i)
     else:
       out[i] = _leaf_part(x, ord).astype(acc)
@@ -339,7 +312,7 @@ def _stacked_leaf_parts(ord: float, acc: jnp.dtype, leaves: list[jax.Array]) -> 
     for s in range(0, len(members), _FLAT_STACK):
       batch = members[s : s + _FLAT_STACK]
       flat = [jax.lax.reshape(leaves[i], (size,)) for i in batch]
-      stacked = _backends.stack(flat, (size,), nested=True)
+      stacked = _platform.stack(flat, (size,), nested=True)
       rows = _leaf_part_rows(stacked, ord).astype(acc)
       for j, i in enumerate(batch):
         out[i] = rows[j]
@@ -372,10 +345,10 @@ def _group_plan(leaves: list[jax.Array]) -> tuple[tuple[Any, tuple[int, ...]], .
   for i, x in enumerate(leaves):
     if x.size == 0:
       continue
-    where = layout(x) if x.size <= _SMALL_LEAF else None
+    where = _sharding.layout(x) if x.size <= _SMALL_LEAF else None
     if where is None:
       plan.append((None, (i,)))
-    elif where is not LOCAL:
+    elif where is not _sharding.LOCAL:
       groups.setdefault((0, x.shape, x.dtype, where), []).append(i)
     elif x.size <= _TINY_LEAF:
       groups.setdefault((1 << (x.size - 1).bit_length(), accumulation_dtype(x.dtype)), []).append(i)
@@ -486,8 +459,8 @@ def scale_by_leaf_norms(
   for i, x in enumerate(leaves):
     if (
       x.size <= _SMALL_LEAF
-      and layout(x) is LOCAL
-      and (others is None or layout(others[i]) is LOCAL)
+      and _sharding.layout(x) is _sharding.LOCAL
+      and (others is None or _sharding.layout(others[i]) is _sharding.LOCAL)
     ):
       key = (x.shape, x.dtype, None if others is None else others[i].dtype)
       groups.setdefault(key, []).append(i)
@@ -553,7 +526,7 @@ def _scale_plain(fn, ord, axes_of, leaves, companions, operands) -> list[jax.Arr
 @functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1, 2, 3))
 def _scale_grouped(fn, ord, axes_of, sizes, leaves, companions, operands):
   """:func:`_scale_stacks` on CPU, :func:`_scale_plain` elsewhere and under ``jax.jvp``."""
-  return _backends.on_cpu(
+  return _platform.on_cpu(
     lambda xs, cs, ops: _scale_stacks(fn, xs, cs, sizes, ord, axes_of, ops),
     lambda xs, cs, ops: _scale_plain(fn, ord, axes_of, xs, cs, ops),
     leaves,
@@ -581,12 +554,12 @@ def _scale_stacks(fn, leaves, companions, sizes, ord, axes_of, operands) -> list
   eight operands as a kernel of its own):
 
   * a group that fills at least ``_NESTED_STACKS`` stacks is stacked by
-    nested concatenates (:func:`jaxclip._backends.stack`), which fuse: one
+    nested concatenates (:func:`jaxclip._kernel._platform.stack`), which fuse: one
     kernel for all its stacks. A smaller group is stacked by one concatenate,
     which compiles faster than a nested one used once or twice;
   * a group of at least ``_STATIC_ROWS`` leaves takes its rows at constant
     offsets: one kernel per offset, shared by all its stacks. A smaller group
-    takes them at opaque indices (:func:`jaxclip._backends.opaque_indices`):
+    takes them at opaque indices (:func:`jaxclip._kernel._platform.opaque_indices`):
     one kernel for all its rows.
   """
   out: list[Any] = []
@@ -603,7 +576,7 @@ def _scale_stacks(fn, leaves, companions, sizes, ord, axes_of, operands) -> list
     plans.append((shape, members, k, starts, static))
   dynamic = [(k, members[0]) for _, members, k, _, static in plans if not static]
   if dynamic:
-    index = _backends.opaque_indices(max(k for k, _ in dynamic), leaves[dynamic[0][1]])
+    index = _platform.opaque_indices(max(k for k, _ in dynamic), leaves[dynamic[0][1]])
   for shape, members, k, starts, static in plans:
     axes = _canonical_axes(len(shape), axes_of(shape))
     axes = tuple(range(1, len(shape) + 1)) if axes is None else tuple(a + 1 for a in axes)
@@ -611,18 +584,18 @@ def _scale_stacks(fn, leaves, companions, sizes, ord, axes_of, operands) -> list
     done = 0
     for start in starts:
       batch = members[start : start + k]
-      stacked = _backends.stack([leaves[i] for i in batch], shape, nested)
+      stacked = _platform.stack([leaves[i] for i in batch], shape, nested)
       norms = leaf_norm(stacked, ord, axes, keepdims=True)
       if companions is None:
         factor = fn(norms, math.prod(shape), *operands)
       else:
-        companion = _backends.stack([companions[i] for i in batch], shape, nested)
+        companion = _platform.stack([companions[i] for i in batch], shape, nested)
         factor = fn(
           norms, math.prod(shape), leaf_norm(companion, ord, axes, keepdims=True), *operands
         )
       scaled = apply_scale(stacked, factor)
       # Rows an earlier stack gave are skipped.
-      out.extend(_backends.rows(scaled, done - start, None if static else index[:k]))
+      out.extend(_platform.rows(scaled, done - start, None if static else index[:k]))
       done = start + k
   return out
 

@@ -1,0 +1,192 @@
+"""Sharding-aware reductions: one norm of a tree whose leaves are spread over devices."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jaxclip._kernel import _numerics, _sharding
+
+PyTree = Any
+AxisName = Hashable | Sequence[Hashable]
+
+
+def _leaf_groups(
+  tree: PyTree, axis_name: AxisName, replicated: Any, partition_specs: Any
+) -> dict[tuple[Any, ...], list[int]]:
+  """Leaf indices grouped by the axes they are summed over (and, typed, their vma).
+
+  Leaves of one group can be reduced together: under ``check_vma=True`` they
+  also share their type's varying axes, so no cast is needed to add them.
+  """
+  axes = _sharding.leaf_reduction_axes(tree, axis_name, replicated, partition_specs)
+  leaves = jax.tree.leaves(tree)
+  typed = _sharding.vma_checked()
+  groups: dict[tuple[Any, ...], list[int]] = {}
+  for i, (a, x) in enumerate(zip(axes, leaves, strict=True)):
+    groups.setdefault((a, _sharding.varying_axes(x) if typed else frozenset()), []).append(i)
+  return groups
+
+
+def _combine(parts: list[jax.Array], op: str) -> jax.Array:
+  if len(parts) == 1:
+    return parts[0]
+  stacked = jnp.stack(parts)
+  return jnp.max(stacked) if op == "max" else jnp.sum(stacked)
+
+
+def sum_across_devices(
+  tree: PyTree,
+  partials: Callable[[list[Any]], list[jax.Array]],
+  axis_name: AxisName,
+  replicated: Any = None,
+  partition_specs: Any = None,
+  *,
+  op: str = "sum",
+  dtype: Any = jnp.float32,
+) -> jax.Array:
+  """The total over every device of scalars computed from the leaves of ``tree``.
+
+  ``partials(leaves)`` maps a list of leaves to a list of scalars whose sum
+  (``op="max"``: maximum) is theirs. Leaves are grouped by the axes they are
+  shards over (see :func:`leaf_reduction_axes`); each group's local sum is
+  ``psum``-ed over its axes, one scalar all-reduce per group, and a
+  replicated leaf is added once. A maximum takes one ``pmax`` over every
+  axis, since a maximum is unchanged by repeats. ``dtype`` is the dtype of an
+  empty tree's zero.
+  """
+  leaves = jax.tree.leaves(tree)
+  totals = []
+  for (axes, _), members in _leaf_groups(tree, axis_name, replicated, partition_specs).items():
+    parts = partials([leaves[i] for i in members])
+    if not parts:
+      continue
+    local = _combine(parts, op)
+    totals.append(jax.lax.psum(local, axes) if axes and op == "sum" else local)
+  if not totals:
+    return jnp.zeros((), dtype)
+  total = _combine(totals, op)
+  return jax.lax.pmax(total, _sharding.axis_names(axis_name)) if op == "max" else total
+
+
+def tree_norm(
+  tree: Any,
+  ord: float = 2,
+  axis_name: AxisName | None = None,
+  replicated: Any = None,
+  partition_specs: Any = None,
+) -> jax.Array:
+  """The global ``ord``-norm of every leaf of ``tree`` together.
+
+  For ``ord=2`` this is ``sqrt(sum_leaves(sum(|x|**2)))`` with one square root
+  at the end (never a norm per leaf squared back). Empty trees give ``0``.
+  The partial sums are :func:`jaxclip._kernel._numerics._grouped_parts`.
+
+  With ``axis_name`` (inside ``shard_map``/``pmap``/``vmap`` over a named
+  axis, or a tuple of axes) the leaves are local values: the partial sums
+  (max for ``ord=inf``) are combined across the axes with scalar ``psum``
+  (``pmax``) before the root, so every device gets the same global norm.
+  ``replicated`` or ``partition_specs`` say which leaves are the same on
+  every device of an axis, so their sums are added once rather than once per
+  device; with neither, JAX's types say it under ``check_vma=True``. See
+  :func:`leaf_reduction_axes`.
+  """
+  acc = _numerics.tree_accumulation_dtype(tree)
+  op = "max" if ord == math.inf else "sum"
+  if axis_name is None:
+    if replicated is not None or partition_specs is not None:
+      raise ValueError(
+        "replicated= and partition_specs= only have a meaning together with axis_name=."
+      )
+    parts = _numerics._grouped_parts(jax.tree.leaves(tree), ord, acc)
+    total = _combine(parts, op) if parts else jnp.zeros((), acc)
+  else:
+    total = sum_across_devices(
+      tree,
+      lambda leaves: _numerics._grouped_parts(leaves, ord, acc),
+      axis_name,
+      replicated,
+      partition_specs,
+      op=op,
+      dtype=acc,
+    )
+  return _numerics.safe_sqrt(total) if ord == 2 else total
+
+
+def mean_across_devices(x: jax.Array, axis_name: AxisName | None) -> jax.Array:
+  """``x`` averaged over the devices of ``axis_name`` (``x`` itself without one)."""
+  return x if axis_name is None else jax.lax.pmean(x, _sharding.axis_names(axis_name))
+
+
+def any_across_devices(flag: jax.Array, axis_name: AxisName | None) -> jax.Array:
+  """Whether the boolean ``flag`` is true on any device of ``axis_name``."""
+  if axis_name is None:
+    return flag
+  return jax.lax.pmax(jnp.asarray(flag).astype(jnp.int32), _sharding.axis_names(axis_name)) > 0
+
+
+def tree_leaf_norms(
+  tree: Any,
+  ord: float = 2,
+  axis_name: AxisName | None = None,
+  replicated: Any = None,
+  partition_specs: Any = None,
+) -> tuple[list[jax.Array], jax.Array]:
+  """``(norms, global_norm)``: each leaf's ``ord``-norm and the norm of them all.
+
+  See :func:`tree_leaf_parts`, of which these are the square roots for
+  ``ord=2``.
+  """
+  totals, total = tree_leaf_parts(tree, ord, axis_name, replicated, partition_specs)
+  if ord == 2:
+    return [_numerics.safe_sqrt(t) for t in totals], _numerics.safe_sqrt(total)
+  return totals, total
+
+
+def tree_leaf_parts(
+  tree: Any,
+  ord: float = 2,
+  axis_name: AxisName | None = None,
+  replicated: Any = None,
+  partition_specs: Any = None,
+) -> tuple[list[jax.Array], jax.Array]:
+  """``(parts, total)``: each leaf's share of the ``ord``-norm, and the tree's.
+
+  The shares are ``sum |x|**2`` (no square root yet: a caller may take it
+  once, on a vector of them), ``sum |x|`` or ``max |x|``.
+
+  One read of the leaves (:func:`jaxclip._kernel._numerics.leaf_parts`): the global
+  norm is computed from the leaves' partial sums, not by a second pass.
+  With ``axis_name`` each leaf's norm is that of the whole leaf across the
+  devices, as :func:`tree_norm` counts it (``replicated``,
+  ``partition_specs``): the partial sums of one group of leaves are
+  ``psum``-ed as one vector, one all-reduce per group as for
+  :func:`tree_norm` (one ``pmax`` of every leaf's maximum for ``ord=inf``).
+  """
+  acc = _numerics.tree_accumulation_dtype(tree)
+  leaves = jax.tree.leaves(tree)
+  op = "max" if ord == math.inf else "sum"
+  if axis_name is None:
+    if replicated is not None or partition_specs is not None:
+      raise ValueError(
+        "replicated= and partition_specs= only have a meaning together with axis_name=."
+      )
+    totals = _numerics.leaf_parts(leaves, ord, acc)
+  else:
+    totals: list[Any] = [None] * len(leaves)
+    for (axes, _), members in _leaf_groups(tree, axis_name, replicated, partition_specs).items():
+      parts = _numerics.leaf_parts([leaves[i] for i in members], ord, acc)
+      if axes and op == "sum":
+        summed = jax.lax.psum(jnp.stack(parts), axes)
+        parts = [summed[j] for j in range(len(members))]
+      for i, p in zip(members, parts, strict=True):
+        totals[i] = p
+    if op == "max" and totals:
+      maxed = jax.lax.pmax(jnp.stack(totals), _sharding.axis_names(axis_name))
+      totals = [maxed[j] for j in range(len(totals))]
+  total = _combine(totals, op) if totals else jnp.zeros((), acc)
+  return list(totals), total

@@ -1,0 +1,26 @@
+"""Per-example clipping for differentially private training: the clipped sum by
+vmap or ghost norms, the plan of the ghost pass, Poisson batches and the
+quantile-adaptive clip norm.
+"""
+
+from jaxclip.privacy._clip_batch import per_example_global_norm_clip as per_example_global_norm_clip
+from jaxclip.privacy._clip_batch import per_example_layer_norm_clip as per_example_layer_norm_clip
+from jaxclip.privacy._ghost_plan import GhostLeafPlan as GhostLeafPlan
+from jaxclip.privacy._ghost_plan import GhostPlan as GhostPlan
+from jaxclip.privacy._ghost_plan import ghost_plan as ghost_plan
+from jaxclip.privacy._per_example import per_example_clipped_grad as per_example_clipped_grad
+from jaxclip.privacy._poisson import PoissonBatch as PoissonBatch
+from jaxclip.privacy._poisson import poisson_batch as poisson_batch
+from jaxclip.privacy._quantile import quantile_clip_norm_update as quantile_clip_norm_update
+
+__all__ = (
+  "GhostLeafPlan",
+  "GhostPlan",
+  "PoissonBatch",
+  "ghost_plan",
+  "per_example_clipped_grad",
+  "per_example_global_norm_clip",
+  "per_example_layer_norm_clip",
+  "poisson_batch",
+  "quantile_clip_norm_update",
+)
