@@ -1,9 +1,10 @@
 """Multi-device clipping: sharded trees under jit, shard_map, pmap, per-example clipping.
 
 The checks that need several devices are the ``md_*`` functions below. They
-run together in one subprocess (this file run as a script) on 8 virtual CPU
-devices, because ``XLA_FLAGS=--xla_force_host_platform_device_count=8`` must
-be set before JAX is imported; each becomes one parametrized pytest case.
+run in a subprocess (this file run as a script) on 8 virtual CPU devices,
+because ``XLA_FLAGS=--xla_force_host_platform_device_count=8`` must be set
+before JAX is imported; each becomes one parametrized pytest case that reports
+on its own (``tests.helpers.multi_device_checks``).
 Everything else runs in-process on one device (``vmap`` with ``axis_name``
 stands in for a device axis).
 """

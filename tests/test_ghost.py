@@ -9,7 +9,7 @@ per-group instantiation for everything else (tied weights, scales, biases,
 convolutions, ``custom_jvp``, ``lax.scan``). The threshold is always the
 median norm, so that some examples are clipped and some are not.
 
-The multi-device checks (``md_*``) run in one subprocess on 8 virtual CPU
+The multi-device checks (``md_*``) run in a subprocess on 8 virtual CPU
 devices, as in ``test_per_example.py``.
 """
 

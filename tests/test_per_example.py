@@ -1,6 +1,6 @@
 """Per-example clipping: ``has_aux`` and ``per_example_layer_norm_clip``'s ``axis_name``.
 
-The checks that need several devices (``md_*``) run in one subprocess (this
+The checks that need several devices (``md_*``) run in a subprocess (this
 file run as a script) on 8 virtual CPU devices, as in ``test_distributed.py``.
 """
 

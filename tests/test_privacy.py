@@ -1,6 +1,6 @@
 """DP-SGD to a guarantee: masks, padding, user-level clipping, Poisson batches, the accountant.
 
-The checks that need several devices (``md_*``) run in one subprocess (this
+The checks that need several devices (``md_*``) run in a subprocess (this
 file run as a script) on 8 virtual CPU devices, as in ``test_per_example.py``.
 """
 
