@@ -8,12 +8,14 @@ unless ``XLA_FLAGS`` already sets a backend optimisation level (set
 ``XLA_FLAGS=--xla_backend_optimization_level=3`` to test as users compile).
 XLA's HLO passes still run: the ``hlo`` tests read fused, partitioned HLO.
 
-The README's command runs the suite on two pytest-xdist workers with
-``--dist loadgroup`` (``addopts`` in ``pyproject.toml``): tests that share a
-module-scoped fixture, and the multi-device checks of a file (which share one
-subprocess), run on one worker, so that nothing runs twice; and the slowest
-work units start first, so that no long test starts last on one worker while
-the other sits idle.
+The README's command runs the suite on two pytest-xdist workers, which
+``pytest_xdist_make_scheduler`` below feeds: the multi-device checks of a file
+(which share one subprocess) and the tests of a file that share a
+module-scoped fixture go to one worker as one unit, so that nothing runs
+twice; every other test is a unit of its own; and the slowest units start
+first, so that no long test starts last on one worker while the other sits
+idle. (pytest-xdist's own ``--dist loadgroup`` does not group under pytest 9:
+it renames node ids through an attribute pytest 9 no longer reads.)
 """
 
 import os
@@ -54,26 +56,37 @@ def _seconds(item: pytest.Item) -> float:
   return max((s for p, s in _SLOW_FIRST.items() if item.nodeid.startswith(p)), default=0.0)
 
 
-def _module_fixtures(item: pytest.Item) -> list[str]:
-  """The module-scoped fixtures of the item's own test file that it uses."""
-  info = getattr(item, "_fixtureinfo", None)
-  if info is None:
-    return []
-  names = []
-  for name in info.names_closure:
-    for fixturedef in info.name2fixturedefs.get(name, ()):
-      if fixturedef.scope == "module" and fixturedef.baseid == item.nodeid.split("::")[0]:
-        names.append(name)
-  return names
+# Test files whose tests share a module-scoped fixture (a build, a job of
+# several processes): one unit. test_one_unit_per_shared_fixture checks the list.
+SHARED_FIXTURE_FILES = ("tests/test_docs.py", "tests/test_multihost.py", "tests/test_wheel.py")
 
 
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the xdist_group marks
+def work_unit(nodeid: str) -> str:
+  """The unit of work a test belongs to (tests of one unit run on one worker, in order)."""
+  path, _, name = nodeid.partition("::")
+  if path in SHARED_FIXTURE_FILES:
+    return path
+  if name.startswith(("test_multi_device[", "test_collectives")):
+    return path + "::multi-device checks"  # they read one subprocess's reports
+  return nodeid
+
+
+def pytest_xdist_make_scheduler(config, log):
+  if config.getvalue("dist") != "load":  # -n alone; another --dist is pytest-xdist's
+    return None
+  from xdist.scheduler import LoadScopeScheduling
+
+  class Scheduling(LoadScopeScheduling):
+    """Units from :func:`work_unit`, in the collection order (slowest first)."""
+
+    def _split_scope(self, nodeid):
+      return work_unit(nodeid)
+
+  config.option.loadscopereorder = False
+  return Scheduling(config, log)
+
+
 def pytest_collection_modifyitems(config, items):
-  for item in items:
-    if not any(True for _ in item.iter_markers("xdist_group")):
-      if fixtures := _module_fixtures(item):
-        module = item.nodeid.split("::")[0].rsplit("/", 1)[-1].removesuffix(".py")
-        item.add_marker(pytest.mark.xdist_group(f"{module}_{'_'.join(sorted(fixtures))}"))
   items.sort(key=lambda item: -_seconds(item))  # stable: the rest keep their order
 
 

@@ -377,9 +377,9 @@ def multi_device_checks(
   is imported, so the ``md_*`` functions of the calling module run in a
   subprocess: the module itself run as a script, where this call runs the
   checks named on its command line and exits. In pytest it returns the test
-  to bind to a ``test_*`` name: parametrized over the checks, all of them in
-  one ``xdist_group`` so that one worker runs them in one subprocess, each
-  case failing on its own (see :class:`SubprocessChecks`).
+  to bind to a ``test_*`` name: parametrized over the checks, each case
+  failing on its own (see :class:`SubprocessChecks`). Under pytest-xdist one
+  worker runs them all, in one subprocess (``tests/conftest.py``).
 
   Call it at the end of the module, after every check is defined::
 
@@ -408,9 +408,6 @@ def multi_device_checks(
       _RUNNERS[script] = SubprocessChecks(script, names, device_env(n_devices))
     return _RUNNERS[script]
 
-  group = "multi_device_" + Path(script).stem
-
-  @pytest.mark.xdist_group(group)
   @pytest.mark.parametrize("name", names)
   def test_multi_device(name):
     result = md_runner().result(name)

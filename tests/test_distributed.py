@@ -731,7 +731,6 @@ test_multi_device = multi_device_checks(
 
 
 @pytest.mark.hlo
-@pytest.mark.xdist_group("multi_device_test_distributed")
 def test_collectives():
   """Every program the md_* checks compiled all-reduces scalars, nothing else.
 

@@ -8,9 +8,11 @@ after how long, and the checks after them run in a fresh subprocess.
 
 from __future__ import annotations
 
+import re
 import textwrap
 
-from tests.helpers import SubprocessChecks, device_env
+from tests import conftest
+from tests.helpers import ROOT, SubprocessChecks, device_env
 
 _SCRIPT = """
 import os, signal, time
@@ -78,3 +80,19 @@ def test_a_subprocess_that_cannot_start_fails_every_check(tmp_path):
   for name in ("md_a", "md_b"):
     assert "exited with status 1" in results[name], results[name]
     assert "before this check started" in results[name] and "no such module" in results[name]
+
+
+def test_one_unit_per_shared_fixture():
+  # The files whose tests share a module-scoped fixture are the ones conftest
+  # sends to one worker as one unit.
+  shared = {
+    path.relative_to(ROOT).as_posix()
+    for path in sorted((ROOT / "tests").glob("test_*.py"))
+    if re.search(r"@pytest\.fixture\([^)]*scope=.(module|package|session)", path.read_text())
+  }
+  assert shared == set(conftest.SHARED_FIXTURE_FILES)
+  assert conftest.work_unit("tests/test_wheel.py::test_a") == "tests/test_wheel.py"
+  units = {conftest.work_unit(f"tests/test_x.py::test_multi_device[md_{i}]") for i in range(3)}
+  units.add(conftest.work_unit("tests/test_x.py::test_collectives"))
+  assert len(units) == 1
+  assert conftest.work_unit("tests/test_x.py::test_y[1]") == "tests/test_x.py::test_y[1]"
