@@ -1,7 +1,93 @@
-"""Test configuration: strict dtype promotion catches silent upcasts."""
+"""Test configuration: XLA flags, the order tests reach pytest-xdist's workers, strict promotion.
 
-import jax
-import pytest
+The suite is compile-bound: XLA:CPU compiles about twice as fast without its
+backend (LLVM) optimisations, and the tests check results, not speed. So the
+tests and every subprocess they start (which inherit the environment) run
+with ``--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes``
+unless ``XLA_FLAGS`` already sets a backend optimisation level (set
+``XLA_FLAGS=--xla_backend_optimization_level=3`` to test as users compile).
+XLA's HLO passes still run: the ``hlo`` tests read fused, partitioned HLO.
+
+The README's command runs the suite on two pytest-xdist workers, which
+``pytest_xdist_make_scheduler`` below feeds: the multi-device checks of a file
+(which share one subprocess) and the tests of a file that share a
+module-scoped fixture go to one worker as one unit, so that nothing runs
+twice; every other test is a unit of its own; and the slowest units start
+first, so that no long test starts last on one worker while the other sits
+idle. (pytest-xdist's own ``--dist loadgroup`` does not group under pytest 9:
+it renames node ids through an attribute pytest 9 no longer reads.)
+"""
+
+import os
+
+# Before JAX starts its backend (it reads XLA_FLAGS then).
+if "--xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
+  os.environ["XLA_FLAGS"] = " ".join(
+    [
+      os.environ.get("XLA_FLAGS", ""),
+      "--xla_backend_optimization_level=0",
+      "--xla_llvm_disable_expensive_passes=true",
+    ]
+  ).strip()
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
+
+# Work that takes tens of seconds, started first, longest first: node id
+# prefixes with the wall seconds measured on 2 cores (loaded). A stale entry
+# only changes the order.
+_SLOW_FIRST = {
+  "tests/test_distributed.py::test_multi_device": 120,
+  "tests/test_distributed.py::test_collectives": 120,
+  "tests/test_every_transform.py::test_every_transform_compiles": 100,
+  "tests/test_examples.py::test_clipping_study_tiny_run": 85,
+  "tests/test_ghost.py::test_multi_device": 70,
+  "tests/test_benchmarks.py::test_ghost_benchmark_quick_run": 50,
+  "tests/test_privacy.py::test_multi_device": 40,
+  "tests/test_per_example.py::test_multi_device": 30,
+  "tests/test_multihost.py": 30,
+  "tests/test_wheel.py": 30,
+  "tests/test_docs.py": 25,
+  "tests/test_distributed.py::test_fsdp_example_runs": 20,
+}
+
+
+def _seconds(item: pytest.Item) -> float:
+  return max((s for p, s in _SLOW_FIRST.items() if item.nodeid.startswith(p)), default=0.0)
+
+
+# Test files whose tests share a module-scoped fixture (a build, a job of
+# several processes): one unit. test_one_unit_per_shared_fixture checks the list.
+SHARED_FIXTURE_FILES = ("tests/test_docs.py", "tests/test_multihost.py", "tests/test_wheel.py")
+
+
+def work_unit(nodeid: str) -> str:
+  """The unit of work a test belongs to (tests of one unit run on one worker, in order)."""
+  path, _, name = nodeid.partition("::")
+  if path in SHARED_FIXTURE_FILES:
+    return path
+  if name.startswith(("test_multi_device[", "test_collectives")):
+    return path + "::multi-device checks"  # they read one subprocess's reports
+  return nodeid
+
+
+def pytest_xdist_make_scheduler(config, log):
+  if config.getvalue("dist") != "load":  # -n alone; another --dist is pytest-xdist's
+    return None
+  from xdist.scheduler import LoadScopeScheduling
+
+  class Scheduling(LoadScopeScheduling):
+    """Units from :func:`work_unit`, in the collection order (slowest first)."""
+
+    def _split_scope(self, nodeid):
+      return work_unit(nodeid)
+
+  config.option.loadscopereorder = False
+  return Scheduling(config, log)
+
+
+def pytest_collection_modifyitems(config, items):
+  items.sort(key=lambda item: -_seconds(item))  # stable: the rest keep their order
 
 
 @pytest.fixture

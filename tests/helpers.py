@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
+import queue
 import re
 import signal
 import subprocess
 import sys
+import tempfile
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -16,6 +20,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 
 def tree_allclose(a, b, *, rtol=1e-6, atol=0.0) -> bool:
@@ -118,32 +123,193 @@ def device_env(n_devices: int) -> dict[str, str]:
   return env
 
 
-def run_checks(checks: dict[str, Callable[[], None]], n_devices: int) -> None:
-  """Runs each check here, printing ``{name: "ok" or its traceback}`` as a JSON line per check.
+# The marker that starts each line a check subprocess reports on, followed by JSON.
+_REPORT = "@@jaxclip-check "
 
-  The body of a test file run as a script in :func:`checks_in_subprocess`.
-  Each result is printed (and flushed) as soon as its check ends, so that
-  the checks done before a crash or a kill still report on their own.
+
+def _report(**event) -> None:
+  print(_REPORT + json.dumps(event), flush=True)
+
+
+def run_checks(
+  checks: dict[str, Callable[[], None]],
+  n_devices: int,
+  names: list[str] | None = None,
+  report: Callable[[], object] | None = None,
+) -> None:
+  """Runs ``checks`` here, one after the other, reporting each as it starts and ends.
+
+  The body of a test file run as a script by :class:`SubprocessChecks`. Each
+  check prints (and flushes) a line when it starts and one with its result
+  (``"ok"`` or its traceback), its time and ``report()`` (data a test reads,
+  such as the collectives it compiled) when it ends, so that a crash or a
+  kill fails only the check that was running.
+
+  Args:
+    checks: name -> check, in the order they run.
+    n_devices: the device count the checks need (asserted).
+    names: the checks to run (all if ``None``), in this order.
+    report: called after each check; its JSON-able result goes with the check's.
   """
   assert jax.device_count() == n_devices, jax.devices()
-  for name, check in checks.items():
+  for name in checks if names is None else names:
+    _report(start=name)
+    start = time.monotonic()
     try:
-      check()
+      checks[name]()
       result = "ok"
     except Exception:  # reported to the parent test, one case per check
       result = traceback.format_exc()
-    print(json.dumps({name: result}), flush=True)
+    data = report() if report is not None else None
+    _report(name=name, result=result, seconds=time.monotonic() - start, data=data)
 
 
-class _Results(dict):
-  """The checks' results; a check that never reported reads as why (never as ``"ok"``)."""
+def _describe_exit(returncode: int) -> str:
+  if returncode < 0:
+    return f"died of signal {signal.Signals(-returncode).name} (out of memory?)"
+  return f"exited with status {returncode}"
 
-  def __init__(self, results: dict[str, str], missing: str):
-    super().__init__(results)
-    self.missing = missing
 
-  def __missing__(self, name: str) -> str:
-    return f"{name} did not report: {self.missing}"
+class SubprocessChecks:
+  """The checks of a script run in subprocesses, read one by one as each ends.
+
+  The script (a test file run as ``python tests/test_x.py NAME...``) runs the
+  named checks with :func:`run_checks`. :meth:`result` reads the subprocess's
+  reports until the asked check has ended, so every check reports on its own
+  and in its own time. When the subprocess crashes or is killed, the check
+  that was running fails with what happened and after how long, and the
+  checks after it run in a fresh subprocess. A check that runs longer than
+  ``check_timeout`` seconds is killed and fails saying so; nothing is killed
+  without a message.
+
+  Args:
+    script: the path of the script.
+    names: every check, in the order they run.
+    env: the subprocesses' environment.
+    check_timeout: the wall-clock seconds one check may run.
+    start_timeout: the wall-clock seconds a subprocess may take to start its first check.
+  """
+
+  def __init__(self, script, names, env, check_timeout=600.0, start_timeout=600.0):
+    self.script = str(script)
+    self.env = env
+    self.check_timeout = check_timeout
+    self.start_timeout = start_timeout
+    self._pending = list(names)
+    self._results: dict[str, str] = {}
+    self._data: dict[str, object] = {}
+    self._proc = None
+
+  def result(self, name: str) -> str:
+    """``"ok"``, or why the check ``name`` failed (its traceback, or its subprocess's fate)."""
+    if name not in self._pending and name not in self._results:
+      raise KeyError(f"{name!r} is no check of {self.script}")
+    while name not in self._results:
+      self._next_event()
+    return self._results[name]
+
+  def data(self, name: str):
+    """What the check ``name``'s ``report`` returned (``None`` if it did not report)."""
+    self.result(name)
+    return self._data.get(name)
+
+  def run_all(self) -> dict[str, str]:
+    """Every check's result, running those not run yet."""
+    while self._pending:
+      self._next_event()
+    return dict(self._results)
+
+  def close(self) -> None:
+    """Kills a subprocess still running (its checks then fail saying so)."""
+    if self._proc is not None:
+      self._end("was killed as the tests ended", kill=True)
+
+  def _start(self) -> None:
+    self._stderr = tempfile.TemporaryFile("w+")
+    self._proc = subprocess.Popen(
+      [sys.executable, self.script, *self._pending],
+      env=self.env,
+      cwd=ROOT,
+      text=True,
+      stdout=subprocess.PIPE,
+      stderr=self._stderr,
+    )
+    self._lines: queue.Queue = queue.Queue()
+    threading.Thread(target=self._read, args=(self._proc.stdout, self._lines), daemon=True).start()
+    self._started = time.monotonic()
+    self._running, self._running_since, self._output = None, self._started, []
+
+  @staticmethod
+  def _read(stream, lines) -> None:
+    for line in stream:
+      lines.put(line)
+    lines.put(None)
+
+  def _next_event(self) -> None:
+    if self._proc is None:
+      self._start()
+    limit = self.start_timeout if self._running is None else self.check_timeout
+    waited = time.monotonic() - self._running_since
+    try:
+      line = self._lines.get(timeout=max(0.1, limit - waited))
+    except queue.Empty:
+      self._end(
+        f"was killed by the test after {time.monotonic() - self._running_since:.0f} s "
+        f"{'on this check' if self._running else 'starting'} (the wall-clock limit is "
+        f"{limit:.0f} s; the machine may be overloaded)",
+        kill=True,
+      )
+      return
+    if line is None:
+      self._proc.wait()
+      self._end(_describe_exit(self._proc.returncode), kill=False)
+      return
+    if not line.startswith(_REPORT):
+      self._output.append(line)
+      return
+    event = json.loads(line[len(_REPORT) :])
+    if "start" in event:
+      self._running, self._running_since, self._output = event["start"], time.monotonic(), []
+      return
+    self._results[event["name"]] = event["result"]
+    self._data[event["name"]] = event["data"]
+    self._pending.remove(event["name"])
+    self._running, self._running_since = None, time.monotonic()
+    if not self._pending:
+      self._proc.wait()
+      self._close_process()
+
+  def _end(self, what: str, kill: bool) -> None:
+    """The subprocess is gone (or is killed now): fail the check it was running."""
+    if kill:
+      self._proc.kill()
+      self._proc.wait()
+    took = time.monotonic() - self._started
+    self._stderr.seek(0)
+    tail = self._stderr.read()[-3000:]
+    output = "".join(self._output)[-2000:]
+    command = f"the subprocess `{Path(self.script).name} ...` {what}, {took:.0f} s after it started"
+    if self._running is not None:
+      message = (
+        f"{command}, while running this check (for "
+        f"{time.monotonic() - self._running_since:.0f} s); the checks after it run in a "
+        f"fresh subprocess.\n--- its output ---\n{output}\n--- its stderr ---\n{tail}"
+      )
+      self._results[self._running] = message
+      self._pending.remove(self._running)
+    else:
+      # It died between checks or before the first: a fault of no one check
+      # (an import error, say), which a fresh subprocess would only repeat.
+      message = f"{command}, before this check started.\n--- its stderr ---\n{tail}"
+      for name in self._pending:
+        self._results[name] = message
+      self._pending.clear()
+    self._close_process()
+
+  def _close_process(self) -> None:
+    self._proc.stdout.close()
+    self._stderr.close()
+    self._proc = None
 
 
 def run_subprocess(
@@ -189,28 +355,66 @@ def run_subprocess(
   return proc.returncode, stdout, stderr, problem
 
 
-def checks_in_subprocess(script: str, n_devices: int, timeout: float = 900) -> dict[str, str]:
-  """Runs ``script`` (which calls :func:`run_checks`) on ``n_devices`` virtual CPU devices.
+_RUNNERS: dict[str, SubprocessChecks] = {}
 
-  Each check's result is read from its own line, so a check that ended
-  before a crash or a kill reports as it ended; one that never reported
-  fails with what happened to the subprocess and after how long.
+
+@atexit.register
+def _close_runners() -> None:
+  for runner in _RUNNERS.values():
+    runner.close()
+
+
+def multi_device_checks(
+  namespace: dict,
+  n_devices: int = 8,
+  *,
+  setup: Callable[[], None] | None = None,
+  report: Callable[[], object] | None = None,
+):
+  """The one pytest case per ``md_*`` check of a test file, run on ``n_devices`` CPU devices.
+
+  ``XLA_FLAGS=--xla_force_host_platform_device_count`` must be set before JAX
+  is imported, so the ``md_*`` functions of the calling module run in a
+  subprocess: the module itself run as a script, where this call runs the
+  checks named on its command line and exits. In pytest it returns the test
+  to bind to a ``test_*`` name: parametrized over the checks, each case
+  failing on its own (see :class:`SubprocessChecks`). Under pytest-xdist one
+  worker runs them all, in one subprocess (``tests/conftest.py``).
+
+  Call it at the end of the module, after every check is defined::
+
+      test_multi_device = multi_device_checks(globals(), N_DEVICES)
+
+  Args:
+    namespace: the calling module's ``globals()``.
+    n_devices: the virtual CPU devices the checks run on.
+    setup: called in the subprocess before the checks (a config update, say).
+    report: called in the subprocess after each check; see :func:`run_checks`.
+
+  Returns:
+    The test function. Its ``runner()`` is the :class:`SubprocessChecks` the cases read.
   """
-  _, stdout, stderr, problem = run_subprocess(
-    [sys.executable, script], device_env(n_devices), timeout
-  )
-  results = {}
-  for line in stdout.splitlines():
-    try:
-      parsed = json.loads(line)
-    except ValueError:
-      continue
-    if isinstance(parsed, dict):
-      results.update(parsed)
-  why = problem or "the subprocess ended without reporting it"
-  if not results:
-    raise AssertionError(f"{why}\n{stdout[-3000:]}{stderr[-3000:]}")
-  return _Results(results, f"{why}\n{stderr[-2000:]}")
+  names = sorted(name for name in namespace if name.startswith("md_"))
+  script = namespace["__file__"]
+  if namespace["__name__"] == "__main__":
+    if setup is not None:
+      setup()
+    checks = {name: namespace[name] for name in names}
+    run_checks(checks, n_devices, sys.argv[1:] or names, report)
+    sys.exit(0)
+
+  def md_runner() -> SubprocessChecks:
+    if script not in _RUNNERS:
+      _RUNNERS[script] = SubprocessChecks(script, names, device_env(n_devices))
+    return _RUNNERS[script]
+
+  @pytest.mark.parametrize("name", names)
+  def test_multi_device(name):
+    result = md_runner().result(name)
+    assert result == "ok", result
+
+  test_multi_device.runner = md_runner
+  return test_multi_device
 
 
 def mlp_loss(params, x, y):

@@ -1,9 +1,10 @@
 """Multi-device clipping: sharded trees under jit, shard_map, pmap, per-example clipping.
 
 The checks that need several devices are the ``md_*`` functions below. They
-run together in one subprocess (this file run as a script) on 8 virtual CPU
-devices, because ``XLA_FLAGS=--xla_force_host_platform_device_count=8`` must
-be set before JAX is imported; each becomes one parametrized pytest case.
+run in a subprocess (this file run as a script) on 8 virtual CPU devices,
+because ``XLA_FLAGS=--xla_force_host_platform_device_count=8`` must be set
+before JAX is imported; each becomes one parametrized pytest case that reports
+on its own (``tests.helpers.multi_device_checks``).
 Everything else runs in-process on one device (``vmap`` with ``axis_name``
 stands in for a device axis).
 """
@@ -14,10 +15,7 @@ import contextlib
 import json
 import math
 import re
-import subprocess
 import sys
-import time
-import traceback
 from pathlib import Path
 
 import jax
@@ -32,7 +30,14 @@ from jax.sharding import PartitionSpec as P
 
 import jaxclip
 from jaxclip._kernel import _sharding
-from tests.helpers import device_env, hlo_collectives, mlp_loss, mlp_problem
+from tests.helpers import (
+  device_env,
+  hlo_collectives,
+  mlp_loss,
+  mlp_problem,
+  multi_device_checks,
+  run_subprocess,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 N_DEVICES = 8
@@ -134,12 +139,14 @@ def mesh_kind(mesh):
   return "explicit" if mesh.axis_types[0] == jax.sharding.AxisType.Explicit else "auto"
 
 
-# The tree of issue 14: 40 kernels (16, 8) over four PartitionSpecs and 20
-# biases (8,) over 'data' or 'model', all small enough to be grouped.
+# The tree of issue 14, smaller: 12 kernels (16, 8) over four PartitionSpecs
+# and 6 biases (8,) over 'data' or 'model', all small enough to be grouped,
+# three leaves to a group (issue 14 had 40 and 20: more leaves in a group
+# take the same code path, and only make the compiles longer).
 _MIXED_SPECS = [P("data", "model"), P("model", "data"), P("data", None), P(None, "model")]
 _MIXED_TREE_SPECS = {
-  **{f"k{i}": _MIXED_SPECS[i % 4] for i in range(40)},
-  **{f"b{i}": P("data" if i % 2 else "model") for i in range(20)},
+  **{f"k{i}": _MIXED_SPECS[i % 4] for i in range(12)},
+  **{f"b{i}": P("data" if i % 2 else "model") for i in range(6)},
 }
 
 
@@ -179,52 +186,65 @@ def _every_transform():
   }
 
 
-def md_every_transform_on_every_kind_of_mesh():
-  # Legacy Mesh (no mesh context), Auto and Explicit meshes: every transform
-  # matches one device, keeps each leaf's sharding, and (test_collectives)
-  # compiles to scalar all-reduces only. (optax's adam needs standard dtype
-  # promotion.)
-  with jax.numpy_dtype_promotion("standard"):
-    _every_transform_on_every_kind_of_mesh()
-
-
-def _every_transform_on_every_kind_of_mesh():
-  host = _mixed_host_tree(3)
-  params_host = _mixed_host_tree(4)
-  single, single_params = (jax.tree.map(jnp.asarray, t) for t in (host, params_host))
+def _every_kind_of_mesh():
   types = jax.sharding.AxisType
   devices = np.asarray(jax.devices()).reshape(4, 2)
-  meshes = {
+  return {
     "legacy": jax.sharding.Mesh(devices, ("data", "model")),
     "auto": jax.make_mesh((4, 2), ("data", "model"), axis_types=(types.Auto,) * 2),
     "explicit": jax.make_mesh((4, 2), ("data", "model"), axis_types=(types.Explicit,) * 2),
   }
-  for name, (tx, extra) in _every_transform().items():
 
-    def two_steps(u, p, tx=tx, extra=extra):
-      state = tx.init(p)
-      for scale in (1.0, 3.0):
-        out, state = tx.update(jax.tree.map(lambda x, s=scale: x * s, u), state, p, **extra)
-      return out, state
 
-    ref_out, ref_state = jax.jit(two_steps)(single, single_params)
-    for kind, mesh in meshes.items():
-      put = lambda t, mesh=mesh: jax.tree.map(
-        lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), t, _MIXED_TREE_SPECS
-      )
-      context = contextlib.nullcontext() if kind == "legacy" else jax.set_mesh(mesh)
-      with context:
-        tree, params = put(host), put(params_host)
-        fn = _compiled(two_steps, tree, params)
-        out, state = fn(tree, params)
-      _assert_trees_close(out, ref_out, rtol=1e-5, atol=1e-6)
-      _assert_trees_close(state, ref_state, rtol=1e-5, atol=1e-6)
-      for o, t in zip(jax.tree.leaves(out), jax.tree.leaves(tree), strict=True):
-        assert o.sharding.is_equivalent_to(t.sharding, o.ndim), (name, kind, o.sharding)
-      # Unit-wise norms of a sharded kernel are vectors, all-reduced as such.
-      _record_collectives(
-        f"{kind}/{name} (60 mixed leaves, 2 steps)", fn, scalar="adaptive_grad_clip" not in name
-      )
+def _transform_on_every_kind_of_mesh(name):
+  # Legacy Mesh (no mesh context), Auto and Explicit meshes: the transform
+  # matches one device over two steps, keeps each leaf's sharding, and
+  # (test_collectives) compiles to scalar all-reduces only.
+  tx, extra = _every_transform()[name]
+  host = _mixed_host_tree(3)
+  params_host = _mixed_host_tree(4)
+  single, single_params = (jax.tree.map(jnp.asarray, t) for t in (host, params_host))
+
+  def two_steps(u, p):
+    state = tx.init(p)
+    for scale in (1.0, 3.0):
+      out, state = tx.update(jax.tree.map(lambda x, s=scale: x * s, u), state, p, **extra)
+    return out, state
+
+  ref_out, ref_state = jax.jit(two_steps)(single, single_params)
+  for kind, mesh in _every_kind_of_mesh().items():
+    put = lambda t, mesh=mesh: jax.tree.map(
+      lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), t, _MIXED_TREE_SPECS
+    )
+    context = contextlib.nullcontext() if kind == "legacy" else jax.set_mesh(mesh)
+    with context:
+      tree, params = put(host), put(params_host)
+      fn = _compiled(two_steps, tree, params)
+      out, state = fn(tree, params)
+    _assert_trees_close(out, ref_out, rtol=1e-5, atol=1e-6)
+    _assert_trees_close(state, ref_state, rtol=1e-5, atol=1e-6)
+    for o, t in zip(jax.tree.leaves(out), jax.tree.leaves(tree), strict=True):
+      assert o.sharding.is_equivalent_to(t.sharding, o.ndim), (name, kind, o.sharding)
+    # Unit-wise norms of a sharded kernel are vectors, all-reduced as such.
+    _record_collectives(
+      f"{kind}/{name} ({len(host)} mixed leaves, 2 steps)",
+      fn,
+      scalar="adaptive_grad_clip" not in name,
+    )
+
+
+def _transform_check(name):
+  def check():
+    with jax.numpy_dtype_promotion("standard"):  # optax's adam needs it
+      _transform_on_every_kind_of_mesh(name)
+
+  return check
+
+
+# One check per transform, so that each reports on its own.
+for _name in _every_transform():
+  _slug = re.sub(r"\W+", "_", _name).strip("_")
+  globals()[f"md_every_transform_on_every_kind_of_mesh__{_slug}"] = _transform_check(_name)
 
 
 _jit_global_norm = jax.jit(jaxclip.ops.global_norm, static_argnames="ord")
@@ -694,84 +714,33 @@ def _get_path(tree, path):
   return leaves[jax.tree_util.keystr(path)]
 
 
-MD_CHECKS = sorted(name for name in dict(globals()) if name.startswith("md_"))
+def _take_collectives():
+  """What the check that just ended compiled (reported with its result, then forgotten)."""
+  taken = dict(COLLECTIVES)
+  COLLECTIVES.clear()
+  return taken
 
 
-def _run_checks_in_this_process() -> dict[str, str]:
-  assert jax.device_count() == N_DEVICES, jax.devices()
-  results = {}
-  for name in MD_CHECKS:
-    try:
-      globals()[name]()
-      results[name] = "ok"
-    except Exception:  # reported to the parent test, one case per check
-      results[name] = traceback.format_exc()
-  return {"results": results, "collectives": COLLECTIVES}
-
-
-@pytest.fixture(scope="module")
-def subprocess_runs():
-  """Runs the multi-device checks and the FSDP example, side by side."""
-  example = ROOT / "examples" / "fsdp_training.py"
-  commands = {
-    "checks": [sys.executable, __file__],
-    "example": [sys.executable, str(example), "--steps", "40"],
-  }
-  procs = {
-    name: subprocess.Popen(
-      cmd,
-      env=device_env(N_DEVICES),
-      cwd=ROOT,
-      text=True,
-      stdout=subprocess.PIPE,
-      stderr=subprocess.PIPE,
-    )
-    for name, cmd in commands.items()
-  }
-  start, results = time.monotonic(), {}
-  for name, proc in procs.items():
-    try:
-      stdout, stderr = proc.communicate(timeout=max(1.0, 900 - (time.monotonic() - start)))
-      took = time.monotonic() - start
-      what = (
-        ""
-        if proc.returncode == 0
-        else f"the {name} subprocess exited with status {proc.returncode} after {took:.0f} s "
-        "(a negative status is the signal that killed it: out of memory?)\n"
-      )
-    except subprocess.TimeoutExpired:
-      proc.kill()
-      stdout, stderr = proc.communicate()
-      what = (
-        f"the {name} subprocess was killed by this test after "
-        f"{time.monotonic() - start:.0f} s (its wall-clock limit is 900 s; the machine "
-        "may be overloaded)\n"
-      )
-    results[name] = (proc.returncode, stdout, what + stderr)
-  return results
-
-
-@pytest.fixture(scope="module")
-def multi_device_results(subprocess_runs):
-  returncode, stdout, stderr = subprocess_runs["checks"]
-  lines = stdout.strip().splitlines()
-  assert returncode == 0 and lines, stderr[:500] + stdout[-3000:] + stderr[-3000:]
-  return json.loads(lines[-1])
-
-
-@pytest.mark.parametrize("name", MD_CHECKS)
-def test_multi_device(multi_device_results, name):
-  assert multi_device_results["results"][name] == "ok", multi_device_results["results"][name]
+# In the subprocess (this file run as a script) this runs the checks and exits.
+test_multi_device = multi_device_checks(
+  globals(),
+  N_DEVICES,
+  setup=lambda: jax.config.update("jax_numpy_dtype_promotion", "strict"),
+  report=_take_collectives,
+)
 
 
 @pytest.mark.hlo
-def test_collectives(multi_device_results):
+def test_collectives():
   """Every program the md_* checks compiled all-reduces scalars, nothing else.
 
   No all-to-all, collective-permute or all-gather (a resharding) on any kind
   of mesh. Per-example gradients all-reduce their sum, which is not a scalar.
   """
-  recorded = multi_device_results["collectives"]
+  runner = test_multi_device.runner()
+  recorded = {}
+  for name in runner.run_all():
+    recorded.update(runner.data(name) or {})
   assert any(label.startswith("legacy/") for label in recorded)  # the checks ran
   problems = {
     label: p
@@ -781,9 +750,12 @@ def test_collectives(multi_device_results):
   assert not problems, json.dumps(problems, indent=1)
 
 
-def test_fsdp_example_runs(subprocess_runs):
-  returncode, stdout, stderr = subprocess_runs["example"]
-  assert returncode == 0, stderr[:500] + stdout[-3000:] + stderr[-3000:]
+def test_fsdp_example_runs():
+  example = ROOT / "examples" / "fsdp_training.py"
+  returncode, stdout, stderr, problem = run_subprocess(
+    [sys.executable, str(example), "--steps", "40"], device_env(N_DEVICES)
+  )
+  assert returncode == 0, f"{problem}\n{stdout[-3000:]}{stderr[-3000:]}"
   assert "loss decreased" in stdout and "all-reduces of scalars only: True" in stdout, stdout
 
 
@@ -977,8 +949,3 @@ def test_per_example_clipped_grad_rejects_bad_threshold_and_int_params():
     jaxclip.per_example_clipped_grad(lambda w, x: w @ x, 1.0)(
       jnp.ones(3, jnp.int32), jnp.ones((2, 3))
     )
-
-
-if __name__ == "__main__":
-  jax.config.update("jax_numpy_dtype_promotion", "strict")
-  print(json.dumps(_run_checks_in_this_process()))

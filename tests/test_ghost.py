@@ -9,7 +9,7 @@ per-group instantiation for everything else (tied weights, scales, biases,
 convolutions, ``custom_jvp``, ``lax.scan``). The threshold is always the
 median norm, so that some examples are clipped and some are not.
 
-The multi-device checks (``md_*``) run in one subprocess on 8 virtual CPU
+The multi-device checks (``md_*``) run in a subprocess on 8 virtual CPU
 devices, as in ``test_per_example.py``.
 """
 
@@ -26,7 +26,7 @@ from jax.sharding import PartitionSpec as P
 
 import jaxclip
 from jaxclip.privacy import _ghost
-from tests.helpers import checks_in_subprocess, mlp_loss, mlp_problem, run_checks
+from tests.helpers import mlp_loss, mlp_problem, multi_device_checks
 
 N_DEVICES = 8
 
@@ -40,12 +40,14 @@ def always_ghost(monkeypatch):
 
 def _compare(loss_fn, params, *args, rtol=2e-5, atol=1e-6, **kwargs):
   """Runs both methods at the median norm; returns the plan's ghost rules used."""
-  vmap = jax.jit(jaxclip.per_example_clipped_grad(loss_fn, 1.0, return_norms=True, **kwargs))
-  norms = vmap(params, *args)[2]
+
+  @jax.jit  # the reference, compiled once: the clip is traced
+  def vmap(clip, *a):
+    return jaxclip.per_example_clipped_grad(loss_fn, clip, return_norms=True, **kwargs)(*a)
+
+  norms = vmap(1.0, params, *args)[2]
   clip = float(np.median(np.asarray(norms)))
-  ref = jax.jit(jaxclip.per_example_clipped_grad(loss_fn, clip, return_norms=True, **kwargs))(
-    params, *args
-  )
+  ref = vmap(clip, params, *args)
   got = jax.jit(
     jaxclip.per_example_clipped_grad(loss_fn, clip, method="ghost", return_norms=True, **kwargs)
   )(params, *args)
@@ -510,9 +512,9 @@ def test_bfloat16_parameters_keep_their_dtype():
   _compare(mlp_loss, params, x, y, batch_argnums=(1, 2), rtol=3e-2, atol=1e-2)
   # Nothing clipped: ghost's sum is the non-private gradient's, bit for bit (vmap's is not).
   want = jax.grad(lambda p: jnp.sum(jax.vmap(mlp_loss, (None, 0, 0))(p, x, y)))(params)
-  got = jaxclip.per_example_clipped_grad(mlp_loss, 1e6, method="ghost", batch_argnums=(1, 2))(
-    params, x, y
-  )[0]
+  got = jax.jit(
+    jaxclip.per_example_clipped_grad(mlp_loss, 1e6, method="ghost", batch_argnums=(1, 2))
+  )(params, x, y)[0]
   for a, e in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
     np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(e, np.float32))
 
@@ -531,8 +533,10 @@ def test_return_norms_are_the_pre_clip_norms_in_batch_order():
   want = jax.vmap(jaxclip.ops.global_norm)(grads)
   for method in ("vmap", "ghost"):
     for mb in (None, 4):
-      out = jaxclip.per_example_clipped_grad(
-        mlp_loss, 1.0, batch_argnums=(1, 2), method=method, microbatch_size=mb, return_norms=True
+      out = jax.jit(
+        jaxclip.per_example_clipped_grad(
+          mlp_loss, 1.0, batch_argnums=(1, 2), method=method, microbatch_size=mb, return_norms=True
+        )
       )(params, x, y)
       np.testing.assert_allclose(out[2], want, rtol=1e-5)
 
@@ -541,9 +545,8 @@ def test_non_finite_example_shows_in_the_sum_as_with_vmap():
   params, x, y = mlp_problem(batch=6, seed=7)
   x = x.at[2, 0].set(jnp.nan)
   for method in ("vmap", "ghost"):
-    total, _ = jaxclip.per_example_clipped_grad(mlp_loss, 1.0, batch_argnums=(1, 2), method=method)(
-      params, x, y
-    )
+    fn = jaxclip.per_example_clipped_grad(mlp_loss, 1.0, batch_argnums=(1, 2), method=method)
+    total, _ = jax.jit(fn)(params, x, y)
     assert all(np.isnan(np.asarray(t)).any() for t in jax.tree.leaves(total)), method
 
 
@@ -645,11 +648,15 @@ def test_static_shared_arguments_and_a_loss_that_ignores_the_batch_as_with_vmap(
 # ----------------------------------------------------------------------------
 
 
+@jax.jit
+def _gpt_reference(clip, params, tokens):
+  return jaxclip.per_example_clipped_grad(gpt_loss, clip, return_norms=True)(params, tokens)
+
+
 def _reference(batch, seed):
   params, tokens = _gpt_params(seed), _tokens(batch, seed)
-  norms = jaxclip.per_example_clipped_grad(gpt_loss, 1.0, return_norms=True)(params, tokens)[2]
-  clip = float(np.median(np.asarray(norms)))
-  return params, tokens, clip, jaxclip.per_example_clipped_grad(gpt_loss, clip)(params, tokens)
+  clip = float(np.median(np.asarray(_gpt_reference(1.0, params, tokens)[2])))
+  return params, tokens, clip, _gpt_reference(clip, params, tokens)
 
 
 def _check(out, ref):
@@ -735,18 +742,4 @@ def md_ghost_under_spmd_axis_name_gathers_no_examples():
     _spmd(axis_type, mlp_loss, params, [x, y], ref, 30.0)
 
 
-MD_CHECKS = sorted(name for name in dict(globals()) if name.startswith("md_"))
-
-
-@pytest.fixture(scope="module")
-def multi_device_results():
-  return checks_in_subprocess(__file__, N_DEVICES)
-
-
-@pytest.mark.parametrize("name", MD_CHECKS)
-def test_multi_device(multi_device_results, name):
-  assert multi_device_results[name] == "ok", multi_device_results[name]
-
-
-if __name__ == "__main__":
-  run_checks({name: globals()[name] for name in MD_CHECKS}, N_DEVICES)
+test_multi_device = multi_device_checks(globals(), N_DEVICES)

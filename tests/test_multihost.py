@@ -259,7 +259,9 @@ def _run_job(tmp: Path) -> list[tuple[int | None, str]]:
     )
     for i, log in enumerate(logs)
   ]
-  deadline = time.monotonic() + TIMEOUT_S
+  start = time.monotonic()
+  deadline = start + TIMEOUT_S
+  killed = [False] * len(procs)
   try:
     # A worker that fails leaves the other waiting on it: stop at the first failure.
     while time.monotonic() < deadline and any(p.poll() is None for p in procs):
@@ -267,14 +269,26 @@ def _run_job(tmp: Path) -> list[tuple[int | None, str]]:
         break
       time.sleep(0.2)
   finally:
-    for p in procs:
+    for i, p in enumerate(procs):
       if p.poll() is None:
         p.kill()
+        killed[i] = True
       p.wait()
+  took = time.monotonic() - start
   outputs = []
-  for log in logs:
+  for log, was_killed in zip(logs, killed, strict=True):
     log.seek(0)
-    outputs.append(log.read())
+    why = (
+      f"\n[killed by the test after {took:.0f} s: "
+      + (
+        f"the wall-clock limit is {TIMEOUT_S} s; the machine may be overloaded]"
+        if took >= TIMEOUT_S
+        else "the other process had failed]"
+      )
+      if was_killed
+      else ""
+    )
+    outputs.append(log.read() + why)
     log.close()
   return [(p.returncode, text) for p, text in zip(procs, outputs, strict=True)]
 

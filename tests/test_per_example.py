@@ -1,6 +1,6 @@
 """Per-example clipping: ``has_aux`` and ``per_example_layer_norm_clip``'s ``axis_name``.
 
-The checks that need several devices (``md_*``) run in one subprocess (this
+The checks that need several devices (``md_*``) run in a subprocess (this
 file run as a script) on 8 virtual CPU devices, as in ``test_distributed.py``.
 """
 
@@ -15,7 +15,7 @@ from jax.sharding import PartitionSpec as P
 
 import jaxclip
 from jaxclip._kernel import _sharding
-from tests.helpers import checks_in_subprocess, mlp_loss, mlp_problem, run_checks
+from tests.helpers import mlp_loss, mlp_problem, multi_device_checks
 
 N_DEVICES = 8
 CLIP = 30.0  # clips some examples of the test problem, not all
@@ -223,19 +223,6 @@ def md_has_aux_in_shard_map_and_under_spmd_axis_name():
     _assert_trees_close(aux, ref_aux, rtol=1e-6, atol=1e-6)
 
 
-MD_CHECKS = sorted(name for name in dict(globals()) if name.startswith("md_"))
-
-
-@pytest.fixture(scope="module")
-def multi_device_results():
-  return checks_in_subprocess(__file__, N_DEVICES)
-
-
-@pytest.mark.parametrize("name", MD_CHECKS)
-def test_multi_device(multi_device_results, name):
-  assert multi_device_results[name] == "ok", multi_device_results[name]
-
-
-if __name__ == "__main__":
-  jax.config.update("jax_numpy_dtype_promotion", "strict")
-  run_checks({name: globals()[name] for name in MD_CHECKS}, N_DEVICES)
+test_multi_device = multi_device_checks(
+  globals(), N_DEVICES, setup=lambda: jax.config.update("jax_numpy_dtype_promotion", "strict")
+)

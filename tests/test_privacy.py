@@ -1,6 +1,6 @@
 """DP-SGD to a guarantee: masks, padding, user-level clipping, Poisson batches, the accountant.
 
-The checks that need several devices (``md_*``) run in one subprocess (this
+The checks that need several devices (``md_*``) run in a subprocess (this
 file run as a script) on 8 virtual CPU devices, as in ``test_per_example.py``.
 """
 
@@ -19,7 +19,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxclip
-from tests.helpers import checks_in_subprocess, mlp_loss, mlp_problem, run_checks
+from tests.helpers import mlp_loss, mlp_problem, multi_device_checks
 
 N_DEVICES = 8
 CLIP = 30.0  # clips some examples of the test problem, not all
@@ -368,9 +368,13 @@ def test_jax_privacy_noise_on_jaxclip_ghost_sum():
   noise_addition = pytest.importorskip("jax_privacy.noise_addition")
   params, x, y = mlp_problem(batch=8)
   mask = jnp.arange(8) < 6
-  total, _, norms = jaxclip.per_example_clipped_grad(
-    mlp_loss, CLIP, method="ghost", return_norms=True
-  )(params, x, y, example_mask=mask)
+  # One program for both ways in.
+  fn = jax.jit(
+    lambda p, a, b, m: jaxclip.per_example_clipped_grad(
+      mlp_loss, CLIP, method="ghost", return_norms=True
+    )(p, a, b, example_mask=m)
+  )
+  total, _, norms = fn(params, x, y, mask)
   assert np.all(np.asarray(norms)[6:] == 0)
   # jax_privacy's Gaussian privatizer on the clipped sum in units of C.
   sigma = 1.5
@@ -388,8 +392,7 @@ def test_jax_privacy_noise_on_jaxclip_ghost_sum():
   padded = batch_selection.pad_to_multiple_of(indices, 8)
   real = jnp.asarray(padded >= 0)
   rows = jnp.asarray(np.maximum(padded, 0))
-  fn = jaxclip.per_example_clipped_grad(mlp_loss, CLIP, method="ghost", return_norms=True)
-  total, count, norms = fn(params, x[rows], y[rows], example_mask=real)
+  total, count, norms = fn(params, x[rows], y[rows], real)
   ref_total, ref_count, ref_norms = _reference(params, x, y, CLIP, np.asarray(indices))
   _close(total, ref_total)
   assert int(count) == ref_count and 0 < len(indices) < 8
@@ -442,19 +445,6 @@ def md_mask_in_shard_map_and_under_spmd_axis_name():
         assert math.isclose(float(jnp.sum(jnp.where(mask, 0, norms))), 0.0)
 
 
-MD_CHECKS = sorted(name for name in dict(globals()) if name.startswith("md_"))
-
-
-@pytest.fixture(scope="module")
-def multi_device_results():
-  return checks_in_subprocess(__file__, N_DEVICES)
-
-
-@pytest.mark.parametrize("name", MD_CHECKS)
-def test_multi_device(multi_device_results, name):
-  assert multi_device_results[name] == "ok", multi_device_results[name]
-
-
-if __name__ == "__main__":
-  jax.config.update("jax_numpy_dtype_promotion", "strict")
-  run_checks({name: globals()[name] for name in MD_CHECKS}, N_DEVICES)
+test_multi_device = multi_device_checks(
+  globals(), N_DEVICES, setup=lambda: jax.config.update("jax_numpy_dtype_promotion", "strict")
+)
