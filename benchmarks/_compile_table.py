@@ -164,7 +164,7 @@ def markdown(rows: list[dict[str, Any]], meta: dict[str, str]) -> str:
     "tree, profiled in the same run between every few transforms (median of its runs): "
     "`compile x` is the ratio of the whole trace + lower + XLA compile, `jaxpr x` of the "
     "jaxpr equations, `HLO x` of the optimised HLO instructions. Each profile runs in a "
-    "fresh process.",
+    "fresh process, unless the wall-time line says they ran in one.",
     "",
   ]
   for leaves in sorted({r["leaves"] for r in rows}):
