@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import jaxlib
 import optax
 
-from benchmarks import _cases, _model, _report, _trees
+from benchmarks import _cases, _compile_table, _model, _report, _trees
 from tools.figure_record import package_sources, write_record
 
 HERE = Path(__file__).resolve().parent
@@ -76,7 +76,7 @@ def _parser() -> argparse.ArgumentParser:
     default=None,
     choices=SECTIONS,
     help="run only these sections (e.g. --only full-step; --only transforms "
-    "--leaves 400 for the table of every transform's compile time alone); "
+    "--leaves 400 5000 for every transform's compile against adam's, compile.md); "
     "overrides --skip",
   )
   return p
@@ -156,12 +156,15 @@ def main(argv: list[str] | None = None) -> str:
       transform_rows = _cases.run_transform_compiles(max(leaves), timeout, repeats, mixed=not quick)
     meta["compiles per impl and leaf count (median kept)"] = str(repeats)
   if "transforms" in run and "compile" not in run:
-    # Only the table of every transform's compile time, at each --leaves count.
+    # Only the table of every transform's compile time against adam's, chained
+    # and alone, at each --leaves count: benchmarks/compile.md.
     print("transform compiles ...", flush=True)
-    repeats = args.compile_repeats or (1 if quick else 3)
-    for n in leaves:
-      transform_rows += _cases.run_transform_compiles(n, timeout, repeats, mixed=not quick)
-    meta["compiles per impl and leaf count (median kept)"] = str(repeats)
+    rows = _compile_table.run(leaves, repeats=args.compile_repeats or 1, timeout_s=timeout)
+    text = _compile_table.markdown(rows, meta)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "compile.md").write_text(text + "\n")
+    print(text)
+    return text
   if "sizes" in run:
     print("size sweep ...", flush=True)
     shrinks = [128] if quick else [16, 8, 4, 2, 1]
