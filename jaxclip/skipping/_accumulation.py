@@ -80,7 +80,7 @@ def skip_bad_microbatches(
     False
   """
   if max_norm is not None:
-    _validation.check_positive_scalar(max_norm, "max_norm")
+    _validation.check_hparam(max_norm, "max_norm", lo=0, lo_open=True, scalar=True, finite=True)
 
   def should_skip(updates, gradient_step, params):
     del gradient_step, params

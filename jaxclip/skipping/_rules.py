@@ -300,7 +300,7 @@ def skip_above(
     1
   """
   _validation.check_transform(inner, "inner")
-  _validation.check_positive_scalar(max_norm, "max_norm")
+  _validation.check_hparam(max_norm, "max_norm", lo=0, lo_open=True, scalar=True, finite=True)
   ord = _numerics.check_ord(ord)
   inner = optax.with_extra_args_support(inner)
 

@@ -196,8 +196,7 @@ def skip_on_spike(
     2024
   """
   window = _validation.check_size(window, "window", minimum=2)
-  _validation.check_threshold(sigma, "sigma")
-  _validation.check_scalar(sigma, "sigma")
+  _validation.check_hparam(sigma, "sigma", lo=0, scalar=True)
   _validation.check_transform(inner, "inner")
   ord = _numerics.check_ord(ord)
   inner = optax.with_extra_args_support(inner)

@@ -136,10 +136,9 @@ def adagc(
     Wang et al., `AdaGC: Improving Training Stability for Large Language
     Model Pretraining <https://arxiv.org/abs/2502.11034>`_, 2025
   """
-  _validation.check_decay(beta, "beta")
+  _validation.check_hparam(beta, "beta", lo=0, hi=1, hi_open=True, scalar=True)
   for value, name in ((lambda_abs, "lambda_abs"), (lambda_rel, "lambda_rel"), (eps, "eps")):
-    _validation.check_threshold(value, name)
-    _validation.check_scalar(value, name)
+    _validation.check_hparam(value, name, lo=0, scalar=True)
   _validation.check_size(warmup_steps, "warmup_steps", minimum=0)
 
   def step(s: _per_tensor.Step):
@@ -255,7 +254,7 @@ def adaptive_value_clip(
     Huang et al., `Stable-SPAM: How to Train in 4-Bit More Stably than
     16-Bit Adam <https://arxiv.org/abs/2502.17055>`_, 2025
   """
-  _validation.check_decay(beta, "beta")
+  _validation.check_hparam(beta, "beta", lo=0, hi=1, hi_open=True, scalar=True)
 
   def step(s: _per_tensor.Step):
     (m,), top = s.stats, s.stat
@@ -378,10 +377,9 @@ def adaptive_norm_scale(
     Huang et al., `Stable-SPAM: How to Train in 4-Bit More Stably than
     16-Bit Adam <https://arxiv.org/abs/2502.17055>`_, 2025
   """
-  _validation.check_decay(beta1, "beta1")
-  _validation.check_decay(beta2, "beta2")
-  _validation.check_threshold(eps, "eps")
-  _validation.check_scalar(eps, "eps")
+  _validation.check_hparam(beta1, "beta1", lo=0, hi=1, hi_open=True, scalar=True)
+  _validation.check_hparam(beta2, "beta2", lo=0, hi=1, hi_open=True, scalar=True)
+  _validation.check_hparam(eps, "eps", lo=0, scalar=True)
 
   def step(s: _per_tensor.Step):
     (mu, nu), n = s.stats, s.stat

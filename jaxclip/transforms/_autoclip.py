@@ -106,8 +106,7 @@ def autoclip(
     Seetharaman et al., `AutoClip: Adaptive Gradient Clipping for Source
     Separation Networks <https://arxiv.org/abs/2007.14469>`_, 2020
   """
-  _validation.check_interval(percentile, "percentile", 0, 100)
-  _validation.check_scalar(percentile, "percentile")
+  _validation.check_hparam(percentile, "percentile", lo=0, hi=100, scalar=True)
   history = _validation.check_size(history, "history")
   ord = _numerics.check_ord(ord)
 

@@ -112,7 +112,7 @@ def clip(max_delta: ArrayLike) -> optax.GradientTransformationExtraArgs:
     >>> tx.update(jnp.array([-2., 0.1, 3.]), tx.init(None))[0]
     Array([-0.5,  0.1,  0.5], dtype=float32)
   """
-  _validation.check_threshold(max_delta, "max_delta")
+  _validation.check_hparam(max_delta, "max_delta", lo=0)
   return stateless(value_clip(jnp.negative(max_delta), max_delta, "clip"))
 
 
@@ -139,7 +139,7 @@ def clip_by_norm(max_norm: ArrayLike, axes: Any = None) -> optax.GradientTransfo
     >>> tx.update({'w': jnp.array([-2., 3., 6.])}, tx.init(None))[0]['w']
     Array([-1.4285715,  2.142857 ,  4.285714 ], dtype=float32)
   """
-  _validation.check_threshold(max_norm, "max_norm")
+  _validation.check_hparam(max_norm, "max_norm", lo=0)
   return stateless(
     lambda u: ops.clip_by_norm(_validation.numeric_leaves(u, "clip_by_norm"), max_norm, axes)
   )
@@ -164,7 +164,7 @@ def clip_by_average_norm(max_norm: ArrayLike) -> optax.GradientTransformationExt
     >>> tx.update([jnp.array([3., 4.])], tx.init(None))[0]
     [Array([1.2, 1.6], dtype=float32)]
   """
-  _validation.check_threshold(max_norm, "max_norm")
+  _validation.check_hparam(max_norm, "max_norm", lo=0)
   return stateless(
     lambda u: ops.clip_by_average_norm(
       _validation.numeric_leaves(u, "clip_by_average_norm"), max_norm
@@ -262,8 +262,7 @@ def clip_by_global_norm(
     <https://arxiv.org/abs/1211.5063>`_, 2012
   """
   ord = _numerics.check_ord(ord)
-  _validation.check_threshold(max_norm, "max_norm")
-  _validation.check_scalar(max_norm, "max_norm")
+  _validation.check_hparam(max_norm, "max_norm", lo=0, scalar=True)
 
   def init_fn(params):
     return ClipByGlobalNormState(

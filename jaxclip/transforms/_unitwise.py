@@ -46,7 +46,7 @@ def clip_by_block_rms(threshold: ArrayLike) -> optax.GradientTransformationExtra
     >>> tx.update(jnp.array([3., 4., 0., 0.]), tx.init(None))[0]  # rms 2.5
     Array([1.2, 1.6, 0. , 0. ], dtype=float32)
   """
-  _validation.check_threshold(threshold, "threshold")
+  _validation.check_hparam(threshold, "threshold", lo=0)
 
   def update(updates):
     updates = _validation.numeric_leaves(updates, "clip_by_block_rms")
@@ -210,8 +210,8 @@ def adaptive_grad_clip(
     Brock et al., `High-Performance Large-Scale Image Recognition Without
     Normalization <https://arxiv.org/abs/2102.06171>`_, 2021
   """
-  _validation.check_threshold(clipping, "clipping")
-  _validation.check_threshold(eps, "eps")
+  _validation.check_hparam(clipping, "clipping", lo=0)
+  _validation.check_hparam(eps, "eps", lo=0)
 
   def init_fn(params):
     del params

@@ -147,8 +147,7 @@ def zclip(
     raise ValueError(f"zclip: mode must be one of {_MODES}, got {mode!r}.")
   if not isinstance(clip_option, str) or clip_option not in _CLIP_OPTIONS:
     raise ValueError(f"zclip: clip_option must be one of {_CLIP_OPTIONS}, got {clip_option!r}.")
-  _validation.check_interval(alpha, "alpha", 0, 1)
-  _validation.check_scalar(alpha, "alpha")
+  _validation.check_hparam(alpha, "alpha", lo=0, hi=1, scalar=True)
   for value, name in (
     (z_thresh, "z_thresh"),
     (clip_factor, "clip_factor"),
@@ -156,8 +155,7 @@ def zclip(
     (max_norm, "max_norm"),
   ):
     if value is not None or name != "max_norm":
-      _validation.check_threshold(value, name)
-      _validation.check_scalar(value, name)
+      _validation.check_hparam(value, name, lo=0, scalar=True)
   warmup_steps = _validation.check_size(warmup_steps, "warmup_steps")
   ord = _numerics.check_ord(ord)
   cap = jnp.inf if max_norm is None else max_norm
