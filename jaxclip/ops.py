@@ -21,9 +21,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxclip._kernel import _numerics, _reduction, _validation
+from jaxclip._kernel._typing import ArrayLike
 
 PyTree = Any
-ArrayLike = jax.typing.ArrayLike
 
 __all__ = (
   "clip_by_average_norm",

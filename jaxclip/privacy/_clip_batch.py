@@ -8,8 +8,8 @@ import jax
 import jax.numpy as jnp
 
 from jaxclip._kernel import _numerics, _validation
+from jaxclip._kernel._typing import ArrayLike
 
-ArrayLike = jax.typing.ArrayLike
 Axis = int | tuple[int, ...] | None
 
 

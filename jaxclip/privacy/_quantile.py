@@ -9,8 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxclip._kernel import _numerics, _validation
-
-ArrayLike = jax.typing.ArrayLike
+from jaxclip._kernel._typing import ArrayLike
 
 
 def _check_norms(norms: Any) -> jax.Array:

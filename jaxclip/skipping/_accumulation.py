@@ -9,9 +9,8 @@ import jax
 import jax.numpy as jnp
 
 from jaxclip._kernel import _reduction, _validation
+from jaxclip._kernel._typing import ArrayLike
 from jaxclip.skipping import _scaffold
-
-ArrayLike = jax.typing.ArrayLike
 
 
 def skip_bad_microbatches(

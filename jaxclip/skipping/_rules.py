@@ -9,9 +9,8 @@ import jax.numpy as jnp
 import optax
 
 from jaxclip._kernel import _numerics, _reduction, _validation
+from jaxclip._kernel._typing import ArrayLike
 from jaxclip.skipping import _scaffold
-
-ArrayLike = jax.typing.ArrayLike
 
 
 class SkipNonfiniteState(NamedTuple):

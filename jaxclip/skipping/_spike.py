@@ -10,9 +10,8 @@ import numpy as np
 import optax
 
 from jaxclip._kernel import _history, _numerics, _reduction, _validation
+from jaxclip._kernel._typing import ArrayLike
 from jaxclip.skipping import _scaffold
-
-ArrayLike = jax.typing.ArrayLike
 
 
 class SkipOnSpikeState(NamedTuple):

@@ -10,8 +10,7 @@ import optax
 
 from jaxclip import ops
 from jaxclip._kernel import _numerics, _validation
-
-ArrayLike = jax.typing.ArrayLike
+from jaxclip._kernel._typing import ArrayLike
 
 
 def stateless(update: Any) -> optax.GradientTransformationExtraArgs:
@@ -209,10 +208,8 @@ def clip_by_global_norm(
   Under ``jax.jit`` with sharded parameters (FSDP, tensor parallelism) it
   works as is: XLA all-reduces one scalar and every leaf keeps its sharding.
   Inside ``jax.shard_map``/``jax.pmap``, where the updates are local shards,
-  pass ``axis_name`` so all devices share the global norm, as in
-  :func:`jaxclip.ops.global_norm`: leaves every device holds in full count
-  once, inferred under ``shard_map``'s ``check_vma=True`` and otherwise told
-  by ``replicated`` or ``partition_specs``.
+  pass ``axis_name`` so all devices share the global norm (see
+  ``docs/sharding_args.md``).
 
   Args:
     max_norm: The maximum global norm, ``>= 0``; a number, an array or a
@@ -224,14 +221,11 @@ def clip_by_global_norm(
       ``static_args=("ord",)``.
     axis_name: Inside ``shard_map``/``pmap``, the mesh axis (or tuple of
       axes) the updates are sharded over; ``None`` (default) otherwise.
-    replicated: Which leaves are replicated across ``axis_name`` (counted
-      once): ``None`` (inferred under ``check_vma=True``, else none), a
-      pytree prefix of the updates with ``True``/``False`` or axis-name
-      leaves, or a callable ``(path, leaf)``; see
-      :func:`jaxclip.ops.global_norm`.
-    partition_specs: Where the updates are sharded, instead of
-      ``replicated``: a pytree prefix of ``PartitionSpec`` leaves (e.g.
-      ``shard_map``'s ``in_specs`` of the parameters).
+    replicated: Which leaves every device of ``axis_name`` holds in full
+      (counted once); inferred under ``check_vma=True``.
+    partition_specs: Where the leaves are sharded (``PartitionSpec`` leaves),
+      instead of ``replicated``. The three are explained once in
+      ``docs/sharding_args.md``.
 
   Returns:
     An :class:`optax.GradientTransformationExtraArgs` whose state is a
