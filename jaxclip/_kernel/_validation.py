@@ -55,10 +55,10 @@ def check_hparam(
 
   * ``TypeError`` unless ``value`` is a real number or array (not ``None``, a
     string, a bool, complex);
-  * with ``scalar``, ``ValueError`` unless it is 0-d. Shapes are static, so
-    this also holds for a traced value;
   * ``ValueError`` if it is NaN, lies outside ``[lo, hi]`` (open at either end
-    with ``lo_open`` / ``hi_open``) or, with ``finite``, is infinite.
+    with ``lo_open`` / ``hi_open``) or, with ``finite``, is infinite;
+  * with ``scalar``, ``ValueError`` unless it is 0-d. Shapes are static, so
+    this also holds for a traced value.
 
   A traced value (under ``jax.jit``, or ``optax.inject_hyperparams`` under
   ``jit``) cannot be compared without a host sync, so only its type and shape
@@ -88,8 +88,6 @@ def check_hparam(
     ...
     ValueError: max_norm must be non-negative, got -1.0.
   """
-  if scalar:
-    check_scalar(value, name)
   v = _real(value, name)
   if v is None:
     if static:
@@ -97,6 +95,8 @@ def check_hparam(
         f"{name} must be a concrete value, not traced: it is needed before tracing. "
         f"Under optax.inject_hyperparams pass static_args=({name!r},)."
       )
+    if scalar:
+      check_scalar(value, name)
     return None
   if hi is not None:
     below = (v <= lo if lo_open else v < lo) if lo is not None else False
@@ -117,6 +117,8 @@ def check_hparam(
       raise ValueError(f"{name} must be {need}, got {value!r}.")
   if finite and not np.all(np.isfinite(v)):
     raise ValueError(f"{name} must be finite, got {value!r}.")
+  if scalar:
+    check_scalar(value, name)
   return v
 
 
