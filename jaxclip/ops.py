@@ -21,9 +21,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxclip._kernel import _numerics, _reduction, _validation
+from jaxclip._kernel._typing import ArrayLike
 
 PyTree = Any
-ArrayLike = jax.typing.ArrayLike
 
 __all__ = (
   "clip_by_average_norm",
@@ -296,7 +296,7 @@ def clip_by_norm(tree: PyTree, clip_norm: ArrayLike, axes: Any = None) -> PyTree
     Array([[0.6, 0.8],
            [0. , 1. ]], dtype=float32)
   """
-  _validation.check_threshold(clip_norm, "clip_norm")
+  _validation.check_hparam(clip_norm, "clip_norm", lo=0)
   _validation.check_inexact_leaves(tree, "clip_by_norm")
 
   leaves, treedef = jax.tree.flatten(tree)
@@ -335,7 +335,7 @@ def clip_by_average_norm(tree: PyTree, clip_norm: ArrayLike) -> PyTree:
     >>> jaxclip.ops.clip_by_average_norm(jnp.array([3., 4.]), 1.)
     Array([1.2, 1.6], dtype=float32)
   """
-  _validation.check_threshold(clip_norm, "clip_norm")
+  _validation.check_hparam(clip_norm, "clip_norm", lo=0)
   _validation.check_inexact_leaves(tree, "clip_by_average_norm")
 
   leaves, treedef = jax.tree.flatten(tree)
@@ -427,8 +427,7 @@ def clip_by_global_norm(
     <https://arxiv.org/abs/1211.5063>`_, 2012
   """
   ord = _numerics.check_ord(ord)
-  _validation.check_threshold(clip_norm, "clip_norm")
-  _validation.check_scalar(clip_norm, "clip_norm")
+  _validation.check_hparam(clip_norm, "clip_norm", lo=0, scalar=True)
   _validation.check_inexact_leaves(tree, "clip_by_global_norm")
   if use_norm is None:
     norm = _reduction.tree_norm(tree, ord, axis_name, replicated, partition_specs)

@@ -121,6 +121,6 @@ def test_import_graph_is_layered():
     visit(node, [])
   assert not graph.get("_kernel._platform"), graph.get("_kernel._platform")
   assert not graph.get("_kernel._sharding"), graph.get("_kernel._sharding")
-  assert graph["_kernel._numerics"] == {"_kernel._platform", "_kernel._sharding"}
+  assert graph["_kernel._numerics"] == {"_kernel._platform", "_kernel._sharding", "_kernel._typing"}
   assert "_kernel._numerics" in graph["_kernel._reduction"]
   assert "_kernel._reduction" in graph["ops"]

@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxclip._kernel import _platform, _sharding
+from jaxclip._kernel._typing import ArrayLike
 
 Axes = int | Sequence[int] | None
 
@@ -114,8 +115,8 @@ def computed_once(flag: jax.Array) -> jax.Array:
   Why: XLA copies cheap scalar ops (comparisons, ``and``, selects, maxima)
   into the kernel of each of their consumers. A flag that combines a result
   from every leaf, and that every leaf's select then reads, is recomputed in
-  every leaf's kernel: compile time quadratic in the number of leaves (five
-  minutes at a thousand leaves, measured). XLA does not copy a square root,
+  every leaf's kernel: compile time quadratic in the number of leaves. XLA
+  does not copy a square root,
   so the flag goes through one: ``sqrt`` of ``0`` or ``1`` is exact, and its
   conversion back to a boolean (``!= 0``) is the one op each consumer copies.
   """
@@ -235,8 +236,8 @@ def _grouped_parts(leaves: list[Any], ord: float, acc: jnp.dtype) -> list[jax.Ar
 
   One scalar per leaf would make XLA build one fusion per leaf and then one
   chain of thousands of scalar adds, which compiles in time quadratic in the
-  number of leaves (optax's clip takes minutes at 5,000 leaves). Instead
-  small leaves are reduced together, a few kernels per thousand leaves:
+  number of leaves (benchmarks/results.md has the figures). Instead small
+  leaves are reduced together, a few kernels per thousand leaves:
 
   * local leaves (see :func:`layout`) of more than ``_TINY_LEAF`` and at most
     ``_SMALL_LEAF`` elements (biases, norm scales) are flattened and
@@ -498,9 +499,9 @@ def _scale_one(fn, ord, axes_of, x, companion, operands) -> jax.Array:
 def _leaf_scaler(fn, ord, axes):
   """The plain math of one leaf as a jitted function, traced once per leaf type.
 
-  Tracing the norm, ``fn`` and the multiply leaf by leaf costs about 2 ms a
-  leaf in Python (seconds for thousands of leaves, and the plain math is
-  traced on CPU too, as the other branch of a platform choice). A call of a
+  Tracing the norm, ``fn`` and the multiply leaf by leaf costs Python time
+  per leaf (and the plain math is traced on CPU too, as the other branch of
+  a platform choice). A call of a
   jitted function whose argument types it has seen is one cached equation,
   and XLA inlines it: the compiled program is the same.
   """
@@ -621,11 +622,41 @@ def clip_scale(norm: jax.Array, max_norm: Any) -> jax.Array:
   norm = jnp.asarray(norm)
   max_norm = jnp.maximum(jnp.asarray(max_norm, norm.dtype), 0)
   clipping = norm >= max_norm
-  # One division last: XLA then computes the factor once instead of copying
-  # the selects into every leaf's kernel (which slows compiling big trees).
   numerator = jnp.where(jnp.isfinite(norm), jnp.where(clipping, max_norm, 1), jnp.nan)
-  denominator = jnp.where(clipping & (norm > 0), norm, 1)
-  return (numerator / denominator).astype(norm.dtype)
+  return safe_divide(numerator, norm, clipping & (norm > 0)).astype(norm.dtype)
+
+
+def safe_divide(
+  num: ArrayLike, den: ArrayLike, where: ArrayLike, otherwise: Any = None
+) -> jax.Array:
+  """``num / den`` where ``where`` holds; elsewhere ``num`` (or ``otherwise``) over ``1``.
+
+  The one safe division of jaxclip's scale factors. The denominator is
+  replaced by ``1`` where ``where`` is false, so neither the value nor its
+  gradient divides by zero; with ``otherwise`` the numerator is replaced
+  there too, giving ``otherwise`` exactly. The division comes last, so XLA
+  computes the factor once rather than copying its selects into every
+  consumer's kernel.
+
+  Args:
+    num: the numerator.
+    den: the denominator; only read where ``where`` holds.
+    where: where to divide (broadcasts against ``num`` and ``den``).
+    otherwise: the result where ``where`` is false (``None``: ``num``).
+
+  Returns:
+    The quotient, in the dtype ``num / den`` has.
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> from jaxclip._kernel._numerics import safe_divide
+    >>> n = jnp.array([0.0, 4.0])
+    >>> safe_divide(2.0, n, n > 2.0, otherwise=1.0)
+    Array([1. , 0.5], dtype=float32)
+  """
+  if otherwise is not None:
+    num = jnp.where(where, num, otherwise)
+  return num / jnp.where(where, den, 1)
 
 
 def apply_scale(x: jax.Array, scale: jax.Array) -> jax.Array:

@@ -75,11 +75,7 @@ def manual_axes() -> frozenset[Hashable]:
 
 def varying_axes(x: Any) -> frozenset[Hashable]:
   """The manual mesh axes JAX's type of ``x`` says it varies over (its vma)."""
-  aval = jax.typeof(x)
-  vma = getattr(aval, "vma", None)  # JAX < 0.9 names it vma
-  if vma is None:
-    vma = getattr(getattr(aval, "manual_axis_type", None), "varying", None)
-  return frozenset(vma or ())
+  return frozenset(jax.typeof(x).manual_axis_type.varying)
 
 
 def as_varying(tree: PyTree, axis_name: AxisName) -> PyTree:
@@ -101,15 +97,10 @@ def as_varying(tree: PyTree, axis_name: AxisName) -> PyTree:
 
 def cast_varying(tree: PyTree, names: tuple[Hashable, ...]) -> PyTree:
   """Each leaf of ``tree`` cast (a no-op on values) to vary over ``names`` too."""
-  cast = getattr(jax.lax, "pcast", None)
 
   def one(x):
     missing = tuple(n for n in names if n not in varying_axes(x))
-    if not missing:
-      return x
-    if cast is not None:
-      return cast(x, missing, to="varying")
-    return jax.lax.pvary(x, missing)  # JAX < 0.8
+    return jax.lax.pcast(x, missing, to="varying") if missing else x
 
   return jax.tree.map(one, tree)
 

@@ -37,19 +37,89 @@ def _real(value: Any, name: str, what: str = "a real number or array") -> np.nda
   return v
 
 
-def check_threshold(value: Any, name: str) -> None:
-  """Raises ``ValueError`` if a concrete threshold is negative or NaN.
+def check_hparam(
+  value: Any,
+  name: str,
+  *,
+  lo: float | None = None,
+  hi: float | None = None,
+  lo_open: bool = False,
+  hi_open: bool = False,
+  scalar: bool = False,
+  finite: bool = False,
+  static: bool = False,
+) -> np.ndarray | None:
+  """Checks one hyperparameter; returns it as a NumPy array, or ``None`` if traced.
 
-  ``TypeError`` if it is not a real number (``None``, a string, a bool,
-  complex).
+  The one check behind every threshold, rate, decay and percentile:
+
+  * ``TypeError`` unless ``value`` is a real number or array (not ``None``, a
+    string, a bool, complex);
+  * ``ValueError`` if it is NaN, lies outside ``[lo, hi]`` (open at either end
+    with ``lo_open`` / ``hi_open``) or, with ``finite``, is infinite;
+  * with ``scalar``, ``ValueError`` unless it is 0-d. Shapes are static, so
+    this also holds for a traced value.
+
+  A traced value (under ``jax.jit``, or ``optax.inject_hyperparams`` under
+  ``jit``) cannot be compared without a host sync, so only its type and shape
+  are checked, unless ``static``: then it must be concrete, and a traced
+  value raises ``TypeError``.
+
+  Args:
+    value: the hyperparameter.
+    name: its argument name, shown in the error.
+    lo: smallest allowed value (``None``: no lower bound).
+    hi: largest allowed value (``None``: no upper bound).
+    lo_open: exclude ``lo`` itself.
+    hi_open: exclude ``hi`` itself.
+    scalar: require a 0-d value.
+    finite: refuse ``inf``.
+    static: refuse a traced value.
+
+  Returns:
+    ``value`` as a NumPy array, or ``None`` for a traced one.
+
+  Examples:
+    >>> from jaxclip._kernel._validation import check_hparam
+    >>> float(check_hparam(0.5, "beta", lo=0, hi=1, hi_open=True, scalar=True))
+    0.5
+    >>> check_hparam(-1.0, "max_norm", lo=0)
+    Traceback (most recent call last):
+    ...
+    ValueError: max_norm must be non-negative, got -1.0.
   """
   v = _real(value, name)
   if v is None:
-    return
-  if np.any(np.isnan(v)):
-    raise ValueError(f"{name} must not be NaN, got {value!r}.")
-  if np.any(v < 0):
-    raise ValueError(f"{name} must be non-negative, got {value!r}.")
+    if static:
+      raise TypeError(
+        f"{name} must be a concrete value, not traced: it is needed before tracing. "
+        f"Under optax.inject_hyperparams pass static_args=({name!r},)."
+      )
+    if scalar:
+      check_scalar(value, name)
+    return None
+  if hi is not None:
+    below = (v <= lo if lo_open else v < lo) if lo is not None else False
+    above = v >= hi if hi_open else v > hi
+    if np.any(np.isnan(v) | below | above):
+      left = "(" if lo_open else "["
+      right = ")" if hi_open else "]"
+      low = "-inf" if lo is None else lo
+      raise ValueError(f"{name} must lie in {left}{low}, {hi}{right}, got {value!r}.")
+  else:
+    if np.any(np.isnan(v)):
+      raise ValueError(f"{name} must not be NaN, got {value!r}.")
+    if lo is not None and np.any(v <= lo if lo_open else v < lo):
+      if lo == 0:
+        need = "positive" if lo_open else "non-negative"
+      else:
+        need = f"greater than {lo}" if lo_open else f"at least {lo}"
+      raise ValueError(f"{name} must be {need}, got {value!r}.")
+  if finite and not np.all(np.isfinite(v)):
+    raise ValueError(f"{name} must be finite, got {value!r}.")
+  if scalar:
+    check_scalar(value, name)
+  return v
 
 
 def check_bounds(lo: Any, hi: Any, lo_name: str, hi_name: str) -> None:
@@ -221,44 +291,3 @@ def require_size(size: int | None, name: str) -> int:
       f"static_args=({name!r},)."
     )
   return size
-
-
-def check_interval(value: Any, name: str, lo: float, hi: float) -> None:
-  """Raises ``ValueError`` unless a concrete ``value`` lies in ``[lo, hi]``.
-
-  Traced values are not checked.
-  """
-  v = _real(value, name, "a real number")
-  if v is None:
-    return
-  if np.any(np.isnan(v)) or np.any(v < lo) or np.any(v > hi):
-    raise ValueError(f"{name} must lie in [{lo}, {hi}], got {value!r}.")
-
-
-def check_positive_scalar(value: Any, name: str) -> None:
-  """Raises ``ValueError`` unless a concrete ``value`` is a positive, finite scalar.
-
-  Traced values are not checked.
-  """
-  check_scalar(value, name)
-  v = _real(value, name, "a real number")
-  if v is None:
-    return
-  if v.shape != ():
-    raise ValueError(f"{name} must be a scalar, got an array of shape {v.shape}.")
-  if not np.isfinite(v) or v <= 0:
-    raise ValueError(f"{name} must be a positive, finite number, got {value!r}.")
-
-
-def check_decay(value: Any, name: str) -> None:
-  """Raises unless a concrete ``value`` is a real scalar in ``[0, 1)`` (an EMA's decay).
-
-  ``TypeError`` if it is not a real number, ``ValueError`` if it is not a
-  scalar or lies outside ``[0, 1)``. Traced values are only checked for shape.
-  """
-  check_scalar(value, name)
-  v = _real(value, name, "a real number")
-  if v is None:
-    return
-  if np.isnan(v) or v < 0 or v >= 1:
-    raise ValueError(f"{name} must lie in [0, 1), got {value!r}.")

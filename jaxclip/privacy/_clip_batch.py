@@ -8,8 +8,8 @@ import jax
 import jax.numpy as jnp
 
 from jaxclip._kernel import _numerics, _validation
+from jaxclip._kernel._typing import ArrayLike
 
-ArrayLike = jax.typing.ArrayLike
 Axis = int | tuple[int, ...] | None
 
 
@@ -118,7 +118,7 @@ def per_example_global_norm_clip(
     Abadi et al., `Deep Learning with Differential Privacy
     <https://arxiv.org/abs/1607.00133>`_, 2016
   """
-  _validation.check_threshold(l2_norm_clip, "l2_norm_clip")
+  _validation.check_hparam(l2_norm_clip, "l2_norm_clip", lo=0)
   grads = _validation.numeric_leaves(grads, "per_example_global_norm_clip", "grads")
   _check_batch_dim(grads, "per_example_global_norm_clip")
   clipped_sum, num_clipped = _per_example_clip(grads, l2_norm_clip)
@@ -169,7 +169,7 @@ def per_example_layer_norm_clip(
     McMahan et al., `Learning Differentially Private Recurrent Language Models
     <https://arxiv.org/abs/1710.06963>`_, 2017
   """
-  _validation.check_threshold(global_l2_norm_clip, "global_l2_norm_clip")
+  _validation.check_hparam(global_l2_norm_clip, "global_l2_norm_clip", lo=0)
   grads = _validation.numeric_leaves(grads, "per_example_layer_norm_clip", "grads")
   _check_batch_dim(grads, "per_example_layer_norm_clip")
   leaves = jax.tree.leaves(grads)

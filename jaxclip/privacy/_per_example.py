@@ -357,7 +357,7 @@ def per_example_clipped_grad(
     Cost <https://arxiv.org/abs/2210.00038>`_, 2023 (book-keeping, mixed
     ghost norm)
   """
-  _validation.check_threshold(l2_norm_clip, "l2_norm_clip")
+  _validation.check_hparam(l2_norm_clip, "l2_norm_clip", lo=0)
   if microbatch_size is not None and (
     isinstance(microbatch_size, bool)
     or int(microbatch_size) != microbatch_size

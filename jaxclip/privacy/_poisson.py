@@ -130,8 +130,7 @@ def poisson_batch(
   _quantile._check_key(key)
   n = _static_int(num_examples, "num_examples", 0)
   rows = _static_int(max_batch_size, "max_batch_size", 1)
-  _validation.check_scalar(sampling_rate, "sampling_rate")
-  _validation.check_interval(sampling_rate, "sampling_rate", 0.0, 1.0)
+  _validation.check_hparam(sampling_rate, "sampling_rate", lo=0.0, hi=1.0, scalar=True)
   q = jnp.asarray(sampling_rate, jnp.float32)
   u = jax.random.uniform(key, (n,), jnp.float32)
   drawn = u < q

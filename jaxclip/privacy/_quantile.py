@@ -9,15 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxclip._kernel import _numerics, _validation
-
-ArrayLike = jax.typing.ArrayLike
-
-
-def _check_finite(value: Any, name: str) -> None:
-  """Raises ``ValueError`` for a concrete ``inf`` (``check_threshold`` catches NaN)."""
-  v = _validation.concrete_value(value)
-  if v is not None and not np.all(np.isfinite(v)):
-    raise ValueError(f"{name} must be finite, got {value!r}.")
+from jaxclip._kernel._typing import ArrayLike
 
 
 def _check_norms(norms: Any) -> jax.Array:
@@ -245,12 +237,8 @@ def quantile_clip_norm_update(
     (learning_rate, "learning_rate"),
     (count_stddev, "count_stddev"),
   ):
-    _validation.check_scalar(value, name)
-    _validation.check_threshold(value, name)
-  for value, name in ((learning_rate, "learning_rate"), (count_stddev, "count_stddev")):
-    _check_finite(value, name)
-  _validation.check_scalar(target_quantile, "target_quantile")
-  _validation.check_interval(target_quantile, "target_quantile", 0.0, 1.0)
+    _validation.check_hparam(value, name, lo=0, scalar=True, finite=name != "clip_norm")
+  _validation.check_hparam(target_quantile, "target_quantile", lo=0.0, hi=1.0, scalar=True)
   _validation.check_scalar(geometric, "geometric")
   _check_flag(geometric, "geometric")
   norms = _check_norms(norms)
@@ -262,12 +250,9 @@ def quantile_clip_norm_update(
         f"{jax.typeof(example_mask)}."
       )
   if expected_batch_size is not None:
-    _validation.check_scalar(expected_batch_size, "expected_batch_size")
-    _validation.check_threshold(expected_batch_size, "expected_batch_size")
-    _check_finite(expected_batch_size, "expected_batch_size")
-    v = _validation.concrete_value(expected_batch_size)
-    if v is not None and not v > 0:
-      raise ValueError(f"expected_batch_size must be positive, got {expected_batch_size!r}.")
+    _validation.check_hparam(
+      expected_batch_size, "expected_batch_size", lo=0, lo_open=True, scalar=True, finite=True
+    )
   if key is not None:
     _check_key(key)
   else:

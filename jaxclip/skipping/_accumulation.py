@@ -9,9 +9,8 @@ import jax
 import jax.numpy as jnp
 
 from jaxclip._kernel import _reduction, _validation
+from jaxclip._kernel._typing import ArrayLike
 from jaxclip.skipping import _scaffold
-
-ArrayLike = jax.typing.ArrayLike
 
 
 def skip_bad_microbatches(
@@ -80,7 +79,7 @@ def skip_bad_microbatches(
     False
   """
   if max_norm is not None:
-    _validation.check_positive_scalar(max_norm, "max_norm")
+    _validation.check_hparam(max_norm, "max_norm", lo=0, lo_open=True, scalar=True, finite=True)
 
   def should_skip(updates, gradient_step, params):
     del gradient_step, params

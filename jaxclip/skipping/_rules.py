@@ -9,9 +9,8 @@ import jax.numpy as jnp
 import optax
 
 from jaxclip._kernel import _numerics, _reduction, _validation
+from jaxclip._kernel._typing import ArrayLike
 from jaxclip.skipping import _scaffold
-
-ArrayLike = jax.typing.ArrayLike
 
 
 class SkipNonfiniteState(NamedTuple):
@@ -300,7 +299,7 @@ def skip_above(
     1
   """
   _validation.check_transform(inner, "inner")
-  _validation.check_positive_scalar(max_norm, "max_norm")
+  _validation.check_hparam(max_norm, "max_norm", lo=0, lo_open=True, scalar=True, finite=True)
   ord = _numerics.check_ord(ord)
   inner = optax.with_extra_args_support(inner)
 

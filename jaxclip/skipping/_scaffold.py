@@ -12,8 +12,6 @@ import optax
 
 from jaxclip._kernel import _numerics, _reduction, _sharding, _validation
 
-ArrayLike = jax.typing.ArrayLike
-
 
 def _zeros_like_maker():
   """``zeros_like(x)``, made once per shape, dtype and layout: one traced op for many leaves.

@@ -10,9 +10,8 @@ import numpy as np
 import optax
 
 from jaxclip._kernel import _history, _numerics, _reduction, _validation
+from jaxclip._kernel._typing import ArrayLike
 from jaxclip.skipping import _scaffold
-
-ArrayLike = jax.typing.ArrayLike
 
 
 class SkipOnSpikeState(NamedTuple):
@@ -196,8 +195,7 @@ def skip_on_spike(
     2024
   """
   window = _validation.check_size(window, "window", minimum=2)
-  _validation.check_threshold(sigma, "sigma")
-  _validation.check_scalar(sigma, "sigma")
+  _validation.check_hparam(sigma, "sigma", lo=0, scalar=True)
   _validation.check_transform(inner, "inner")
   ord = _numerics.check_ord(ord)
   inner = optax.with_extra_args_support(inner)

@@ -10,19 +10,13 @@ import jax.numpy as jnp
 import optax
 
 from jaxclip._kernel import _numerics, _validation
+from jaxclip._kernel._typing import ArrayLike
 from jaxclip.transforms import _per_tensor
-
-ArrayLike = jax.typing.ArrayLike
 
 
 def _bias_correction(beta: jax.Array, count: jax.Array) -> jax.Array:
   """``1 - beta**t`` in float32."""
   return 1 - jnp.power(beta, count.astype(jnp.float32))
-
-
-def _ratio(num: jax.Array, den: jax.Array, cond: jax.Array) -> jax.Array:
-  """``num / den`` where ``cond`` (then ``den > 0``), else ``1``; finite gradients."""
-  return jnp.where(cond, num / jnp.where(cond, den, 1), 1)
 
 
 # ---------------------------------------------------------------- AdaGC
@@ -136,10 +130,9 @@ def adagc(
     Wang et al., `AdaGC: Improving Training Stability for Large Language
     Model Pretraining <https://arxiv.org/abs/2502.11034>`_, 2025
   """
-  _validation.check_decay(beta, "beta")
+  _validation.check_hparam(beta, "beta", lo=0, hi=1, hi_open=True, scalar=True)
   for value, name in ((lambda_abs, "lambda_abs"), (lambda_rel, "lambda_rel"), (eps, "eps")):
-    _validation.check_threshold(value, name)
-    _validation.check_scalar(value, name)
+    _validation.check_hparam(value, name, lo=0, scalar=True)
   _validation.check_size(warmup_steps, "warmup_steps", minimum=0)
 
   def step(s: _per_tensor.Step):
@@ -152,12 +145,12 @@ def adagc(
       _numerics.hparam_float32(lambda_abs),
     )
     denominator = s.total + _numerics.hparam_float32(eps)
-    global_scale = _ratio(abs_, denominator, denominator > abs_)
+    global_scale = _numerics.safe_divide(abs_, denominator, denominator > abs_, otherwise=1)
     warm_norm = n * global_scale
     warm_gamma = jnp.where(first, warm_norm, jnp.minimum(gamma, warm_norm))
     gamma = jnp.where(first, n, gamma)
     threshold = rel * gamma
-    scale = _ratio(threshold, n, n > threshold)
+    scale = _numerics.safe_divide(threshold, n, n > threshold, otherwise=1)
     ada_gamma = b * gamma + (1 - b) * jnp.minimum(n, threshold)
     return (
       (jnp.where(warming, global_scale, scale),),
@@ -255,14 +248,14 @@ def adaptive_value_clip(
     Huang et al., `Stable-SPAM: How to Train in 4-Bit More Stably than
     16-Bit Adam <https://arxiv.org/abs/2502.17055>`_, 2025
   """
-  _validation.check_decay(beta, "beta")
+  _validation.check_hparam(beta, "beta", lo=0, hi=1, hi_open=True, scalar=True)
 
   def step(s: _per_tensor.Step):
     (m,), top = s.stats, s.stat
     b = _numerics.hparam_float32(beta)
     m = b * m + (1 - b) * top
     bound = m / _bias_correction(b, s.count)
-    return (bound, _ratio(bound, top, top > 0)), (m,)
+    return (bound, _numerics.safe_divide(bound, top, top > 0, otherwise=1)), (m,)
 
   rule = _per_tensor.Rule(
     "adaptive_value_clip", AdaptiveValueClipState, math.inf, step, _clip_entries
@@ -378,10 +371,9 @@ def adaptive_norm_scale(
     Huang et al., `Stable-SPAM: How to Train in 4-Bit More Stably than
     16-Bit Adam <https://arxiv.org/abs/2502.17055>`_, 2025
   """
-  _validation.check_decay(beta1, "beta1")
-  _validation.check_decay(beta2, "beta2")
-  _validation.check_threshold(eps, "eps")
-  _validation.check_scalar(eps, "eps")
+  _validation.check_hparam(beta1, "beta1", lo=0, hi=1, hi_open=True, scalar=True)
+  _validation.check_hparam(beta2, "beta2", lo=0, hi=1, hi_open=True, scalar=True)
+  _validation.check_hparam(eps, "eps", lo=0, scalar=True)
 
   def step(s: _per_tensor.Step):
     (mu, nu), n = s.stats, s.stat
@@ -391,8 +383,9 @@ def adaptive_norm_scale(
     denominator = _numerics.safe_sqrt(
       nu / _bias_correction(b2, s.count)
     ) + _numerics.hparam_float32(eps)
-    target = _ratio(mu / _bias_correction(b1, s.count), denominator, denominator > 0)
-    return (_ratio(target, n, n > 0),), (mu, nu)
+    mu_hat = mu / _bias_correction(b1, s.count)
+    target = _numerics.safe_divide(mu_hat, denominator, denominator > 0, otherwise=1)
+    return (_numerics.safe_divide(target, n, n > 0, otherwise=1),), (mu, nu)
 
   rule = _per_tensor.Rule(
     "adaptive_norm_scale", AdaptiveNormScaleState, 2, step, _numerics.apply_scale

@@ -10,8 +10,7 @@ import optax
 
 from jaxclip import ops
 from jaxclip._kernel import _history, _numerics, _reduction, _validation
-
-ArrayLike = jax.typing.ArrayLike
+from jaxclip._kernel._typing import ArrayLike
 
 
 class AutoClipState(NamedTuple):
@@ -73,14 +72,13 @@ def autoclip(
       fixes the state's shape).
     ord: The norm: ``None`` (L2, default), ``2``, ``1`` or ``inf``; a static
       choice (list it in ``static_args`` under ``optax.inject_hyperparams``).
-    axis_name: Inside ``shard_map``/``pmap``, the axis over which the updates
-      are sharded (the norm is reduced across it, so every device clips by
-      the same threshold and keeps the same state).
-    replicated: Which leaves are the same on every device of ``axis_name``
-      (inferred inside ``shard_map`` with ``check_vma=True``), as for
-      :func:`jaxclip.ops.global_norm`.
-    partition_specs: Where the leaves are sharded (``PartitionSpec``
-      leaves, e.g. ``shard_map``'s ``in_specs``), instead of ``replicated``.
+    axis_name: Inside ``shard_map``/``pmap``, the mesh axis (or tuple of
+      axes) the updates are sharded over; ``None`` (default) otherwise.
+    replicated: Which leaves every device of ``axis_name`` holds in full
+      (counted once); inferred under ``check_vma=True``.
+    partition_specs: Where the leaves are sharded (``PartitionSpec`` leaves),
+      instead of ``replicated``. The three are explained once in
+      ``docs/sharding_args.md``.
 
   Returns:
     An :class:`optax.GradientTransformationExtraArgs` whose state is an
@@ -106,8 +104,7 @@ def autoclip(
     Seetharaman et al., `AutoClip: Adaptive Gradient Clipping for Source
     Separation Networks <https://arxiv.org/abs/2007.14469>`_, 2020
   """
-  _validation.check_interval(percentile, "percentile", 0, 100)
-  _validation.check_scalar(percentile, "percentile")
+  _validation.check_hparam(percentile, "percentile", lo=0, hi=100, scalar=True)
   history = _validation.check_size(history, "history")
   ord = _numerics.check_ord(ord)
 

@@ -10,8 +10,7 @@ import optax
 
 from jaxclip import ops
 from jaxclip._kernel import _numerics, _validation
-
-ArrayLike = jax.typing.ArrayLike
+from jaxclip._kernel._typing import ArrayLike
 
 
 def stateless(update: Any) -> optax.GradientTransformationExtraArgs:
@@ -112,7 +111,7 @@ def clip(max_delta: ArrayLike) -> optax.GradientTransformationExtraArgs:
     >>> tx.update(jnp.array([-2., 0.1, 3.]), tx.init(None))[0]
     Array([-0.5,  0.1,  0.5], dtype=float32)
   """
-  _validation.check_threshold(max_delta, "max_delta")
+  _validation.check_hparam(max_delta, "max_delta", lo=0)
   return stateless(value_clip(jnp.negative(max_delta), max_delta, "clip"))
 
 
@@ -139,7 +138,7 @@ def clip_by_norm(max_norm: ArrayLike, axes: Any = None) -> optax.GradientTransfo
     >>> tx.update({'w': jnp.array([-2., 3., 6.])}, tx.init(None))[0]['w']
     Array([-1.4285715,  2.142857 ,  4.285714 ], dtype=float32)
   """
-  _validation.check_threshold(max_norm, "max_norm")
+  _validation.check_hparam(max_norm, "max_norm", lo=0)
   return stateless(
     lambda u: ops.clip_by_norm(_validation.numeric_leaves(u, "clip_by_norm"), max_norm, axes)
   )
@@ -164,7 +163,7 @@ def clip_by_average_norm(max_norm: ArrayLike) -> optax.GradientTransformationExt
     >>> tx.update([jnp.array([3., 4.])], tx.init(None))[0]
     [Array([1.2, 1.6], dtype=float32)]
   """
-  _validation.check_threshold(max_norm, "max_norm")
+  _validation.check_hparam(max_norm, "max_norm", lo=0)
   return stateless(
     lambda u: ops.clip_by_average_norm(
       _validation.numeric_leaves(u, "clip_by_average_norm"), max_norm
@@ -209,10 +208,8 @@ def clip_by_global_norm(
   Under ``jax.jit`` with sharded parameters (FSDP, tensor parallelism) it
   works as is: XLA all-reduces one scalar and every leaf keeps its sharding.
   Inside ``jax.shard_map``/``jax.pmap``, where the updates are local shards,
-  pass ``axis_name`` so all devices share the global norm, as in
-  :func:`jaxclip.ops.global_norm`: leaves every device holds in full count
-  once, inferred under ``shard_map``'s ``check_vma=True`` and otherwise told
-  by ``replicated`` or ``partition_specs``.
+  pass ``axis_name`` so all devices share the global norm (see
+  ``docs/sharding_args.md``).
 
   Args:
     max_norm: The maximum global norm, ``>= 0``; a number, an array or a
@@ -224,14 +221,11 @@ def clip_by_global_norm(
       ``static_args=("ord",)``.
     axis_name: Inside ``shard_map``/``pmap``, the mesh axis (or tuple of
       axes) the updates are sharded over; ``None`` (default) otherwise.
-    replicated: Which leaves are replicated across ``axis_name`` (counted
-      once): ``None`` (inferred under ``check_vma=True``, else none), a
-      pytree prefix of the updates with ``True``/``False`` or axis-name
-      leaves, or a callable ``(path, leaf)``; see
-      :func:`jaxclip.ops.global_norm`.
-    partition_specs: Where the updates are sharded, instead of
-      ``replicated``: a pytree prefix of ``PartitionSpec`` leaves (e.g.
-      ``shard_map``'s ``in_specs`` of the parameters).
+    replicated: Which leaves every device of ``axis_name`` holds in full
+      (counted once); inferred under ``check_vma=True``.
+    partition_specs: Where the leaves are sharded (``PartitionSpec`` leaves),
+      instead of ``replicated``. The three are explained once in
+      ``docs/sharding_args.md``.
 
   Returns:
     An :class:`optax.GradientTransformationExtraArgs` whose state is a
@@ -262,8 +256,7 @@ def clip_by_global_norm(
     <https://arxiv.org/abs/1211.5063>`_, 2012
   """
   ord = _numerics.check_ord(ord)
-  _validation.check_threshold(max_norm, "max_norm")
-  _validation.check_scalar(max_norm, "max_norm")
+  _validation.check_hparam(max_norm, "max_norm", lo=0, scalar=True)
 
   def init_fn(params):
     return ClipByGlobalNormState(

@@ -78,9 +78,7 @@ def clipped(
       + "."
     )
   for name, value in given.items():
-    _validation.check_threshold(value, name)
-  if global_clipnorm is not None:
-    _validation.check_scalar(global_clipnorm, "global_clipnorm")
+    _validation.check_hparam(value, name, lo=0, scalar=name == "global_clipnorm")
   if clipnorm is not None:
     clip = _fixed.clip_by_norm(clipnorm)
   elif clipvalue is not None:

@@ -49,21 +49,20 @@ def record_norms(
 
   Under ``jax.jit`` with sharded updates nothing is needed: XLA all-reduces
   scalars, and every leaf keeps its sharding. Inside ``shard_map``/``pmap``
-  pass ``axis_name`` (and, where ``shard_map``'s types cannot tell,
-  ``replicated`` or ``partition_specs``): each leaf's norm is then that of
-  the whole leaf, the same on every device, at one all-reduce per group of
-  leaves, as for :func:`jaxclip.ops.global_norm`.
+  pass ``axis_name`` (see ``docs/sharding_args.md``): each leaf's norm is
+  then that of the whole leaf, the same on every device.
 
   Args:
     ord: ``None`` or ``2`` for L2 norms (default), ``1`` or ``inf``; a
       static choice (list it in ``static_args`` under
       ``optax.inject_hyperparams``).
     axis_name: Inside ``shard_map``/``pmap``, the mesh axis (or tuple of
-      axes) the updates are sharded over.
-    replicated: Which leaves are replicated across ``axis_name``; see
-      :func:`jaxclip.ops.global_norm`.
-    partition_specs: Where the leaves are sharded (``PartitionSpec``
-      leaves), instead of ``replicated``.
+      axes) the updates are sharded over; ``None`` (default) otherwise.
+    replicated: Which leaves every device of ``axis_name`` holds in full
+      (counted once); inferred under ``check_vma=True``.
+    partition_specs: Where the leaves are sharded (``PartitionSpec`` leaves),
+      instead of ``replicated``. The three are explained once in
+      ``docs/sharding_args.md``.
 
   Returns:
     An :class:`optax.GradientTransformationExtraArgs` whose state is a

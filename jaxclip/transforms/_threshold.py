@@ -98,7 +98,7 @@ def suggest_threshold(
     max_norm=4: percentile 75 of 5 finite pre-clip norms (1 non-finite dropped);
     median 3, range [1, 100]. It would have clipped 20.0% of the recorded steps.
   """
-  _validation.check_interval(percentile, "percentile", 0, 100)
+  _validation.check_hparam(percentile, "percentile", lo=0, hi=100)
   if num_tensors is not None:
     num_tensors = _validation.check_size(num_tensors, "num_tensors")
   values = np.asarray(norms, dtype=np.float64).ravel()

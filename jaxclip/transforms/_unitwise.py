@@ -16,9 +16,9 @@ import jax.numpy as jnp
 import optax
 
 from jaxclip._kernel import _numerics, _validation
+from jaxclip._kernel._typing import ArrayLike
 from jaxclip.transforms import _fixed
 
-ArrayLike = jax.typing.ArrayLike
 Axis = int | tuple[int, ...] | None
 
 
@@ -46,7 +46,7 @@ def clip_by_block_rms(threshold: ArrayLike) -> optax.GradientTransformationExtra
     >>> tx.update(jnp.array([3., 4., 0., 0.]), tx.init(None))[0]  # rms 2.5
     Array([1.2, 1.6, 0. , 0. ], dtype=float32)
   """
-  _validation.check_threshold(threshold, "threshold")
+  _validation.check_hparam(threshold, "threshold", lo=0)
 
   def update(updates):
     updates = _validation.numeric_leaves(updates, "clip_by_block_rms")
@@ -113,16 +113,12 @@ def unitwise_norm(x: ArrayLike, axis: Axis = None) -> jax.Array:
 def _unitwise_factor(g_norm: jax.Array, max_norm: jax.Array, div_eps: ArrayLike) -> jax.Array:
   """The factor of :func:`unitwise_clip`: ``1`` below the bound, ``bound / norm`` above.
 
-  Written as one division (``1 / 1`` below the bound; ``g * 1`` is ``g``, bit
-  for bit) so that the factor ends in an op XLA does not copy into each of
-  its consumers: a trailing select was recomputed in the kernel of every row
-  of :func:`adaptive_grad_clip`'s stacks (1.8x the instructions).
+  ``1`` below the bound leaves ``g * 1 == g`` bit for bit, as optax's select
+  does; the factor above is optax's ``max_norm / max(g_norm, div_eps)``.
   """
-  below = g_norm < max_norm
-  one = jnp.ones_like(max_norm)
-  return jnp.where(below, one, max_norm) / jnp.where(
-    below, one, jnp.maximum(g_norm, jnp.asarray(div_eps, g_norm.dtype))
-  )
+  above = jnp.logical_not(g_norm < max_norm)
+  den = jnp.maximum(g_norm, jnp.asarray(div_eps, g_norm.dtype))
+  return _numerics.safe_divide(max_norm, den, above, otherwise=1)
 
 
 def unitwise_clip(
@@ -210,8 +206,8 @@ def adaptive_grad_clip(
     Brock et al., `High-Performance Large-Scale Image Recognition Without
     Normalization <https://arxiv.org/abs/2102.06171>`_, 2021
   """
-  _validation.check_threshold(clipping, "clipping")
-  _validation.check_threshold(eps, "eps")
+  _validation.check_hparam(clipping, "clipping", lo=0)
+  _validation.check_hparam(eps, "eps", lo=0)
 
   def init_fn(params):
     del params

@@ -10,8 +10,7 @@ import optax
 
 from jaxclip import ops
 from jaxclip._kernel import _numerics, _reduction, _validation
-
-ArrayLike = jax.typing.ArrayLike
+from jaxclip._kernel._typing import ArrayLike
 
 
 class ZClipState(NamedTuple):
@@ -110,14 +109,13 @@ def zclip(
     eps: Added to the standard deviation in the z-score.
     ord: The norm: ``None`` (L2, default), ``2``, ``1`` or ``inf``; a static
       choice (list it in ``static_args`` under ``optax.inject_hyperparams``).
-    axis_name: Inside ``shard_map``/``pmap``, the axis over which the updates
-      are sharded (the norm is reduced across it, so every device clips by
-      the same threshold and keeps the same state).
-    replicated: Which leaves are the same on every device of ``axis_name``
-      (inferred inside ``shard_map`` with ``check_vma=True``), as for
-      :func:`jaxclip.ops.global_norm`.
-    partition_specs: Where the leaves are sharded (``PartitionSpec``
-      leaves, e.g. ``shard_map``'s ``in_specs``), instead of ``replicated``.
+    axis_name: Inside ``shard_map``/``pmap``, the mesh axis (or tuple of
+      axes) the updates are sharded over; ``None`` (default) otherwise.
+    replicated: Which leaves every device of ``axis_name`` holds in full
+      (counted once); inferred under ``check_vma=True``.
+    partition_specs: Where the leaves are sharded (``PartitionSpec`` leaves),
+      instead of ``replicated``. The three are explained once in
+      ``docs/sharding_args.md``.
 
   Returns:
     An :class:`optax.GradientTransformationExtraArgs` whose state is a
@@ -147,8 +145,7 @@ def zclip(
     raise ValueError(f"zclip: mode must be one of {_MODES}, got {mode!r}.")
   if not isinstance(clip_option, str) or clip_option not in _CLIP_OPTIONS:
     raise ValueError(f"zclip: clip_option must be one of {_CLIP_OPTIONS}, got {clip_option!r}.")
-  _validation.check_interval(alpha, "alpha", 0, 1)
-  _validation.check_scalar(alpha, "alpha")
+  _validation.check_hparam(alpha, "alpha", lo=0, hi=1, scalar=True)
   for value, name in (
     (z_thresh, "z_thresh"),
     (clip_factor, "clip_factor"),
@@ -156,8 +153,7 @@ def zclip(
     (max_norm, "max_norm"),
   ):
     if value is not None or name != "max_norm":
-      _validation.check_threshold(value, name)
-      _validation.check_scalar(value, name)
+      _validation.check_hparam(value, name, lo=0, scalar=True)
   warmup_steps = _validation.check_size(warmup_steps, "warmup_steps")
   ord = _numerics.check_ord(ord)
   cap = jnp.inf if max_norm is None else max_norm
