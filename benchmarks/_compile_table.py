@@ -222,9 +222,7 @@ def main(argv: list[str] | None = None) -> None:
   p.add_argument("--only", nargs="+", default=None, help="these factories only")
   p.add_argument("--jobs", type=int, default=1, help="profiles run at once")
   p.add_argument("--repeats", type=int, default=1)
-  p.add_argument(
-    "--modes", nargs="+", default=["chained", "alone"], choices=["chained", "alone"]
-  )
+  p.add_argument("--modes", nargs="+", default=["chained", "alone"], choices=["chained", "alone"])
   p.add_argument(
     "--timeout",
     type=float,

@@ -189,4 +189,3 @@ def per_tensor_transform(
     return jax.tree.unflatten(treedef, out), rule.state_type(*new_stats, count)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
-
