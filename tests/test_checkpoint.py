@@ -157,7 +157,7 @@ def test_an_optax_checkpoint_is_not_restored_into_jaxclip_unawares(tmp_path):
 
 
 def test_an_optax_apply_if_finite_state_maps_onto_skip_nonfinite(tmp_path):
-  # The recipe the README gives for optax.apply_if_finite checkpoints.
+  # The recipe docs/migration.md gives for optax.apply_if_finite checkpoints.
   params, _, _ = _problem()
   theirs = optax.apply_if_finite(optax.adam(1e-2), max_consecutive_errors=5)
   ours = jaxclip.skip_nonfinite(optax.adam(1e-2), max_consecutive=5)
