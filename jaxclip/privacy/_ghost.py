@@ -41,7 +41,11 @@ Then, for each example:
   otherwise, anything used through a ``custom_jvp`` or a ``while`` loop) has
   its per-example gradient instantiated exactly, in one per-example pass
   through its sites for all such parameters, in chunks of examples: for
-  scales and biases this is a cheap per-example reduction.
+  scales and biases this is a cheap per-example reduction. Where a site's
+  param inputs are smaller than its ``g`` and ``a`` (a bias or a scale: one
+  row against one per position), the zero goes to those inputs instead, so
+  the backward pass gives their per-example gradients and no ``g`` or ``a``
+  of that site is held.
 
 A rule applies per use when a parameter's uses read disjoint parts of it:
 static slices (a Python loop over ``W[l]``), and the iterations of a
@@ -239,9 +243,12 @@ def clipped_sum(
     ``(sum_b weights_b * grad_b leaves, norms, extra, aux leaves)``, the sums
     in float32 (or wider).
   """
-  inputs = Inputs(traced.closed, traced.leaves, traced.arg_leaves, traced.batched, spmd_axis_name)
-  cap = _ghost_capture.capture(inputs, traced.plan.sites)
-  norms = _numerics.safe_sqrt(plan_sumsq(traced.plan, cap))
+  plan = traced.plan
+  inputs = Inputs(
+    traced.closed, traced.leaves, traced.arg_leaves, traced.batched, spmd_axis_name, plan.tapped
+  )
+  cap = _ghost_capture.capture(inputs, plan.sites)
+  norms = _numerics.safe_sqrt(plan_sumsq(plan, cap))
   weights, extra = weights_fn(norms)
   return book_keep(cap, weights), norms, extra, cap.aux
 
@@ -292,6 +299,10 @@ def book_keep(cap: Captured, weights: jax.Array) -> list[jax.Array]:
   """``sum_b w_b grad_b``: ``sum_b w_b g_b`` pulled back through each site, then through ``h``."""
   cts = []
   for u, site in enumerate(cap.sites):  # every site has a float output
+    if u in cap.tapped:  # the per-example gradients of its param inputs, weighted and summed
+      pairs = zip(cap.gs[u], cap.pvals[u], strict=True)
+      cts.append([_weighted_sum(g, weights, p) for g, p in pairs])
+      continue
     wg = [_weighted(g, weights) for g in cap.gs[u]]
     fn = lambda pv, site=site, c=cap.cvals[u], d=cap.drecs[u]: _batched_outputs(
       site, pv, c, d, cap.n, cap.spmd_axis_name
@@ -317,6 +328,14 @@ def _batched_outputs(
   return jax.vmap(lambda db: outputs(site, pvals, cvals, db), spmd_axis_name=spmd_axis_name)(
     dvals
   )
+
+
+def _weighted_sum(g: jax.Array, weights: jax.Array, like: jax.Array) -> jax.Array:
+  """``sum_b weights_b g_b`` in float32 (or wider), in ``like``'s dtype."""
+  acc = jnp.promote_types(g.dtype, jnp.float32)
+  w = weights.reshape((-1,) + (1,) * (g.ndim - 1)).astype(acc)
+  # A sum, not a dot: under an Explicit mesh the batch axis may be sharded.
+  return jnp.sum(w * g.astype(acc), axis=0).astype(jnp.result_type(like))
 
 
 def _weighted(g: jax.Array, weights: jax.Array) -> jax.Array:

@@ -109,6 +109,16 @@ class Site:
   def param_positions(self) -> list[int]:
     return [i for i, r in enumerate(self.roles) if r == PARAM]
 
+  def param_avals(self) -> list[Any]:
+    """The abstract values of the param inputs (per iteration inside scans)."""
+    if self.eqn is None:
+      return list(self.out_avals)
+    return [self.eqn.invars[p].aval for p in self.param_positions()]
+
+  def zero_avals(self, tapped: bool) -> list[Any]:
+    """What :class:`Forward` adds zeros to: the param inputs if ``tapped``, else the outputs."""
+    return self.param_avals() if tapped else list(self.out_avals)
+
 
 def is_float(aval: Any) -> bool:
   return jnp.issubdtype(aval.dtype, jnp.floating)
@@ -476,20 +486,38 @@ class Analyzer(_Walker):
 
 
 class Forward(_Walker):
-  """Evaluates one example, adding ``zs[u]`` to the float outputs of site ``u`` and recording
-  its data inputs.
+  """Evaluates one example, adding zeros at each site and recording its data inputs.
+
+  The zeros ``zs[u]`` go to the float outputs of site ``u`` (the gradient with
+  respect to them is the site's output gradient ``g``), or, for a site in
+  ``tapped``, to its param inputs (the gradient is then the example's
+  gradient of those inputs, and nothing is recorded).
 
   Args:
-    zs: For each site from ``base`` on, the zeros added to its float outputs.
+    zs: For each site from ``base`` on, the zeros added to it.
+    sites: The sites, from :class:`Analyzer`.
+    tapped: The sites whose param inputs get the zeros.
   """
 
-  def __init__(self, zs: Sequence[Sequence[Any]], sites: Sequence[Site], **kwargs: Any):
+  def __init__(
+    self,
+    zs: Sequence[Sequence[Any]],
+    sites: Sequence[Site],
+    tapped: frozenset[int] = frozenset(),
+    **kwargs: Any,
+  ):
     super().__init__(sites, **kwargs)
     self.zs = zs
+    self.tapped = tapped
 
   def site(self, eqn: Any, vals: list[Any], infos: list[_Info], aval: Any = None) -> list[Any]:
     index = len(self.records)
     roles = _roles(eqn, infos)
+    if eqn is not None and self.base + index in self.tapped:
+      self.records.append([])
+      zs = iter(self.zs[index])
+      vals = [v + next(zs) if r == PARAM else v for v, r in zip(vals, roles, strict=True)]
+      return bind(eqn, vals)
     self.records.append([v for v, r in zip(vals, roles, strict=True) if r == DATA])
     out = list(vals) if eqn is None else bind(eqn, vals)
     for j, z in zip(_float_outs(eqn, aval), self.zs[index], strict=True):
@@ -500,7 +528,7 @@ class Forward(_Walker):
     return list(self.zs[u0 - self.base : u1 - self.base])
 
   def child(self, zs: Any, *, base: int, stack: Stack, scans: int) -> Forward:
-    return Forward(zs, self.sites, base=base, stack=stack, scans=scans)
+    return Forward(zs, self.sites, self.tapped, base=base, stack=stack, scans=scans)
 
   def call(self, eqn: Any, body: tuple[Any, list[Any]], ins: list[Pair]) -> list[Pair]:
     if eqn.primitive.name in _REMATS:
@@ -604,6 +632,8 @@ class Inputs(NamedTuple):
       examples on axis 0.
     batched: Which argument leaves are batched.
     spmd_axis_name: Passed to ``vmap``.
+    tapped: The sites whose per-example param-input gradients are taken in
+      the backward pass instead of their output gradients.
   """
 
   closed: Any
@@ -611,6 +641,7 @@ class Inputs(NamedTuple):
   arg_leaves: list[Any]
   batched: Sequence[bool]
   spmd_axis_name: Any
+  tapped: frozenset[int] = frozenset()
 
   def infos(self) -> list[_Info]:
     return input_infos([jnp.ndim(x) for x in self.leaves], self.batched)
@@ -629,7 +660,8 @@ class Captured(NamedTuple):
     drecs: Per site, its data inputs for every example (leading batch axis,
       then one axis per enclosing scan).
     gs: Per site, the gradient of each example's loss with respect to each
-      float output (same leading axes).
+      float output (same leading axes); for a site in ``tapped``, with
+      respect to each param input instead.
     pvals: Per site, its param inputs (one axis per enclosing scan).
     cvals: Per site, its const inputs.
     params_pass: ``leaves -> (pvals, cvals)``.
@@ -637,6 +669,7 @@ class Captured(NamedTuple):
       ``params_pass``).
     aux: The aux leaves the loss returns for every example.
     spmd_axis_name: Passed to ``vmap``.
+    tapped: As in :class:`Inputs`.
   """
 
   sites: tuple[Site, ...]
@@ -650,6 +683,7 @@ class Captured(NamedTuple):
   pull: Any
   aux: list[Any]
   spmd_axis_name: Any
+  tapped: frozenset[int] = frozenset()
 
 
 def capture(inputs: Inputs, sites: Sequence[Site]) -> Captured:
@@ -670,6 +704,7 @@ def capture(inputs: Inputs, sites: Sequence[Site]) -> Captured:
     pull=pull,
     aux=aux,
     spmd_axis_name=inputs.spmd_axis_name,
+    tapped=inputs.tapped,
   )
 
 
@@ -688,7 +723,7 @@ def _site_gradients(inputs: Inputs, sites: Sequence[Site]) -> tuple[list, list, 
     return [next(it) if b else x for x, b in zip(inputs.arg_leaves, inputs.batched, strict=True)]
 
   def one(zs_b, data_b):
-    walker = Forward(zs_b, sites)
+    walker = Forward(zs_b, sites, inputs.tapped)
     ins = list(zip(inputs.leaves + merge(data_b), in_infos, strict=True))
     outs = walker.run(inputs.closed, ins)
     return outs[0], (outs[1:], walker.records)
@@ -700,9 +735,9 @@ def _site_gradients(inputs: Inputs, sites: Sequence[Site]) -> tuple[list, list, 
   zs = [
     tuple(
       _batch_zeros((n,) + tuple(length for _, length in s.stack) + a.shape, a.dtype, data[0])
-      for a in s.out_avals
+      for a in s.zero_avals(u in inputs.tapped)
     )
-    for s in sites
+    for u, s in enumerate(sites)
   ]
   # Inside shard_map the zeros must vary as the examples do: the gradient with
   # respect to a value that is the same on every device is summed over them.

@@ -332,7 +332,10 @@ def instantiated_sumsq(group: Group, cap: Captured) -> jax.Array:
     ds, gg = xs
     cts, total = [], jnp.zeros((), jnp.float32)
     for u, ks in lay.by_site.items():
-      grads = _site_param_grads(sites[u], ks, cap.pvals[u], cap.cvals[u], ds[u], gg[u])
+      if u in cap.tapped:  # taken in the backward pass
+        grads = [gg[u][k] for k in ks]
+      else:
+        grads = _site_param_grads(sites[u], ks, cap.pvals[u], cap.cvals[u], ds[u], gg[u])
       for k, ct in zip(ks, grads, strict=True):
         if sites[u].infos[k].deps <= lay.direct:
           total = total + _sq(ct)

@@ -11,7 +11,10 @@ other leaf is instantiated, all of them in one per-example pass.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
+
+import jax.numpy as jnp
 
 from jaxclip.privacy import _ghost_capture, _ghost_norms
 from jaxclip.privacy._ghost_capture import Site
@@ -36,6 +39,9 @@ class Plan:
       per-example pass through each of their sites).
     cost: Per example, the flops of this plan's norms and those of forming
       every per-example gradient.
+    tapped: The sites whose per-example param-input gradients are taken in
+      the backward pass instead of their output gradients and data inputs
+      (:func:`_tapped`).
   """
 
   sites: tuple[Site, ...]
@@ -43,6 +49,7 @@ class Plan:
   tied: tuple[Tied, ...]
   groups: tuple[Group, ...]
   cost: tuple[int, int] = (0, 0)
+  tapped: frozenset[int] = frozenset()
 
 
 def make_plan(sites: Sequence[Site], num_leaves: int) -> Plan:
@@ -59,7 +66,34 @@ def make_plan(sites: Sequence[Site], num_leaves: int) -> Plan:
       continue
     groups.append(Group(leaves, tuple(bounds)))
   cost = (_ghost_cost(sites, ghost, tied, groups), _per_example_cost(sites, boundaries))
-  return Plan(tuple(sites), tuple(ghost), tuple(tied), _merge_groups(groups), cost)
+  merged = _merge_groups(groups)
+  return Plan(tuple(sites), tuple(ghost), tuple(tied), merged, cost, _tapped(sites, merged))
+
+
+def _tapped(sites: Sequence[Site], groups: Sequence[Group]) -> frozenset[int]:
+  """The sites whose per-example param-input gradients are taken in the backward pass.
+
+  Those are the sites where each param input is instantiated and where these
+  gradients are smaller than what the site would record (its output gradients
+  and data inputs): a bias or a scale, one row instead of one per position.
+  Half-precision inputs are not tapped, so that the clipped sum stays that of
+  the model's own operations, as ``jax.grad`` sums it.
+  """
+  instantiated = {b for group in groups for b in group.bounds}
+
+  def size(avals):
+    return sum(math.prod(a.shape) for a in avals)
+
+  out = set()
+  for u, s in enumerate(sites):
+    if s.eqn is None or not s.outs or any((u, k) not in instantiated for k in range(len(s.infos))):
+      continue
+    if any(jnp.finfo(a.dtype).bits < 32 for a in s.param_avals()):
+      continue
+    data = [v.aval for v, r in zip(s.eqn.invars, s.roles, strict=True) if r == _ghost_capture.DATA]
+    if size(s.param_avals()) <= size(s.out_avals) + size(data):
+      out.add(u)
+  return frozenset(out)
 
 
 def _units(
