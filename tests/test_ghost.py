@@ -86,6 +86,9 @@ def test_mlp_matches_vmap_and_uses_the_dot_rule():
   plan = _plan(mlp_loss, params, x[0], y[0])
   assert sorted(r for _, _, r in plan.ghost) == ["dot", "dot"]  # w1, w2; b1 instantiated
   assert len(plan.groups) == 1
+  # b1's site gives its per-example gradient in the backward pass (8 floats), not its output
+  # gradient and input (16): the sites of the two dots record a and g.
+  assert plan.tapped == {u for u, s in enumerate(plan.sites) if s.rules == ("generic",)} != set()
 
 
 V, D, L, H, T = 40, 16, 2, 2, 8

@@ -8,10 +8,11 @@ and :mod:`jaxclip._kernel._sharding` keeps the parameters local inside
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import warnings
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -25,10 +26,9 @@ AxisName = _sharding.AxisName
 
 def _mesh_axis_size(axis_name: AxisName | None) -> int | None:
   """The number of devices along ``axis_name`` of the current mesh, if known."""
-  get_mesh = getattr(jax.sharding, "get_abstract_mesh", None)
-  if axis_name is None or get_mesh is None:
+  if axis_name is None:
     return None
-  mesh = get_mesh()
+  mesh = jax.sharding.get_abstract_mesh()
   names = _sharding.axis_names(axis_name)
   if mesh.empty or any(n not in mesh.axis_names for n in names):
     return None
@@ -210,7 +210,7 @@ def per_example_clipped_grad(
   (long sequences through narrow layers), ``"vmap"``'s way is taken;
   :func:`jaxclip.ghost_plan` shows the rule of each parameter. Results equal
   ``method="vmap"`` up to float rounding; memory stays close to the
-  non-private gradient's (see the README's benchmark). Under bfloat16
+  non-private gradient's (see the benchmark in docs/privacy.md). Under bfloat16
   compute the reference is the non-private ``jax.grad``: ghost's clipped sum,
   book-kept through the model's own bfloat16 operations, matches it bit for
   bit where nothing is clipped, while ``vmap``'s float32 sum of per-example gradients
@@ -357,238 +357,424 @@ def per_example_clipped_grad(
     Cost <https://arxiv.org/abs/2210.00038>`_, 2023 (book-keeping, mixed
     ghost norm)
   """
-  _validation.check_hparam(l2_norm_clip, "l2_norm_clip", lo=0)
-  if microbatch_size is not None and (
-    isinstance(microbatch_size, bool)
-    or int(microbatch_size) != microbatch_size
-    or microbatch_size < 1
-  ):
-    raise ValueError(f"microbatch_size must be a positive integer, got {microbatch_size!r}.")
-  if isinstance(group_size, bool) or int(group_size) != group_size or group_size < 1:
-    raise ValueError(f"group_size must be a positive integer, got {group_size!r}.")
-  group_size = int(group_size)
-  if microbatch_size is not None and microbatch_size % group_size:
-    raise ValueError(
-      f"microbatch_size={microbatch_size} must be a multiple of "
-      f"group_size={group_size}: each chunk holds whole groups."
-    )
-  if batch_argnums is not None:
-    batch_argnums = (batch_argnums,) if isinstance(batch_argnums, int) else tuple(batch_argnums)
-    if not batch_argnums or any(i < 1 for i in batch_argnums):
-      raise ValueError(
-        f"batch_argnums must name arguments after params (1, 2, ...), got {batch_argnums!r}."
-      )
-  if method not in ("vmap", "ghost"):
-    raise ValueError(f"method must be 'vmap' or 'ghost', got {method!r}.")
+  opts = _Options.checked(
+    loss_fn,
+    l2_norm_clip,
+    microbatch_size=microbatch_size,
+    batch_argnums=batch_argnums,
+    keep_batch_dim=keep_batch_dim,
+    spmd_axis_name=spmd_axis_name,
+    axis_name=axis_name,
+    has_aux=has_aux,
+    method=method,
+    return_norms=return_norms,
+    group_size=group_size,
+  )
   warned = []  # the shared-argument warning is given once per function
 
-  def unit_loss(idx):
-    """The loss of one unit: one example, or (``group_size > 1``) one group's sum."""
-
-    def example_loss(params, *args):
-      if keep_batch_dim:
-        args = [
-          jax.tree.map(lambda x: jnp.expand_dims(x, 0), a) if i in idx else a
-          for i, a in enumerate(args)
-        ]
-      out = loss_fn(params, *args)
-      loss = out[0] if has_aux and isinstance(out, (tuple, list)) and out else out
-      if jnp.shape(loss) or not jnp.issubdtype(jnp.result_type(loss), jnp.floating):
-        raise ValueError(
-          "per_example_clipped_grad needs loss_fn to return a real scalar for one example, "
-          f"got {jax.typeof(loss).str_short()}."
-        )
-      return out
-
-    if group_size == 1:
-      return example_loss
-
-    def group_loss(params, *args):
-      *args, real = args  # args' batched leaves hold the group's k examples
-      in_axes = (None,) + tuple(0 if i in idx else None for i in range(len(args)))
-      out = jax.vmap(example_loss, in_axes=in_axes)(params, *args)
-      losses, aux = out if has_aux else (out, None)
-      loss = jnp.sum(jnp.where(real, losses, jnp.zeros((), losses.dtype)))
-      return (loss, aux) if has_aux else loss
-
-    return group_loss
-
   def clipped_grad(params, *args, example_mask=None):
-    nums = batch_argnums if batch_argnums is not None else tuple(range(1, len(args) + 1))
-    if not nums:
-      raise ValueError(
-        "per_example_clipped_grad needs a batch: at least one argument after params."
-      )
-    if max(nums) > len(args):
-      raise ValueError(f"batch_argnums={nums} but only {len(args)} arguments follow params.")
-    _validation.check_inexact_leaves(params, "per_example_clipped_grad")
-    idx = [i - 1 for i in nums]
-    size = _batch_size(args, idx)
-    if batch_argnums is not None and not warned and _warn_shared_like_batch(args, idx, size):
-      warned.append(True)
-    mask = _check_mask(example_mask, size)
-    loss_of_unit = unit_loss(idx)
-    units, micro = size, microbatch_size
-    if group_size > 1:
-      if size % group_size:
-        raise ValueError(
-          f"group_size={group_size} must divide the batch of {size} examples "
-          "(groups are consecutive examples; pad a user's data with masked rows)."
-        )
-      units, micro = size // group_size, None if micro is None else micro // group_size
-      real = jnp.ones((size,), jnp.bool_) if mask is None else mask
-      regroup = lambda x: jnp.reshape(x, (units, group_size) + jnp.shape(x)[1:])
-      args = [
-        jax.tree.map(
-          lambda x: regroup(_stand_in(x, real, size) if mask is not None else jnp.asarray(x)), a
-        )
-        if i in idx
-        else a
-        for i, a in enumerate(args)
-      ] + [regroup(real)]
-      idx = idx + [len(args) - 1]
-      mask = None if mask is None else jnp.any(regroup(real), axis=1)
-    out = _clipped_units(loss_of_unit, params, args, idx, units, mask, micro)
-    if group_size > 1 and has_aux:  # each example's aux, in the batch's order
+    batch = _batch_of(opts, params, args, example_mask, warned)
+    out = _clipped_units(opts, _unit_loss(opts, batch.idx), params, _grouped(opts, batch))
+    if opts.group_size > 1 and opts.has_aux:  # each example's aux, in the batch's order
+      size = batch.size
       out = out[:-1] + (jax.tree.map(lambda a: a.reshape((size,) + a.shape[2:]), out[-1]),)
     return out
-
-  def _clipped_units(example_loss, params, args, idx, size, mask, microbatch_size):
-    if axis_name is not None:
-      params = _sharding.as_varying(params, axis_name)
-    example_grad = jax.grad(example_loss, has_aux=has_aux)
-    in_axes = (None,) + tuple(0 if i in idx else None for i in range(len(args)))
-    vgrad = jax.vmap(example_grad, in_axes=in_axes, spmd_axis_name=spmd_axis_name)
-    chunk = size if microbatch_size is None else min(int(microbatch_size), size)
-    num_chunks = -(-size // chunk) if chunk else 1
-    devices = _mesh_axis_size(spmd_axis_name)
-    if num_chunks > 1 and devices and chunk % devices:
-      raise ValueError(
-        f"microbatch_size={microbatch_size} must be a multiple of the {devices} "
-        f"devices of spmd_axis_name={spmd_axis_name!r}, so that every device "
-        "takes the same number of examples of each chunk."
-      )
-
-    def clip_chunk(batch_args, mask):
-      full = list(args)
-      for i, a in zip(idx, batch_args, strict=True):
-        full[i] = a
-      if method == "ghost":
-        out = _ghost_chunk(
-          example_loss, params, full, idx, l2_norm_clip, mask, spmd_axis_name, has_aux
-        )
-        if out is not None:  # None: per-example gradients cost less than ghost norms
-          return out
-      grads, aux = vgrad(params, *full) if has_aux else (vgrad(params, *full), None)
-      total, count, norms = _clip_batch._per_example_clip(
-        grads, l2_norm_clip, mask=mask, accumulate=True, return_norms=True
-      )
-      if not jax.tree.leaves(grads):  # no parameters: every norm is 0, as under ghost
-        n = jax.tree.leaves(batch_args)[0].shape[0]
-        norms = jnp.zeros((n,), _numerics.tree_accumulation_dtype(params))
-        count = _clip_batch.clip_multipliers(norms, jnp.asarray(l2_norm_clip, norms.dtype), mask)[1]
-      return total, count, norms, aux
-
-    padded = chunk * num_chunks
-    # Padding and masked-out rows become copies of the first real example, at
-    # weight 0: a loss that is non-finite on zeros (or on the masked rows) is
-    # then evaluated on real data only, so no NaN reaches the sum, under
-    # either method.
-    if mask is not None or padded > size:
-      full_mask = jnp.arange(padded) < size if mask is None else jnp.pad(mask, (0, padded - size))
-      batch = [jax.tree.map(lambda x: _stand_in(x, full_mask, padded), args[i]) for i in idx]
-    else:
-      full_mask, batch = None, [args[i] for i in idx]
-
-    if size == 0:  # an empty batch: zeros, as both methods agree
-      example = [
-        jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x)[1:], jnp.result_type(x)), a)
-        if i in idx
-        else a
-        for i, a in enumerate(args)
-      ]
-      shapes = jax.eval_shape(example_loss, params, *example)
-      total = jax.tree.map(jnp.zeros_like, params)
-      num_clipped = jnp.zeros((), jax.dtypes.canonicalize_dtype(jnp.int_))
-      norms = jnp.zeros((0,), _numerics.tree_accumulation_dtype(params))
-      aux = (
-        jax.tree.map(lambda s: jnp.zeros((0,) + s.shape, s.dtype), shapes[1]) if has_aux else None
-      )
-    elif num_chunks == 1:
-      total, num_clipped, norms, aux = clip_chunk(batch, full_mask)
-    else:
-
-      def to_chunks(x):
-        x = jnp.asarray(x)
-        if x.shape[0] < padded:
-          x = jnp.pad(x, [(0, padded - x.shape[0])] + [(0, 0)] * (x.ndim - 1))
-        # Example i * num_chunks + j goes to chunk j, row i: a device holding a
-        # contiguous block of the batch holds whole rows of every chunk.
-        return jnp.swapaxes(x.reshape((chunk, num_chunks) + x.shape[1:]), 0, 1)
-
-      xs = [jax.tree.map(to_chunks, b) for b in batch]
-      masks = to_chunks(full_mask) if full_mask is not None else None
-      # zeros_like keeps each parameter's sharding for the running sum.
-      init = (
-        jax.tree.map(
-          lambda p: jnp.zeros_like(p, jnp.promote_types(jnp.result_type(p), jnp.float32)), params
-        ),
-        jnp.zeros((), jax.dtypes.canonicalize_dtype(jnp.int_)),
-      )
-
-      def body(carry, chunk_in):
-        batch_args, mask = chunk_in
-        part, count, norms, aux = clip_chunk(batch_args, mask)
-        return (jax.tree.map(jnp.add, carry[0], part), carry[1] + count), (norms, aux)
-
-      # Inside shard_map the sums vary over the axes the inputs vary over; the
-      # scan carry must have that type from the start.
-      vary = frozenset().union(*map(_sharding.varying_axes, jax.tree.leaves((params, args))))
-      if vary:
-        init = _sharding.cast_varying(init, tuple(sorted(vary, key=str)))
-      (total, num_clipped), (norms, aux) = jax.lax.scan(body, init, (xs, masks))
-      # The inverse of to_chunks: row i of chunk j is example i * num_chunks + j.
-      norms, aux = jax.tree.map(
-        lambda a: jnp.swapaxes(a, 0, 1).reshape((padded,) + a.shape[2:])[:size], (norms, aux)
-      )
-    if mask is not None:
-      norms = jnp.where(mask, norms, jnp.zeros((), norms.dtype))
-      # With no real example the stand-in is a masked row itself: drop it whatever it gave.
-      any_real = jnp.any(mask)
-      total = jax.tree.map(lambda t: jnp.where(any_real, t, jnp.zeros((), t.dtype)), total)
-    total = jax.tree.map(lambda t, p: t.astype(jnp.result_type(p)), total, params)
-    if axis_name is not None:
-      total, num_clipped = jax.lax.psum((total, num_clipped), _sharding.axis_names(axis_name))
-    out = (total, num_clipped) + ((norms,) if return_norms else ())
-    return out + (aux,) if has_aux else out
 
   return clipped_grad
 
 
-def _ghost_chunk(example_loss, params, args, idx, l2_norm_clip, mask, spmd_axis_name, has_aux):
-  """One chunk of ``method="ghost"``: the clipped sum, count, norms and aux.
+# ----------------------------------------------------------------------------
+# Setup: the options, the batch arguments, the mask, the groups
+# ----------------------------------------------------------------------------
+
+
+def _positive_int(value: Any, name: str) -> None:
+  if isinstance(value, bool) or int(value) != value or value < 1:
+    raise ValueError(f"{name} must be a positive integer, got {value!r}.")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Options:
+  """The checked options of one :func:`per_example_clipped_grad` function."""
+
+  loss_fn: Callable[..., Any]
+  l2_norm_clip: jax.typing.ArrayLike
+  microbatch_size: int | None
+  batch_argnums: tuple[int, ...] | None
+  keep_batch_dim: bool
+  spmd_axis_name: AxisName | None
+  axis_name: AxisName | None
+  has_aux: bool
+  method: str
+  return_norms: bool
+  group_size: int
+
+  @classmethod
+  def checked(
+    cls, loss_fn: Callable[..., Any], l2_norm_clip: jax.typing.ArrayLike, **kwargs: Any
+  ) -> _Options:
+    """The options, or a ``ValueError`` naming the first bad one."""
+    _validation.check_hparam(l2_norm_clip, "l2_norm_clip", lo=0)
+    micro, group = kwargs["microbatch_size"], kwargs["group_size"]
+    if micro is not None:
+      _positive_int(micro, "microbatch_size")
+    _positive_int(group, "group_size")
+    kwargs["group_size"] = group = int(group)
+    if micro is not None and micro % group:
+      raise ValueError(
+        f"microbatch_size={micro} must be a multiple of "
+        f"group_size={group}: each chunk holds whole groups."
+      )
+    nums = kwargs["batch_argnums"]
+    if nums is not None:
+      nums = (nums,) if isinstance(nums, int) else tuple(nums)
+      if not nums or any(i < 1 for i in nums):
+        raise ValueError(
+          f"batch_argnums must name arguments after params (1, 2, ...), got {nums!r}."
+        )
+      kwargs["batch_argnums"] = nums
+    if kwargs["method"] not in ("vmap", "ghost"):
+      raise ValueError(f"method must be 'vmap' or 'ghost', got {kwargs['method']!r}.")
+    return cls(loss_fn, l2_norm_clip, **kwargs)
+
+
+class _Batch(NamedTuple):
+  """A call's arguments, checked.
+
+  Attributes:
+    args: The arguments after ``params``.
+    idx: The positions in ``args`` of the batched ones.
+    size: The number of examples.
+    mask: The ``example_mask`` as a boolean ``(size,)`` array, or ``None``.
+  """
+
+  args: list[Any]
+  idx: list[int]
+  size: int
+  mask: jax.Array | None
+
+
+def _batch_of(
+  opts: _Options, params: Any, args: Sequence[Any], example_mask: Any, warned: list[bool]
+) -> _Batch:
+  nums = opts.batch_argnums if opts.batch_argnums is not None else tuple(range(1, len(args) + 1))
+  if not nums:
+    raise ValueError("per_example_clipped_grad needs a batch: at least one argument after params.")
+  if max(nums) > len(args):
+    raise ValueError(f"batch_argnums={nums} but only {len(args)} arguments follow params.")
+  _validation.check_inexact_leaves(params, "per_example_clipped_grad")
+  idx = [i - 1 for i in nums]
+  size = _batch_size(args, idx)
+  if opts.batch_argnums is not None and not warned and _warn_shared_like_batch(args, idx, size):
+    warned.append(True)
+  return _Batch(list(args), idx, size, _check_mask(example_mask, size))
+
+
+class _Units(NamedTuple):
+  """The batch in clipping units: examples, or (``group_size > 1``) groups of examples.
+
+  Attributes:
+    args: The loss's arguments; those at ``idx`` carry the units on axis 0 (a
+      group's examples on axis 1, and its real-example flags last).
+    idx: The positions in ``args`` of the batched ones.
+    size: The number of units.
+    mask: Which units hold a real example, or ``None``.
+    microbatch: The units per chunk, or ``None`` for all at once.
+  """
+
+  args: list[Any]
+  idx: list[int]
+  size: int
+  mask: jax.Array | None
+  microbatch: int | None
+
+
+def _grouped(opts: _Options, batch: _Batch) -> _Units:
+  """``batch`` in units of ``group_size`` consecutive examples."""
+  k, size, mask = opts.group_size, batch.size, batch.mask
+  if k == 1:
+    return _Units(batch.args, batch.idx, size, mask, opts.microbatch_size)
+  if size % k:
+    raise ValueError(
+      f"group_size={k} must divide the batch of {size} examples "
+      "(groups are consecutive examples; pad a user's data with masked rows)."
+    )
+  units = size // k
+  real = jnp.ones((size,), jnp.bool_) if mask is None else mask
+  regroup = lambda x: jnp.reshape(x, (units, k) + jnp.shape(x)[1:])
+  stand_in = lambda x: _stand_in(x, real, size) if mask is not None else jnp.asarray(x)
+  args = [
+    jax.tree.map(lambda x: regroup(stand_in(x)), a) if i in batch.idx else a
+    for i, a in enumerate(batch.args)
+  ] + [regroup(real)]
+  micro = None if opts.microbatch_size is None else opts.microbatch_size // k
+  unit_mask = None if mask is None else jnp.any(regroup(real), axis=1)
+  return _Units(args, batch.idx + [len(batch.args)], units, unit_mask, micro)
+
+
+def _unit_loss(opts: _Options, idx: Sequence[int]) -> Callable[..., Any]:
+  """The loss of one unit: one example, or (``group_size > 1``) one group's sum."""
+
+  def example_loss(params, *args):
+    if opts.keep_batch_dim:
+      args = [
+        jax.tree.map(lambda x: jnp.expand_dims(x, 0), a) if i in idx else a
+        for i, a in enumerate(args)
+      ]
+    out = opts.loss_fn(params, *args)
+    loss = out[0] if opts.has_aux and isinstance(out, (tuple, list)) and out else out
+    if jnp.shape(loss) or not jnp.issubdtype(jnp.result_type(loss), jnp.floating):
+      raise ValueError(
+        "per_example_clipped_grad needs loss_fn to return a real scalar for one example, "
+        f"got {jax.typeof(loss).str_short()}."
+      )
+    return out
+
+  if opts.group_size == 1:
+    return example_loss
+
+  def group_loss(params, *args):
+    *args, real = args  # args' batched leaves hold the group's k examples
+    in_axes = (None,) + tuple(0 if i in idx else None for i in range(len(args)))
+    out = jax.vmap(example_loss, in_axes=in_axes)(params, *args)
+    losses, aux = out if opts.has_aux else (out, None)
+    loss = jnp.sum(jnp.where(real, losses, jnp.zeros((), losses.dtype)))
+    return (loss, aux) if opts.has_aux else loss
+
+  return group_loss
+
+
+# ----------------------------------------------------------------------------
+# Chunking: microbatches under lax.scan, padded with copies of a real example
+# ----------------------------------------------------------------------------
+
+
+class _Chunks(NamedTuple):
+  """How the units are cut into chunks: ``num`` chunks of ``size`` units (``padded`` in all)."""
+
+  size: int
+  num: int
+
+  @property
+  def padded(self) -> int:
+    return self.size * self.num
+
+  def split(self, x: Any) -> jax.Array:
+    """``x`` (padded to ``padded`` rows) as ``(num, size, ...)``.
+
+    Example ``i * num + j`` goes to chunk ``j``, row ``i``: a device holding a
+    contiguous block of the batch holds whole rows of every chunk.
+    """
+    x = jnp.asarray(x)
+    if x.shape[0] < self.padded:
+      x = jnp.pad(x, [(0, self.padded - x.shape[0])] + [(0, 0)] * (x.ndim - 1))
+    return jnp.swapaxes(x.reshape((self.size, self.num) + x.shape[1:]), 0, 1)
+
+  def join(self, a: jax.Array, size: int) -> jax.Array:
+    """The inverse of :meth:`split`, the first ``size`` rows."""
+    return jnp.swapaxes(a, 0, 1).reshape((self.padded,) + a.shape[2:])[:size]
+
+
+def _chunks(opts: _Options, units: _Units) -> _Chunks:
+  size = units.size if units.microbatch is None else min(int(units.microbatch), units.size)
+  num = -(-units.size // size) if size else 1
+  devices = _mesh_axis_size(opts.spmd_axis_name)
+  if num > 1 and devices and size % devices:
+    raise ValueError(
+      f"microbatch_size={opts.microbatch_size} must be a multiple of the {devices} "
+      f"devices of spmd_axis_name={opts.spmd_axis_name!r}, so that every device "
+      "takes the same number of examples of each chunk."
+    )
+  return _Chunks(size, num)
+
+
+def _clipped_units(
+  opts: _Options, loss: Callable[..., Any], params: Any, units: _Units
+) -> tuple[Any, ...]:
+  """The clipped sum over the units, chunk by chunk, with the outputs asked for."""
+  if opts.axis_name is not None:
+    params = _sharding.as_varying(params, opts.axis_name)
+  chunks = _chunks(opts, units)
+  # Padding and masked-out rows become copies of the first real example, at
+  # weight 0: a loss that is non-finite on zeros (or on the masked rows) is
+  # then evaluated on real data only, so no NaN reaches the sum, under
+  # either method.
+  mask = units.mask
+  if mask is not None or chunks.padded > units.size:
+    full_mask = (
+      jnp.arange(chunks.padded) < units.size
+      if mask is None
+      else jnp.pad(mask, (0, chunks.padded - units.size))
+    )
+    batch = [
+      jax.tree.map(lambda x: _stand_in(x, full_mask, chunks.padded), units.args[i])
+      for i in units.idx
+    ]
+  else:
+    full_mask, batch = None, [units.args[i] for i in units.idx]
+
+  def clip_chunk(batch_args, mask):
+    full = list(units.args)
+    for i, a in zip(units.idx, batch_args, strict=True):
+      full[i] = a
+    return _clip_chunk(opts, loss, params, full, units.idx, mask)
+
+  if units.size == 0:
+    out = _empty_batch(opts, loss, params, units)
+  elif chunks.num == 1:
+    out = clip_chunk(batch, full_mask)
+  else:
+    out = _scan_chunks(clip_chunk, chunks, params, units, batch, full_mask)
+  return _finish(opts, params, units.mask, *out)
+
+
+def _empty_batch(
+  opts: _Options, loss: Callable[..., Any], params: Any, units: _Units
+) -> tuple[Any, jax.Array, jax.Array, Any]:
+  """Zeros, a count of 0, no norms and an empty aux: what both methods give for no examples."""
+  example = [
+    jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x)[1:], jnp.result_type(x)), a)
+    if i in units.idx
+    else a
+    for i, a in enumerate(units.args)
+  ]
+  shapes = jax.eval_shape(loss, params, *example)
+  total = jax.tree.map(jnp.zeros_like, params)
+  num_clipped = jnp.zeros((), jax.dtypes.canonicalize_dtype(jnp.int_))
+  norms = jnp.zeros((0,), _numerics.tree_accumulation_dtype(params))
+  aux = (
+    jax.tree.map(lambda s: jnp.zeros((0,) + s.shape, s.dtype), shapes[1]) if opts.has_aux else None
+  )
+  return total, num_clipped, norms, aux
+
+
+def _scan_chunks(
+  clip_chunk: Callable[..., Any],
+  chunks: _Chunks,
+  params: Any,
+  units: _Units,
+  batch: list[Any],
+  full_mask: jax.Array | None,
+) -> tuple[Any, jax.Array, jax.Array, Any]:
+  """The chunks one after the other under ``lax.scan``, their sums in float32 (or wider)."""
+  xs = [jax.tree.map(chunks.split, b) for b in batch]
+  masks = chunks.split(full_mask) if full_mask is not None else None
+  # zeros_like keeps each parameter's sharding for the running sum.
+  init = (
+    jax.tree.map(
+      lambda p: jnp.zeros_like(p, jnp.promote_types(jnp.result_type(p), jnp.float32)), params
+    ),
+    jnp.zeros((), jax.dtypes.canonicalize_dtype(jnp.int_)),
+  )
+
+  def body(carry, chunk_in):
+    batch_args, mask = chunk_in
+    part, count, norms, aux = clip_chunk(batch_args, mask)
+    return (jax.tree.map(jnp.add, carry[0], part), carry[1] + count), (norms, aux)
+
+  # Inside shard_map the sums vary over the axes the inputs vary over; the
+  # scan carry must have that type from the start.
+  vary = frozenset().union(*map(_sharding.varying_axes, jax.tree.leaves((params, units.args))))
+  if vary:
+    init = _sharding.cast_varying(init, tuple(sorted(vary, key=str)))
+  (total, num_clipped), (norms, aux) = jax.lax.scan(body, init, (xs, masks))
+  norms, aux = jax.tree.map(lambda a: chunks.join(a, units.size), (norms, aux))
+  return total, num_clipped, norms, aux
+
+
+def _finish(
+  opts: _Options,
+  params: Any,
+  mask: jax.Array | None,
+  total: Any,
+  num_clipped: jax.Array,
+  norms: jax.Array,
+  aux: Any,
+) -> tuple[Any, ...]:
+  """Masked norms, sums in the parameters' dtypes and summed over devices, as returned."""
+  if mask is not None:
+    norms = jnp.where(mask, norms, jnp.zeros((), norms.dtype))
+    # With no real example the stand-in is a masked row itself: drop it whatever it gave.
+    any_real = jnp.any(mask)
+    total = jax.tree.map(lambda t: jnp.where(any_real, t, jnp.zeros((), t.dtype)), total)
+  total = jax.tree.map(lambda t, p: t.astype(jnp.result_type(p)), total, params)
+  if opts.axis_name is not None:
+    total, num_clipped = jax.lax.psum((total, num_clipped), _sharding.axis_names(opts.axis_name))
+  out = (total, num_clipped) + ((norms,) if opts.return_norms else ())
+  return out + (aux,) if opts.has_aux else out
+
+
+# ----------------------------------------------------------------------------
+# The two methods, on one chunk
+# ----------------------------------------------------------------------------
+
+
+def _clip_chunk(
+  opts: _Options,
+  loss: Callable[..., Any],
+  params: Any,
+  args: list[Any],
+  idx: Sequence[int],
+  mask: jax.Array | None,
+) -> tuple[Any, jax.Array, jax.Array, Any]:
+  """One chunk's clipped sum (float32 or wider), count, norms and aux."""
+  if opts.method == "ghost":
+    out = _ghost_chunk(opts, loss, params, args, idx, mask)
+    if out is not None:  # None: per-example gradients cost less than ghost norms
+      return out
+  return _vmap_chunk(opts, loss, params, args, idx, mask)
+
+
+def _vmap_chunk(
+  opts: _Options,
+  loss: Callable[..., Any],
+  params: Any,
+  args: list[Any],
+  idx: Sequence[int],
+  mask: jax.Array | None,
+) -> tuple[Any, jax.Array, jax.Array, Any]:
+  """``method="vmap"``: per-example gradients under ``vmap``, clipped and summed."""
+  in_axes = (None,) + tuple(0 if i in idx else None for i in range(len(args)))
+  vgrad = jax.vmap(
+    jax.grad(loss, has_aux=opts.has_aux), in_axes=in_axes, spmd_axis_name=opts.spmd_axis_name
+  )
+  grads, aux = vgrad(params, *args) if opts.has_aux else (vgrad(params, *args), None)
+  total, count, norms = _clip_batch._per_example_clip(
+    grads, opts.l2_norm_clip, mask=mask, accumulate=True, return_norms=True
+  )
+  if not jax.tree.leaves(grads):  # no parameters: every norm is 0, as under ghost
+    n = jax.tree.leaves([args[i] for i in idx])[0].shape[0]
+    norms = jnp.zeros((n,), _numerics.tree_accumulation_dtype(params))
+    bound = jnp.asarray(opts.l2_norm_clip, norms.dtype)
+    count = _clip_batch.clip_multipliers(norms, bound, mask)[1]
+  return total, count, norms, aux
+
+
+def _ghost_chunk(
+  opts: _Options,
+  loss: Callable[..., Any],
+  params: Any,
+  args: list[Any],
+  idx: Sequence[int],
+  mask: jax.Array | None,
+) -> tuple[Any, jax.Array, jax.Array, Any] | None:
+  """``method="ghost"``: the clipped sum from ghost norms and book-keeping.
 
   ``None`` where the plan costs more than forming per-example gradients.
   """
-  traced = _ghost.trace(example_loss, params, args, idx, has_aux=has_aux)
-  if traced.plan.vmap_cheaper:
+  traced = _ghost.trace(loss, params, args, idx, has_aux=opts.has_aux)
+  if _ghost.vmap_cheaper(traced.plan):
     return None
-  leaves = traced.leaves
-  bound = jnp.asarray(l2_norm_clip, _numerics.tree_accumulation_dtype(leaves))
+  bound = jnp.asarray(opts.l2_norm_clip, _numerics.tree_accumulation_dtype(traced.leaves))
 
   def weights_fn(norms):
     multipliers, count = _clip_batch.clip_multipliers(norms, bound, mask)
     return (multipliers if mask is None else jnp.where(mask, multipliers, 0)), count
 
   grads, norms, count, aux_leaves = _ghost.clipped_sum(
-    traced.closed,
-    traced.plan,
-    leaves,
-    traced.arg_leaves,
-    traced.batched,
-    weights_fn,
-    mask=mask,
-    spmd_axis_name=spmd_axis_name,
+    traced, weights_fn, spmd_axis_name=opts.spmd_axis_name
   )
-  aux = jax.tree.unflatten(jax.tree.structure(traced.out_shape[1]), aux_leaves) if has_aux else None
+  aux = None
+  if opts.has_aux:
+    aux = jax.tree.unflatten(jax.tree.structure(traced.out_shape[1]), aux_leaves)
   return jax.tree.unflatten(traced.params_tree, grads), count, norms, aux

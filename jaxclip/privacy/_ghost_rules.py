@@ -1,0 +1,226 @@
+"""Ghost norms, step 3: the rule each parameter leaf gets.
+
+Leaves that meet at a site (a value that depends on two of them) form one
+unit. A unit of one leaf whose uses each have a ghost rule and read disjoint
+parts of it (one use, static slices, the iterations of a scan) gets those
+rules, its squared norm the sum of theirs; an embedding table also used,
+transposed, by an output head gets both rules and their cross term; every
+other leaf is instantiated, all of them in one per-example pass.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+
+import jax.numpy as jnp
+
+from jaxclip.privacy import _ghost_capture, _ghost_norms
+from jaxclip.privacy._ghost_capture import Site
+from jaxclip.privacy._ghost_norms import Boundary, Group
+
+Ghost = tuple[int, int, str]  # (site, position among its params, rule)
+Tied = tuple[Boundary, Boundary]  # (lookup, dot) boundaries of a tied table
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  """How each parameter leaf's per-example norm is computed.
+
+  Attributes:
+    sites: The sites of the program, in order.
+    ghost: ``(site, position, rule)`` for leaves handled by a ghost rule.
+    tied: ``((site, position), (site, position))`` of the lookup and the
+      ``dot_general`` of each embedding table tied to an output head: both
+      rules, plus their cross term.
+    groups: The :class:`~jaxclip.privacy._ghost_norms.Group` of leaves whose
+      per-example gradients are instantiated (at most one: a single
+      per-example pass through each of their sites).
+    cost: Per example, the flops of this plan's norms and those of forming
+      every per-example gradient.
+    tapped: The sites whose per-example param-input gradients are taken in
+      the backward pass instead of their output gradients and data inputs
+      (:func:`_tapped`).
+  """
+
+  sites: tuple[Site, ...]
+  ghost: tuple[Ghost, ...]
+  tied: tuple[Tied, ...]
+  groups: tuple[Group, ...]
+  cost: tuple[int, int] = (0, 0)
+  tapped: frozenset[int] = frozenset()
+
+
+def make_plan(sites: Sequence[Site], num_leaves: int) -> Plan:
+  """Groups the leaves by shared uses and picks each group's rule."""
+  boundaries = [(u, k) for u, s in enumerate(sites) if s.outs for k in range(len(s.infos))]
+  ghost, tied, groups = [], [], []
+  for leaves, bounds in _units(sites, boundaries, num_leaves):
+    if len(leaves) == 1 and _disjoint_uses(sites, leaves[0], bounds):
+      ghost.extend((u, k, sites[u].rules[k]) for u, k in bounds)
+      continue
+    pair = _tied_pair(sites, leaves[0], bounds) if len(leaves) == 1 else None
+    if pair is not None:
+      tied.append(pair)
+      continue
+    groups.append(Group(leaves, tuple(bounds)))
+  cost = (_ghost_cost(sites, ghost, tied, groups), _per_example_cost(sites, boundaries))
+  merged = _merge_groups(groups)
+  return Plan(tuple(sites), tuple(ghost), tuple(tied), merged, cost, _tapped(sites, merged))
+
+
+def _tapped(sites: Sequence[Site], groups: Sequence[Group]) -> frozenset[int]:
+  """The sites whose per-example param-input gradients are taken in the backward pass.
+
+  Those are the sites where each param input is instantiated and where these
+  gradients are smaller than what the site would record (its output gradients
+  and data inputs): a bias or a scale, one row instead of one per position.
+  Half-precision inputs are not tapped, so that the clipped sum stays that of
+  the model's own operations, as ``jax.grad`` sums it.
+  """
+  instantiated = {b for group in groups for b in group.bounds}
+
+  def size(avals):
+    return sum(math.prod(a.shape) for a in avals)
+
+  out = set()
+  for u, s in enumerate(sites):
+    if s.eqn is None or not s.outs or any((u, k) not in instantiated for k in range(len(s.infos))):
+      continue
+    if any(jnp.finfo(a.dtype).bits < 32 for a in s.param_avals()):
+      continue
+    data = [v.aval for v, r in zip(s.eqn.invars, s.roles, strict=True) if r == _ghost_capture.DATA]
+    if size(s.param_avals()) <= size(s.out_avals) + size(data):
+      out.add(u)
+  return frozenset(out)
+
+
+def _units(
+  sites: Sequence[Site], boundaries: Sequence[Boundary], num_leaves: int
+) -> list[tuple[tuple[int, ...], list[Boundary]]]:
+  """The leaves joined by the values that depend on several of them, with their boundaries."""
+  parent = list(range(num_leaves))
+
+  def find(i):
+    while parent[i] != i:
+      parent[i] = parent[parent[i]]
+      i = parent[i]
+    return i
+
+  for u, k in boundaries:
+    deps = sorted(sites[u].infos[k].deps)
+    for j in deps[1:]:
+      parent[find(j)] = find(deps[0])
+  members: dict[int, list[int]] = {}
+  for i in range(num_leaves):
+    members.setdefault(find(i), []).append(i)
+  owned: dict[int, list[Boundary]] = {}
+  for u, k in boundaries:
+    deps = sites[u].infos[k].deps
+    if deps:
+      owned.setdefault(find(min(deps)), []).append((u, k))
+  return [(tuple(members[root]), bounds) for root, bounds in owned.items()]
+
+
+def _ghost_cost(
+  sites: Sequence[Site], ghost: Sequence[Ghost], tied: Sequence[Tied], groups: Sequence[Group]
+) -> int:
+  """Per example, the flops of the plan's norms."""
+  cost = sum(_ghost_norms.site_cost(sites[u], k, rule)[0] for u, k, rule in ghost)
+  for pair in tied:
+    (gu, gk), (du, dk) = pair
+    cost += (
+      _ghost_norms.site_cost(sites[gu], gk, "gather")[0]
+      + _ghost_norms.site_cost(sites[du], dk, "dot")[0]
+      + _ghost_norms.tied_cross_cost(sites, pair)
+    )
+  return cost + sum(
+    _ghost_norms.site_cost(sites[u], k, "generic")[1] for group in groups for u, k in group.bounds
+  )
+
+
+def _per_example_cost(sites: Sequence[Site], boundaries: Sequence[Boundary]) -> int:
+  """Per example, the flops of forming every per-example gradient."""
+  return sum(_ghost_norms.site_cost(sites[u], k, sites[u].rules[k])[1] for u, k in boundaries)
+
+
+def _disjoint_uses(sites: Sequence[Site], leaf: int, bounds: Sequence[Boundary]) -> bool:
+  """Whether each use of the leaf has a ghost rule and reads its own part of the leaf.
+
+  The leaf's gradient is then the sum of the uses' gradients, each on its own
+  elements, so its squared norm is the sum of theirs: one use, or static
+  disjoint slices (a Python loop over ``W[l]``), in the same scans.
+  """
+  infos = [sites[u].infos[k] for u, k in bounds]
+  if any(
+    i.view != leaf or sites[u].rules[k] == "generic"
+    for i, (u, k) in zip(infos, bounds, strict=True)
+  ):
+    return False
+  if len({sites[u].stack for u, _ in bounds}) != 1:
+    return False
+  return all(_ghost_capture.disjoint(a, b) for j, a in enumerate(infos) for b in infos[j + 1 :])
+
+
+def _tied_pair(sites: Sequence[Site], leaf: int, bounds: Sequence[Boundary]) -> Tied | None:
+  """``(lookup, dot)`` boundaries if a 2-D leaf is an embedding table tied to a head."""
+  if len(bounds) != 2 or any(sites[u].stack for u, _ in bounds):
+    return None
+  by_rule = {sites[u].rules[k]: (u, k) for u, k in bounds}
+  if set(by_rule) != {"gather", "dot"}:
+    return None
+  (gu, gk), (du, dk) = by_rule["gather"], by_rule["dot"]
+  g_info, d_info = sites[gu].infos[gk], sites[du].infos[dk]
+  if g_info.view != leaf or d_info.view != leaf or g_info.axes != (0, 1) or d_info.axes is None:
+    return None
+  if g_info.region or d_info.region:
+    return None
+  eqn = sites[du].eqn
+  pos = sites[du].param_positions()[dk]
+  (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+  contract, batch = (rc, rb) if pos == 1 else (lc, lb)
+  if batch or len(contract) != 1 or d_info.axes[contract[0]] != 1:
+    return None
+  return (gu, gk), (du, dk)
+
+
+def _merge_groups(groups: Sequence[Group]) -> tuple[Group, ...]:
+  """The instantiated groups as one: a single per-example pass, through each site once."""
+  if not groups:
+    return ()
+  leaves = sorted(i for ls, _ in groups for i in ls)
+  bounds = sorted(b for _, bs in groups for b in bs)
+  return (Group(tuple(leaves), tuple(bounds)),)
+
+
+_RULE_NAMES = {"dot": "dot", "gather": "lookup", "conv": "conv"}
+
+
+def leaf_rules(plan: Plan, num_leaves: int) -> list[tuple[str, str | None]]:
+  """``(rule, reason)`` of each parameter leaf, as :func:`jaxclip.ghost_plan` reports them."""
+  out: list[tuple[str, str | None]] = [("unused", None)] * num_leaves
+  for u, k, rule in plan.ghost:
+    out[plan.sites[u].infos[k].view] = (_RULE_NAMES[rule], None)
+  for (gu, gk), _ in plan.tied:
+    out[plan.sites[gu].infos[gk].view] = ("tied", None)
+  for leaves, bounds in plan.groups:
+    for i in leaves:
+      out[i] = ("instantiate", _fallback_reason(plan.sites, i, bounds))
+  return out
+
+
+def _fallback_reason(sites: Sequence[Site], leaf: int, bounds: Sequence[Boundary]) -> str:
+  """Why a leaf's per-example gradient is instantiated, in a few words."""
+  mine = [(u, k) for u, k in bounds if leaf in sites[u].infos[k].deps]
+  if len(mine) > 1:
+    return "used twice" if len(mine) == 2 else f"used {len(mine)} times"
+  ((u, k),) = mine
+  site, info = sites[u], sites[u].infos[k]
+  if len(info.deps) > 1:
+    return f"combined with another parameter before `{site.name}`"
+  if info.view != leaf:
+    return f"transformed before `{site.name}`"
+  if site.eqn is None:
+    return "the loss depends on it without the example"
+  return f"used by `{site.name}`, not a dot/lookup/conv"
