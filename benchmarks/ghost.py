@@ -124,6 +124,12 @@ def _parser() -> argparse.ArgumentParser:
     "--models", nargs="+", default=None, help="with --zoo: the zoo models to run (default: all)"
   )
   p.add_argument(
+    "--memory-only",
+    action="store_true",
+    help="compile every case and read its temporary memory, time nothing: redraws ghost.png "
+    "(a figure of memory) and writes ghost_memory.md, leaving ghost.md's timed table as it is",
+  )
+  p.add_argument(
     "--clip",
     type=float,
     default=None,
@@ -227,12 +233,14 @@ def run_config(
   time_budget_s: float,
   max_mb: float,
   estimates: dict[str, float | None],
+  timed: bool = True,
 ) -> dict:
   """Compile every case at ``cfg``'s batch and length, then time those within budget.
 
   ``estimates`` maps a method to a predicted step time in seconds (``None``:
   unknown); a case predicted above ``time_budget_s`` is not run, nor one
-  whose probe step (the first call, also a warm-up) takes longer.
+  whose probe step (the first call, also a warm-up) takes longer. With
+  ``timed=False`` every case is compiled (its memory read) and none is run.
   """
   params = _model.init_params(cfg, seed=0)
   tokens = _model.make_tokens(cfg, seed=1)
@@ -256,6 +264,9 @@ def run_config(
       res.update(status="error", why=f"{type(e).__name__}: {str(e).splitlines()[0][:300]}")
       continue
     res["temp_mb"] = _cases._temp_mb(c)
+    if not timed:
+      res.update(status="not run", why="memory only (--memory-only)")
+      continue
     est = estimates.get(name)
     if res["temp_mb"] is not None and res["temp_mb"] > max_mb:
       res.update(status="not run", why=f"temp memory {res['temp_mb']:.4g} MiB > {max_mb:.4g} MiB")
@@ -297,6 +308,7 @@ def run(
   reps: int,
   time_budget_s: float,
   max_mb: float,
+  timed: bool = True,
 ) -> list[dict]:
   """One row per ``(B, T)``, the batches of each ``T`` in increasing order.
 
@@ -307,12 +319,16 @@ def run(
   rows = []
   for t in seq_lens:
     last: dict[str, tuple[int, float]] = {}
-    t_clip = median_norm(_model.GPTConfig(seq_len=t, tied=True, **model)) if clip is None else clip
+    t_clip = (
+      (median_norm(_model.GPTConfig(seq_len=t, tied=True, **model)) if timed else 1.0)
+      if clip is None
+      else clip
+    )
     for b in sorted(batches):
       estimates = {m: s * b / b0 for m, (b0, s) in last.items()}
       cfg = _model.GPTConfig(seq_len=t, batch=b, tied=True, **model)
       print(f"  B={b:4d} T={t:4d} ...", flush=True)
-      row = run_config(cfg, t_clip, reps, time_budget_s, max_mb, estimates)
+      row = run_config(cfg, t_clip, reps, time_budget_s, max_mb, estimates, timed)
       for m in METHODS:
         res = row[m]
         if res["ms"] is not None:
@@ -525,11 +541,14 @@ def main(argv: list[str] | None = None) -> str:
   }
   print(f"{meta['model']}\n{meta['methods']}", flush=True)
   t_start = time.perf_counter()
-  rows = run(batches, seq_lens, model, args.clip, reps, args.time_budget, args.max_gb * 1024)
+  timed = not args.memory_only
+  rows = run(batches, seq_lens, model, args.clip, reps, args.time_budget, args.max_gb * 1024, timed)
   meta["total benchmark time"] = f"{time.perf_counter() - t_start:.0f} s"
+  if not timed:
+    meta["methods"] = "compiled only, nothing timed or run (--memory-only)"
   text = markdown(meta, rows)
   args.out.mkdir(parents=True, exist_ok=True)
-  (args.out / "ghost.md").write_text(text + "\n")
+  (args.out / ("ghost.md" if timed else "ghost_memory.md")).write_text(text + "\n")
   plot(str(args.out / "ghost.png"), rows)
   command = " ".join(["python -m benchmarks.ghost", *(sys.argv[1:] if argv is None else argv)])
   write_record(args.out / "ghost.png", package_sources("benchmarks"), command)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import json
 import math
 import os
 import re
@@ -147,6 +148,30 @@ def test_ghost_benchmark_quick_run_writes_table_and_plot(tmp_path):
     assert "ghost's clipped sum differs from vmap's" in text
   png = (tmp_path / "ghost.png").read_bytes()
   assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+
+
+def test_ghost_benchmark_memory_only_redraws_the_figure_and_times_nothing(tmp_path):
+  # ghost.png plots compiled memory, which compiling alone gives: --memory-only redraws it
+  # (and its record) without touching ghost.md's timed table.
+  ghost.main(["--quick", "--memory-only", "--batch", "2", "--seq", "4", "--out", str(tmp_path)])
+  assert not (tmp_path / "ghost.md").exists()
+  text = (tmp_path / "ghost_memory.md").read_text()
+  lines = [line for line in text.splitlines() if line.startswith("| ")]
+  header = [c.strip() for c in lines[0].strip("|").split("|")]
+  rows = [[c.strip() for c in line.strip("|").split("|")] for line in lines[1:]]
+  assert [row[:2] for row in rows] == [["2", "4"]]
+  for row in rows:
+    cells = dict(zip(header, row, strict=True))
+    assert all(cells[f"{m} ms"] == "not run" for m in ghost.METHODS), cells
+    assert all(float(cells[f"{m} MiB"]) >= 0 for m in ghost.METHODS), cells
+    assert float(cells["vmap MiB"]) > 0, cells
+  assert "memory only" in text
+  png = (tmp_path / "ghost.png").read_bytes()
+  assert png[:8] == b"\x89PNG\r\n\x1a\n"
+  record = json.loads((tmp_path / "ghost.png.json").read_text())
+  assert record["command"] == (
+    f"python -m benchmarks.ghost --quick --memory-only --batch 2 --seq 4 --out {tmp_path}"
+  )
 
 
 def test_ghost_benchmark_model_is_a_tied_gpt_of_about_085m_params():
