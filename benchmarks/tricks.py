@@ -15,16 +15,16 @@ are the same; ``check`` below asserts it for every row):
 * ``stacked_scales``: the per-leaf clips' stacks of leaves of one shape
   (``_numerics._scale_stacks``, with ``_STACK``, ``_FLAT_STACK``) replaced by
   one scale per leaf;
-* ``nested_stacks``: stacks built by nested concatenates (``FAN_IN``,
-  ``_NESTED_STACKS``) replaced by one concatenate per stack;
 * ``opaque_indices``: rows of a stack taken at opaque indices (``_STATIC_ROWS``)
   replaced by rows at constant offsets;
-* ``stacked_parts``: the per-leaf norms' stacks (``_numerics._stacked_leaf_parts``)
-  replaced by one reduction per leaf;
 * ``grouped_parts``: the global norm's grouped partial sums
   (``_numerics._grouped_parts``: ``_SMALL_LEAF``, ``_TINY_LEAF``, ``_GROUP``,
   ``_CHUNK_LEAVES``) replaced by one reduction per leaf;
-* ``computed_once``: ``_numerics.computed_once`` replaced by the identity.
+* ``computed_once``: ``_numerics.computed_once`` (the skip and non-finite
+  flags passed through one kernel) replaced by the identity;
+* ``stacked_rules``: the per-tensor rules (AdaGC and its siblings) run once on
+  vectors of every leaf's scalars, read back at opaque indices
+  (``_per_tensor._stacked_rule``), replaced by the rule on each leaf's scalars.
 
 The rows' custom JVP and custom vmap rules (``_platform.rows``) are not
 switches: without them ``jax.grad`` and ``jax.vmap`` of a stacked clip are
@@ -45,10 +45,12 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 
 import jaxclip
 from benchmarks import _cases, _main, _timing, _trees
 from jaxclip._kernel import _numerics, _platform
+from jaxclip.transforms import _per_tensor
 
 # ----------------------------------------------------------------------------
 # The switches: each turns one trick off while the context is open.
@@ -67,10 +69,6 @@ def _patched(module: Any, **attrs: Any) -> Iterator[None]:
       setattr(module, k, v)
 
 
-def _plain_parts(ord, acc, leaves):
-  return tuple(_numerics._leaf_part(x, ord).astype(acc) for x in leaves)
-
-
 def _plain_scales(fn, leaves, companions, sizes, ord, axes_of, operands):
   del sizes
   return _numerics._scale_plain(fn, ord, axes_of, leaves, companions, operands)
@@ -84,10 +82,9 @@ SWITCHES: dict[str, Callable[[], contextlib.AbstractContextManager]] = {
   "bf16_barrier": lambda: _patched(_platform, reduction_input=lambda x: x),
   "f16_two_output": lambda: _patched(_platform, float16_reduce=_platform.plain_reduce),
   "stacked_scales": lambda: _patched(_numerics, _scale_stacks=_plain_scales),
-  "nested_stacks": lambda: _patched(_numerics, _NESTED_STACKS=10**9),
   "opaque_indices": lambda: _patched(_numerics, _STATIC_ROWS=0),
-  "stacked_parts": lambda: _patched(_numerics, _stacked_leaf_parts=_plain_parts),
   "grouped_parts": lambda: _patched(_numerics, _grouped_parts=_plain_grouped),
+  "stacked_rules": lambda: _patched(_per_tensor, _stacked_rule=_per_tensor._leaf_rule),
   "computed_once": lambda: _patched(_numerics, computed_once=lambda flag: jnp.asarray(flag)),
 }
 
@@ -112,9 +109,9 @@ def _update_fn(make: Callable[[], Any], tree: Any) -> tuple[Callable, Any]:
   return (lambda u, s: tx.update(u, s, tree)), tx.init(tree)
 
 
-def compile_row(make: Callable[[], Any], leaves: int) -> Callable[[], dict]:
-  """Seconds to trace, lower and compile ``update`` over ``leaves`` mixed leaves."""
-  tree = _mixed_tree(leaves)
+def compile_row(make: Callable[[], Any], leaves: int, uniform: bool = False) -> Callable[[], dict]:
+  """Seconds to trace, lower and compile ``update`` over ``leaves`` mixed (or (64,)) leaves."""
+  tree = {f"p{i}": jnp.ones((64,)) for i in range(leaves)} if uniform else _mixed_tree(leaves)
 
   def measure() -> dict:
     _clear()
@@ -171,19 +168,16 @@ ROWS: dict[str, list[tuple[str, str, Callable[[], Callable[[], dict]]]]] = {
       lambda: compile_row(lambda: jaxclip.adaptive_grad_clip(0.1), 400),
     ),
   ],
-  "nested_stacks": [
-    ("clip_by_norm compile, 400 mixed leaves", "s", lambda: compile_row(_clip_by_norm, 400)),
-  ],
   "opaque_indices": [
     ("clip_by_norm compile, 400 mixed leaves", "s", lambda: compile_row(_clip_by_norm, 400)),
   ],
-  "stacked_parts": [
-    (
-      "record_norms compile, 400 mixed leaves",
-      "s",
-      lambda: compile_row(lambda: jaxclip.record_norms(), 400),
-    ),
+  "stacked_rules": [
     ("adagc compile, 400 mixed leaves", "s", lambda: compile_row(lambda: jaxclip.adagc(), 400)),
+    (
+      "adaptive_norm_scale compile, 400 mixed leaves",
+      "s",
+      lambda: compile_row(lambda: jaxclip.adaptive_norm_scale(), 400),
+    ),
   ],
   "grouped_parts": [
     (
@@ -193,7 +187,11 @@ ROWS: dict[str, list[tuple[str, str, Callable[[], Callable[[], dict]]]]] = {
     ),
   ],
   "computed_once": [
-    ("adagc compile, 400 mixed leaves", "s", lambda: compile_row(lambda: jaxclip.adagc(), 400)),
+    (
+      "skip_nonfinite(sgd) compile, 1000 leaves of 64",
+      "s",
+      lambda: compile_row(lambda: jaxclip.skip_nonfinite(optax.sgd(0.1)), 1000, uniform=True),
+    ),
   ],
 }
 
@@ -238,6 +236,14 @@ def measure(trick: str, make_row: Callable[[], Callable[[], dict]], reps: int) -
 KEEP_AT = 1.2  # the issue's bar: a trick stays if it buys this much on some row
 
 
+def _memory_ratio(r: dict) -> float:
+  """Temporary memory without / with the trick, each plus 1 MiB (so that 0 MiB divides)."""
+  if "temp_mb" not in r:
+    return 0.0
+  with_mb, without_mb = r["temp_mb"]
+  return (without_mb + 1.0) / (with_mb + 1.0)
+
+
 def main(argv: list[str] | None = None) -> str:
   p = argparse.ArgumentParser(
     prog="python -m benchmarks.tricks", description=__doc__.split("\n", 1)[0]
@@ -257,14 +263,14 @@ def main(argv: list[str] | None = None) -> str:
       print(trick, label, r, flush=True)
   best: dict[str, float] = {}
   for trick, _, _, r in results:
-    best[trick] = max(best.get(trick, 0.0), r["without"] / r["with"])
+    best[trick] = max(best.get(trick, 0.0), r["without"] / r["with"], _memory_ratio(r))
   lines = [
     f"`python -m benchmarks.tricks` ({args.reps} interleaved with/without pairs per row, "
     f"medians; one process). Machine: {_main._cpu_name()}, {os.cpu_count()} cores, jax "
     f"{jax.__version__}; load average {load0:.2f} at the start, {os.getloadavg()[0]:.2f} at "
     f"the end. A trick is kept if it buys at least {KEEP_AT}x (`without / with`) on one of "
-    "its rows; `below`: less on every row. `same values`: the outputs with and without "
-    "agree.",
+    "its rows, in time or in temporary memory (`(without + 1 MiB) / (with + 1 MiB)`); "
+    "`below`: less on every row. `same values`: the outputs with and without agree.",
     "",
     "| trick | row | with | without | without / with | CPU s with / without | "
     "temp MiB with / without | same values | kept? |",

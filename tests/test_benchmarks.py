@@ -18,7 +18,7 @@ import optax
 import pytest
 
 import jaxclip
-from benchmarks import _cases, _main, _model, _trees, ghost
+from benchmarks import _cases, _main, _model, _trees, ghost, tricks
 from jaxclip._kernel import _numerics
 
 # Gradient-sized leaves (one above the kernel's small-leaf size, the others
@@ -387,8 +387,7 @@ def _per_leaf_reference(leaves, clip_norm, axes=None):
 def _rare_and_common_shapes():
   # Shapes with a few leaves each (one stack, rows at opaque indices); (5,)
   # leaves fill three stacks, the last overlapping the one before; (3,) leaves
-  # fill five, stacked by nested concatenates; (4,) leaves are enough for rows
-  # at constant offsets; 0-d leaves.
+  # fill five; (4,) leaves are enough for rows at constant offsets; 0-d leaves.
   rng = np.random.default_rng(1)
   shapes = [(5,)] * 140 + [(3, 4)] * 7 + [(2, 3, 2)] * 3 + [(70,)] * 6 + [(8, 9)] * 5 + [(4,)] * 520
   shapes += [(n,) for n in range(90, 95)] * 2 + [(3,)] * 300 + [()] * 9
@@ -400,7 +399,7 @@ def test_per_leaf_clip_of_rare_and_common_shapes_matches_leaf_by_leaf():
   counts = collections.Counter(x.shape for x in leaves)
   assert counts[(4,)] >= _numerics._STATIC_ROWS
   assert 2 * _numerics._STACK < counts[(5,)] < 3 * _numerics._STACK  # overlapping stacks
-  assert _numerics._NESTED_STACKS * _numerics._STACK <= counts[(3,)] < _numerics._STATIC_ROWS
+  assert 4 * _numerics._STACK <= counts[(3,)] < _numerics._STATIC_ROWS
   leaves[0][0] = np.nan  # the first leaf of a stack: only it turns NaN
   leaves[1][:] = 0.0
   got = jax.jit(lambda t: jaxclip.ops.clip_by_norm(t, 1.5))(leaves)
@@ -453,15 +452,43 @@ def test_per_leaf_clip_of_many_shapes_compiles_one_kernel_per_shape_not_per_row(
   assert _distinct_fusions(clip) <= 4 * 24, _distinct_fusions(clip)
 
 
-@pytest.mark.hlo
-def test_per_leaf_clip_stacks_a_common_shape_by_fused_concatenates():
-  # 300 leaves of one shape fill five stacks. XLA:CPU fuses no concatenate of
-  # more than 8 operands (each becomes a kernel of its own, compiled per stack);
-  # nested concatenates of at most 8 fuse into one kernel for all five.
-  tree = [np.full((6,), 0.2 * (i % 7), np.float32) for i in range(300)]
-  clip = jax.jit(lambda t: jaxclip.ops.clip_by_norm(t, 1.0)).lower(tree).compile()
-  text = clip.as_text()
-  assert not re.findall(r" concatenate\(", text[text.index("ENTRY") :])
-  assert _distinct_fusions(clip) <= 8, _distinct_fusions(clip)
-  for g, w in zip(clip(tree), _per_leaf_reference(tree, 1.0), strict=True):
-    np.testing.assert_allclose(np.asarray(g, np.float64), w, rtol=2e-6, atol=1e-7)
+def _probe_tree(n: int, shape: tuple[int, ...], dtype=jnp.float32) -> dict:
+  return {
+    f"p{i}": jnp.linspace(-2.0, 2.0, math.prod(shape)).reshape(shape).astype(dtype) * (i + 1)
+    for i in range(n)
+  }
+
+
+# A small program for each trick of benchmarks/tricks.py that the trick changes.
+_TRICK_PROBES = {
+  "bf16_barrier": lambda: (jaxclip.clip_by_global_norm(1.0), _probe_tree(1, (8, 8), jnp.bfloat16)),
+  "f16_two_output": lambda: (jaxclip.clip_by_global_norm(1.0), _probe_tree(1, (8, 8), jnp.float16)),
+  "stacked_scales": lambda: (jaxclip.clip_by_norm(1.0), _probe_tree(3, (4,))),
+  "opaque_indices": lambda: (jaxclip.clip_by_norm(1.0), _probe_tree(3, (4,))),
+  "grouped_parts": lambda: (jaxclip.clip_by_global_norm(1.0), _probe_tree(3, (4,))),
+  "stacked_rules": lambda: (jaxclip.adagc(), _probe_tree(3, (4,))),
+  "computed_once": lambda: (jaxclip.skip_nonfinite(optax.sgd(0.1)), _probe_tree(3, (4,))),
+}
+
+
+def test_every_trick_has_a_probe():
+  assert set(tricks.SWITCHES) == set(tricks.ROWS) <= set(_TRICK_PROBES)
+
+
+@pytest.mark.parametrize("trick", sorted(tricks.SWITCHES))
+def test_each_trick_switch_changes_the_cpu_program_and_keeps_its_values(trick):
+  # A switch that changed nothing would price its trick at 1.0x and delete it.
+  tx, tree = _TRICK_PROBES[trick]()
+  state = tx.init(tree)
+
+  def program():
+    tricks._clear()
+    fn = jax.jit(lambda u, s: tx.update(u, s, tree))
+    return fn.lower(tree, state).as_text(), fn(tree, state)
+
+  with_text, with_out = program()
+  with tricks.SWITCHES[trick]():
+    without_text, without_out = program()
+  assert with_text != without_text, trick
+  for a, b in zip(jax.tree.leaves(with_out), jax.tree.leaves(without_out), strict=True):
+    np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=1e-2)

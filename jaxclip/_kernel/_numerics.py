@@ -216,13 +216,10 @@ _GROUP = 32
 _CHUNK_LEAVES = 128
 # scale_by_leaf_norms stacks the small leaves of one shape and dtype (on
 # XLA:CPU): all in one stack when there are at most _FLAT_STACK, else _STACK
-# at a time; by one concatenate where the shape fills fewer than
-# _NESTED_STACKS stacks, else by nested concatenates (one kernel then serves
-# every stack of the shape). Rows are taken at constant offsets when the shape
-# has at least _STATIC_ROWS leaves, else at opaque indices.
+# at a time. Rows are taken at constant offsets when the shape has at least
+# _STATIC_ROWS leaves, else at opaque indices.
 _STACK = 64
 _FLAT_STACK = 128
-_NESTED_STACKS = 4
 _STATIC_ROWS = 512
 
 
@@ -274,64 +271,10 @@ def leaf_parts(leaves: list[Any], ord: float, acc: jnp.dtype) -> list[jax.Array]
   """Each leaf's own share of a tree norm (``sum |x|**2``, ``sum |x|`` or ``max |x|``).
 
   The per-leaf counterpart of :func:`_grouped_parts`, for callers that need
-  every leaf's norm as well as the tree's. Small local leaves (see
-  :func:`layout`) of one size and dtype are flattened and stacked,
-  ``_FLAT_STACK`` at a time, and each stack is reduced row by row in one
-  kernel (one value per leaf); larger leaves, and leaves whose layout is
-  not local, keep one reduction each and are never copied. Values are in
-  ``acc``. The stacking is an XLA:CPU trick (thousands of small leaves
-  compile into a few kernels), chosen by the platform lowered for: other
-  platforms reduce each leaf on its own. As for :func:`_grouped_parts`,
-  ``jax.jvp`` and ``jax.grad`` differentiate the plain per-leaf sums, so no
-  stack is transposed.
+  every leaf's norm as well as the tree's: one reduction per leaf, in
+  ``acc``, with no leaf copied.
   """
-  leaves = [as_array(x) for x in leaves]
-  if not leaves:
-    return []
-  return list(
-    _platform.on_cpu(
-      lambda xs: _stacked_leaf_parts(ord, acc, xs),
-      lambda xs: tuple(_leaf_part(x, ord).astype(acc) for x in xs),
-      leaves,
-    )
-  )
-
-
-@functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1))
-def _stacked_leaf_parts(ord: float, acc: jnp.dtype, leaves: list[jax.Array]) -> tuple:
-  out: list[Any] = [None] * len(leaves)
-  groups: dict[Any, list[int]] = {}
-  for i, x in enumerate(leaves):
-    if 0 < x.size <= _SMALL_LEAF and _sharding.layout(x) is _sharding.LOCAL:
-      groups.setdefault((x.size, x.dtype), []).append(i)
-    else:
-      out[i] = _leaf_part(x, ord).astype(acc)
-  for (size, _), members in groups.items():
-    if len(members) == 1:
-      out[members[0]] = _leaf_part(leaves[members[0]], ord).astype(acc)
-      continue
-    for s in range(0, len(members), _FLAT_STACK):
-      batch = members[s : s + _FLAT_STACK]
-      flat = [jax.lax.reshape(leaves[i], (size,)) for i in batch]
-      stacked = _platform.stack(flat, (size,), nested=True)
-      rows = _leaf_part_rows(stacked, ord).astype(acc)
-      for j, i in enumerate(batch):
-        out[i] = rows[j]
-  return tuple(out)
-
-
-@_stacked_leaf_parts.defjvp
-def _stacked_leaf_parts_jvp(ord, acc, primals, tangents):
-  plain = lambda xs: tuple(_leaf_part(x, ord).astype(acc) for x in xs)
-  _, tangent_out = jax.jvp(plain, primals, tangents)
-  return _stacked_leaf_parts(ord, acc, *primals), tangent_out
-
-
-def _leaf_part_rows(stacked: jax.Array, ord: float) -> jax.Array:
-  """:func:`_leaf_part` of each row of a ``(n, size)`` stack: a vector of ``n``."""
-  if ord == 2:
-    return leaf_sumsq(stacked, 1)
-  return leaf_norm(stacked, ord, 1)
+  return [_leaf_part(as_array(x), ord).astype(acc) for x in leaves]
 
 
 def _group_plan(leaves: list[jax.Array]) -> tuple[tuple[Any, tuple[int, ...]], ...]:
@@ -550,18 +493,11 @@ def _scale_stacks(fn, leaves, companions, sizes, ord, axes_of, operands) -> list
   ``leaves`` holds the groups one after the other, ``sizes`` their lengths.
   A group of at most ``_FLAT_STACK`` leaves is one stack, a larger one is
   stacked ``_STACK`` at a time (its last stack overlaps the one before, so
-  that all its stacks are alike). How the kernels stay few (XLA:CPU compiles
-  one kernel per distinct fusion, and emits every concatenate of more than
-  eight operands as a kernel of its own):
-
-  * a group that fills at least ``_NESTED_STACKS`` stacks is stacked by
-    nested concatenates (:func:`jaxclip._kernel._platform.stack`), which fuse: one
-    kernel for all its stacks. A smaller group is stacked by one concatenate,
-    which compiles faster than a nested one used once or twice;
-  * a group of at least ``_STATIC_ROWS`` leaves takes its rows at constant
-    offsets: one kernel per offset, shared by all its stacks. A smaller group
-    takes them at opaque indices (:func:`jaxclip._kernel._platform.opaque_indices`):
-    one kernel for all its rows.
+  that all its stacks are alike). XLA:CPU compiles one kernel per distinct
+  fusion, so a group of at least ``_STATIC_ROWS`` leaves takes its rows at
+  constant offsets (one kernel per offset, shared by all its stacks), and a
+  smaller group takes them at opaque indices
+  (:func:`jaxclip._kernel._platform.opaque_indices`): one kernel for all its rows.
   """
   out: list[Any] = []
   plans, begin = [], 0
@@ -581,16 +517,15 @@ def _scale_stacks(fn, leaves, companions, sizes, ord, axes_of, operands) -> list
   for shape, members, k, starts, static in plans:
     axes = _canonical_axes(len(shape), axes_of(shape))
     axes = tuple(range(1, len(shape) + 1)) if axes is None else tuple(a + 1 for a in axes)
-    nested = len(starts) >= _NESTED_STACKS
     done = 0
     for start in starts:
       batch = members[start : start + k]
-      stacked = _platform.stack([leaves[i] for i in batch], shape, nested)
+      stacked = _platform.stack([leaves[i] for i in batch], shape)
       norms = leaf_norm(stacked, ord, axes, keepdims=True)
       if companions is None:
         factor = fn(norms, math.prod(shape), *operands)
       else:
-        companion = _platform.stack([companions[i] for i in batch], shape, nested)
+        companion = _platform.stack([companions[i] for i in batch], shape)
         factor = fn(
           norms, math.prod(shape), leaf_norm(companion, ord, axes, keepdims=True), *operands
         )

@@ -1,13 +1,17 @@
 """Every backend-specific code path of jaxclip, chosen where the program is lowered.
 
-jaxclip's kernel was tuned on XLA:CPU, where three workarounds measurably
-help: an optimization barrier before a bfloat16 norm, a two-output reduction
-for float16 norms, and stacking many small leaves of one shape for the
-per-leaf clips. None was measured on GPU or TPU, so none runs there: each is
-staged with :func:`on_cpu`, a :func:`jax.lax.platform_dependent` whose other
-branch is the plain math. The choice is made when the program is *lowered*,
-not from :func:`jax.default_backend` at trace time, so a program exported
-with ``jax.export(..., platforms=('cuda',))`` or ``('tpu',)`` on a CPU-only
+jaxclip's kernel was tuned on XLA:CPU, where a few workarounds each buy at
+least 1.2x on a row a user sees (``benchmarks/tricks.md`` measures each with
+and without): an optimization barrier before a bfloat16 norm and a
+two-output reduction for float16 norms (no float32 copy of the leaf), and
+stacks of small leaves of one shape whose rows are read at opaque indices
+(the per-leaf clips, and the per-tensor rules of
+:mod:`jaxclip.transforms._per_tensor`: fewer distinct kernels to compile).
+None was measured on GPU or TPU, so none runs there: each is staged with
+:func:`on_cpu`, a :func:`jax.lax.platform_dependent` whose other branch is
+the plain math. The choice is made when the program is *lowered*, not from
+:func:`jax.default_backend` at trace time, so a program exported with
+``jax.export(..., platforms=('cuda',))`` or ``('tpu',)`` on a CPU-only
 machine carries none of these workarounds. (Lowered for one platform, the
 choice is a ``case`` on a constant index with only that platform's branch,
 which XLA folds away: the compiled program holds no conditional.)
@@ -48,8 +52,8 @@ def reduction_input(x: jax.Array) -> jax.Array:
   scale pass gets its float32 conversion materialised as a full-size buffer
   (the reduction kernel cannot absorb a convert whose operand has a second
   user). An optimization barrier gives the reduction its own operand, so the
-  convert fuses into it: no float32 copy, and about 3x faster on a 4M-entry
-  leaf. The barrier is an identity for values and gradients.
+  convert fuses into it: no float32 copy, and a faster norm. The barrier is
+  an identity for values and gradients.
   """
   if x.dtype != jnp.bfloat16:
     return x
@@ -154,28 +158,17 @@ def _float16_reduce_cpu_jvp(op, axes, keepdims, primals, tangents):
 # Many small leaves of one shape: stacks and their rows (XLA:CPU)
 # ----------------------------------------------------------------------------
 
-# The fan-in of a concatenate that XLA:CPU still fuses.
-FAN_IN = 8
 
+def stack(leaves: Sequence[jax.Array], shape: tuple[int, ...]) -> jax.Array:
+  """``leaves`` (all of ``shape``) stacked on a new leading axis, by one concatenate.
 
-def stack(leaves: Sequence[jax.Array], shape: tuple[int, ...], nested: bool) -> jax.Array:
-  """``leaves`` (all of ``shape``) stacked on a new leading axis, by concatenates.
-
-  With ``nested``, no concatenate has more than ``FAN_IN`` operands, so XLA:CPU
-  fuses them all into one kernel. Leaves are concatenated along their own
-  first axis, so no leaf (but a 0-d one) needs a reshape of its own. Its
-  transpose (under ``jax.grad``) is one slice per leaf.
+  Leaves are concatenated along their own first axis, so no leaf (but a 0-d
+  one) needs a reshape of its own. Its transpose (under ``jax.grad``) is one
+  slice per leaf.
   """
   if not shape:
-    stacked = stack([jax.lax.reshape(x, (1,)) for x in leaves], (1,), nested)
+    stacked = stack([jax.lax.reshape(x, (1,)) for x in leaves], (1,))
     return jax.lax.reshape(stacked, (len(leaves),))
-  if nested and len(leaves) > FAN_IN:
-    width = FAN_IN
-    while width * FAN_IN < len(leaves):
-      width *= FAN_IN
-    return jax.lax.concatenate(
-      [stack(leaves[i : i + width], shape, True) for i in range(0, len(leaves), width)], 0
-    )
   joined = leaves[0] if len(leaves) == 1 else jax.lax.concatenate(list(leaves), 0)
   return jax.lax.reshape(joined, (len(leaves),) + shape)
 

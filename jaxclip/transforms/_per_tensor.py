@@ -8,10 +8,12 @@ the rule's arithmetic: validation, matching the statistics to the updates'
 leaves by path, the reduction (across devices too), the non-finite guard,
 and writing the state back in the structure ``init`` gave it.
 
-The rule's arithmetic is written once, on one leaf's scalars, and XLA fuses
-it into that leaf's kernels. The non-finite guard is one flag computed
-once, so that no per-leaf op reads a value combined from every leaf (which
-made XLA's compile time grow with the square of the leaf count).
+The rule's arithmetic is written once, on scalars, and runs on every leaf's
+scalars at once: on XLA:CPU on vectors of every leaf's statistics, read back
+at opaque indices so that the leaves of one shape share one kernel
+(:func:`_stacked_rule`); elsewhere on each leaf's own scalars, which XLA fuses
+into that leaf's kernels (:func:`_leaf_rule`). The non-finite guard is one
+flag for the whole step.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxclip._kernel import _numerics, _reduction, _validation
+from jaxclip._kernel import _numerics, _platform, _reduction, _validation
 
 
 class Step(NamedTuple):
@@ -165,21 +167,22 @@ def per_tensor_transform(
     prev_count = state[-1]
     count = optax.safe_increment(prev_count)
     # The guard: one flag for the whole step, read by every new statistic.
-    finite = jnp.all(jnp.isfinite(_vector(stat))) & jnp.isfinite(total)
-    finite = _numerics.computed_once(finite)
-    # Each leaf's arithmetic on its own scalars: XLA fuses it into that leaf's
-    # kernels, where a vector of every leaf's entries, read back through one
-    # slice per leaf, compiled several times slower (measured at 200 leaves).
-    coefficients: list[list[jax.Array]] = []
+    finite = _numerics.computed_once(jnp.all(jnp.isfinite(_vector(stat))) & jnp.isfinite(total))
+    olds = [[_reshaped(values[i], ()) for i in positions] for values, _ in flat_stats]
+    coefficients, news = (
+      _platform.on_cpu(
+        lambda st, ol: _stacked_rule(rule, st, ol, total, prev_count, count, finite),
+        lambda st, ol: _leaf_rule(rule, st, ol, total, prev_count, count, finite),
+        list(stat),
+        olds,
+      )
+      if positions
+      else ([], [[] for _ in olds])
+    )
     written = [list(values) for values, _ in flat_stats]
-    for j, i in enumerate(positions):
-      n = jnp.asarray(stat[j]).astype(jnp.float32)
-      n = _numerics.safe_sqrt(n) if rule.ord == 2 else n
-      old = tuple(_reshaped(values[i], ()) for values, _ in flat_stats)
-      cs, ns = rule.step(Step(n, total, old, prev_count, count))
-      coefficients.append(cs)
-      for values, x, o in zip(written, ns, old, strict=True):
-        values[i] = _reshaped(jnp.where(finite, x, o), jnp.shape(values[i]))
+    for f, values in enumerate(written):
+      for j, i in enumerate(positions):
+        values[i] = _reshaped(news[f][j], jnp.shape(values[i]))
     count = jnp.where(finite, count, prev_count)
     out = [rule.apply(x, *cs) for x, cs in zip(leaves, coefficients, strict=True)]
     new_stats = [
@@ -189,3 +192,42 @@ def per_tensor_transform(
     return jax.tree.unflatten(treedef, out), rule.state_type(*new_stats, count)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _leaf_rule(rule, stat, olds, total, prev_count, count, finite):
+  """The rule on each leaf's own scalars: ``(coefficients per leaf, new stats per field)``.
+
+  XLA fuses each leaf's arithmetic into that leaf's kernels.
+  """
+  coefficients = []
+  news: list[list[jax.Array]] = [[] for _ in olds]
+  for j, n in enumerate(stat):
+    n = jnp.asarray(n).astype(jnp.float32)
+    n = _numerics.safe_sqrt(n) if rule.ord == 2 else n
+    old = tuple(o[j] for o in olds)
+    cs, ns = rule.step(Step(n, total, old, prev_count, count))
+    coefficients.append(tuple(cs))
+    for out, x, o in zip(news, ns, old, strict=True):
+      out.append(jnp.where(finite, x, o))
+  return coefficients, news
+
+
+def _stacked_rule(rule, stat, olds, total, prev_count, count, finite):
+  """:func:`_leaf_rule` on vectors of every leaf's scalars, read back at opaque indices (XLA:CPU).
+
+  The rule runs once on vectors; each leaf reads its coefficients and new
+  statistics at an index XLA cannot fold (:func:`jaxclip._kernel._platform.rows`),
+  so all the leaves of one shape share one kernel instead of one per leaf.
+  """
+  k = len(stat)
+  n = _vector(stat)
+  n = _numerics.safe_sqrt(n) if rule.ord == 2 else n
+  old = tuple(_vector(o) for o in olds)
+  cs, ns = rule.step(Step(n, total, old, prev_count, count))
+  index = _platform.opaque_indices(k, n)
+  cs = [_platform.rows(jnp.broadcast_to(c, (k,)), 0, index) for c in cs]
+  news = [
+    _platform.rows(jnp.broadcast_to(jnp.where(finite, x, o), (k,)), 0, index)
+    for x, o in zip(ns, old, strict=True)
+  ]
+  return [tuple(c[j] for c in cs) for j in range(k)], news
