@@ -13,13 +13,6 @@ from pathlib import Path
 
 from tools.figure_record import ROOT, record_path, sha256, stale, write_record
 
-# Figures drawn before records existed, by benchmark runs too long to repeat for the record
-# (their data is not stored apart from the figure). They must have no record: the run that
-# regenerates one writes its record, and then it leaves this list.
-NOT_YET_RECORDED = {
-  "benchmarks/results.png": "python -m benchmarks",
-}
-
 
 def committed_figures() -> list[Path]:
   return sorted([*(ROOT / "docs").rglob("*.png"), *(ROOT / "benchmarks").glob("*.png")])
@@ -29,13 +22,9 @@ def test_every_committed_figure_is_no_older_than_its_inputs():
   figures = committed_figures()
   names = {f.relative_to(ROOT).as_posix() for f in figures}
   assert "docs/images/exploding_gradients.png" in names  # the README's figure
-  assert set(NOT_YET_RECORDED) <= names, "a figure listed as not yet recorded is gone"
   out_of_date = []
   for figure in figures:
     name = figure.relative_to(ROOT).as_posix()
-    if name in NOT_YET_RECORDED:
-      assert not record_path(figure).exists(), f"{name} has a record now: drop it from the list"
-      continue
     problems = stale(figure)
     if problems:
       path = record_path(figure)

@@ -86,14 +86,9 @@ def tree_norm(
   at the end (never a norm per leaf squared back). Empty trees give ``0``.
   The partial sums are :func:`jaxclip._kernel._numerics._grouped_parts`.
 
-  With ``axis_name`` (inside ``shard_map``/``pmap``/``vmap`` over a named
-  axis, or a tuple of axes) the leaves are local values: the partial sums
-  (max for ``ord=inf``) are combined across the axes with scalar ``psum``
-  (``pmax``) before the root, so every device gets the same global norm.
-  ``replicated`` or ``partition_specs`` say which leaves are the same on
-  every device of an axis, so their sums are added once rather than once per
-  device; with neither, JAX's types say it under ``check_vma=True``. See
-  :func:`leaf_reduction_axes`.
+  With ``axis_name`` the partial sums (max for ``ord=inf``) are combined by a
+  scalar ``psum`` (``pmax``) before the root, replicated leaves counted once;
+  see ``docs/sharding_args.md`` and :func:`leaf_reduction_axes`.
   """
   acc = _numerics.tree_accumulation_dtype(tree)
   op = "max" if ord == math.inf else "sum"

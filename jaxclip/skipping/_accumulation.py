@@ -52,10 +52,9 @@ def skip_bad_microbatches(
       gradients are sharded: the norm is reduced across it, so every device
       drops the same microbatches (``MultiSteps`` branches on the decision,
       so devices must agree).
-    replicated: Which leaves are the same on every device of ``axis_name``,
-      as for :func:`jaxclip.ops.global_norm`.
-    partition_specs: Where the leaves are sharded (``PartitionSpec``
-      leaves), instead of ``replicated``.
+    replicated: Which leaves every device of ``axis_name`` holds in full.
+    partition_specs: Where the leaves are sharded, instead of
+      ``replicated``. The three are explained in ``docs/sharding_args.md``.
 
   Returns:
     A function ``(updates, gradient_step, params) -> (should_skip,

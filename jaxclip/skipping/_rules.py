@@ -140,11 +140,9 @@ def zero_nonfinite(
     axis_name: Inside ``shard_map``/``pmap``, the axis over which the updates
       are sharded, so the counts in the state are those of the whole tree,
       the same on every device.
-    replicated: Which leaves are the same on every device of ``axis_name``,
-      so their entries are counted once (inferred inside ``shard_map`` with
-      ``check_vma=True``); see :func:`jaxclip.ops.global_norm`.
-    partition_specs: Where the leaves are sharded (``PartitionSpec``
-      leaves), instead of ``replicated``.
+    replicated: Which leaves every device of ``axis_name`` holds in full.
+    partition_specs: Where the leaves are sharded, instead of
+      ``replicated``. The three are explained in ``docs/sharding_args.md``.
 
   Returns:
     An :class:`optax.GradientTransformationExtraArgs` whose state is a
@@ -269,11 +267,9 @@ def skip_above(
     axis_name: Inside ``shard_map``/``pmap``, the axis over which the updates
       are sharded: the norm is reduced across it, so every device takes the
       same decision and keeps the same state.
-    replicated: Which leaves are the same on every device of ``axis_name``
-      (inferred inside ``shard_map`` with ``check_vma=True``), as for
-      :func:`jaxclip.ops.global_norm`.
-    partition_specs: Where the leaves are sharded (``PartitionSpec``
-      leaves), instead of ``replicated``.
+    replicated: Which leaves every device of ``axis_name`` holds in full.
+    partition_specs: Where the leaves are sharded, instead of
+      ``replicated``. The three are explained in ``docs/sharding_args.md``.
 
   Returns:
     An :class:`optax.GradientTransformationExtraArgs` whose state is a

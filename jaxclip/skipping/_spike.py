@@ -157,11 +157,9 @@ def skip_on_spike(
       it (``pmean``: pass each device's local loss), and a step skipped on
       any device is skipped on all, so every device takes the same decision
       and keeps the same state.
-    replicated: Which leaves are the same on every device of ``axis_name``
-      (inferred inside ``shard_map`` with ``check_vma=True``), as for
-      :func:`jaxclip.ops.global_norm`.
-    partition_specs: Where the leaves are sharded (``PartitionSpec``
-      leaves, e.g. ``shard_map``'s ``in_specs``), instead of ``replicated``.
+    replicated: Which leaves every device of ``axis_name`` holds in full.
+    partition_specs: Where the leaves are sharded, instead of
+      ``replicated``. The three are explained in ``docs/sharding_args.md``.
 
   Returns:
     An :class:`optax.GradientTransformationExtraArgs` whose state is a

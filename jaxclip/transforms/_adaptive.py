@@ -94,14 +94,12 @@ def adagc(
     warmup_steps: Steps ``t < warmup_steps`` clip by global norm (a
       non-negative int; may be traced).
     eps: Added to the global norm during warm-up, ``>= 0``.
-    axis_name: Inside ``shard_map``/``pmap``/a named ``vmap``, the axis over
-      which the updates are sharded: each leaf's statistic is reduced across
-      it, so every device takes the same decision and keeps the same state.
-    replicated: Which leaves are the same on every device of ``axis_name``
-      (inferred inside ``shard_map`` with ``check_vma=True``), as for
-      :func:`jaxclip.ops.global_norm`.
-    partition_specs: Where the leaves are sharded (``PartitionSpec``
-      leaves, e.g. ``shard_map``'s ``in_specs``), instead of ``replicated``.
+    axis_name: Inside ``shard_map``/``pmap``/a named ``vmap``, the axis (or
+      tuple of axes) the updates are sharded over; ``None`` (default)
+      otherwise.
+    replicated: Which leaves every device of ``axis_name`` holds in full.
+    partition_specs: Where the leaves are sharded, instead of
+      ``replicated``. The three are explained in ``docs/sharding_args.md``.
 
   Returns:
     An :class:`optax.GradientTransformationExtraArgs` whose state is an
@@ -217,14 +215,12 @@ def adaptive_value_clip(
   Args:
     beta: EMA decay of the maxima (the reference code's ``theta``), in
       ``[0, 1)``. May be traced.
-    axis_name: Inside ``shard_map``/``pmap``/a named ``vmap``, the axis over
-      which the updates are sharded: each leaf's statistic is reduced across
-      it, so every device takes the same decision and keeps the same state.
-    replicated: Which leaves are the same on every device of ``axis_name``
-      (inferred inside ``shard_map`` with ``check_vma=True``), as for
-      :func:`jaxclip.ops.global_norm`.
-    partition_specs: Where the leaves are sharded (``PartitionSpec``
-      leaves, e.g. ``shard_map``'s ``in_specs``), instead of ``replicated``.
+    axis_name: Inside ``shard_map``/``pmap``/a named ``vmap``, the axis (or
+      tuple of axes) the updates are sharded over; ``None`` (default)
+      otherwise.
+    replicated: Which leaves every device of ``axis_name`` holds in full.
+    partition_specs: Where the leaves are sharded, instead of
+      ``replicated``. The three are explained in ``docs/sharding_args.md``.
 
   Returns:
     An :class:`optax.GradientTransformationExtraArgs` whose state is an
@@ -337,14 +333,12 @@ def adaptive_norm_scale(
     beta2: Decay of the squared norm's EMA (``gamma2``), in ``[0, 1)``. May
       be traced.
     eps: Added to :math:`\sqrt{\hat v}`, ``>= 0``. May be traced.
-    axis_name: Inside ``shard_map``/``pmap``/a named ``vmap``, the axis over
-      which the updates are sharded: each leaf's statistic is reduced across
-      it, so every device takes the same decision and keeps the same state.
-    replicated: Which leaves are the same on every device of ``axis_name``
-      (inferred inside ``shard_map`` with ``check_vma=True``), as for
-      :func:`jaxclip.ops.global_norm`.
-    partition_specs: Where the leaves are sharded (``PartitionSpec``
-      leaves, e.g. ``shard_map``'s ``in_specs``), instead of ``replicated``.
+    axis_name: Inside ``shard_map``/``pmap``/a named ``vmap``, the axis (or
+      tuple of axes) the updates are sharded over; ``None`` (default)
+      otherwise.
+    replicated: Which leaves every device of ``axis_name`` holds in full.
+    partition_specs: Where the leaves are sharded, instead of
+      ``replicated``. The three are explained in ``docs/sharding_args.md``.
 
   Returns:
     An :class:`optax.GradientTransformationExtraArgs` whose state is an
