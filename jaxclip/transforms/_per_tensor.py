@@ -18,6 +18,7 @@ flag for the whole step.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -197,37 +198,71 @@ def per_tensor_transform(
 def _leaf_rule(rule, stat, olds, total, prev_count, count, finite):
   """The rule on each leaf's own scalars: ``(coefficients per leaf, new stats per field)``.
 
-  XLA fuses each leaf's arithmetic into that leaf's kernels.
+  XLA fuses each leaf's arithmetic into that leaf's kernels. The rule is
+  traced once, as a jitted function that each leaf calls (one equation per
+  leaf, and XLA inlines it).
   """
+
+  @jax.jit
+  def leaf_step(n, old, total, prev_count, count, finite):
+    n = n.astype(jnp.float32)
+    n = _numerics.safe_sqrt(n) if rule.ord == 2 else n
+    cs, ns = rule.step(Step(n, total, old, prev_count, count))
+    return tuple(cs), tuple(jnp.where(finite, x, o) for x, o in zip(ns, old, strict=True))
+
   coefficients = []
   news: list[list[jax.Array]] = [[] for _ in olds]
   for j, n in enumerate(stat):
-    n = jnp.asarray(n).astype(jnp.float32)
-    n = _numerics.safe_sqrt(n) if rule.ord == 2 else n
-    old = tuple(o[j] for o in olds)
-    cs, ns = rule.step(Step(n, total, old, prev_count, count))
-    coefficients.append(tuple(cs))
-    for out, x, o in zip(news, ns, old, strict=True):
-      out.append(jnp.where(finite, x, o))
+    old = tuple(jnp.asarray(o[j], jnp.float32) for o in olds)
+    cs, ns = leaf_step(jnp.asarray(n), old, total, prev_count, count, finite)
+    coefficients.append(cs)
+    for out, x in zip(news, ns, strict=True):
+      out.append(x)
   return coefficients, news
 
 
 def _stacked_rule(rule, stat, olds, total, prev_count, count, finite):
   """:func:`_leaf_rule` on vectors of every leaf's scalars, read back at opaque indices (XLA:CPU).
 
-  The rule runs once on vectors; each leaf reads its coefficients and new
-  statistics at an index XLA cannot fold (:func:`jaxclip._kernel._platform.rows`),
-  so all the leaves of one shape share one kernel instead of one per leaf.
+  The rule runs once on vectors, and each result vector is computed by one
+  kernel that its readers share: XLA copies cheap elementwise ops into each
+  consumer's kernel, so without it every leaf's kernel would recompute the
+  whole rule; a maximum over two equal copies (exact, NaN included) is a
+  reduction, which XLA never copies. Each leaf then reads its coefficients
+  and new statistics at indices XLA cannot fold (:func:`_scalars`), so all
+  the leaves of one shape share one kernel instead of one per leaf.
   """
   k = len(stat)
   n = _vector(stat)
   n = _numerics.safe_sqrt(n) if rule.ord == 2 else n
   old = tuple(_vector(o) for o in olds)
   cs, ns = rule.step(Step(n, total, old, prev_count, count))
-  index = _platform.opaque_indices(k, n)
-  cs = [_platform.rows(jnp.broadcast_to(c, (k,)), 0, index) for c in cs]
-  news = [
-    _platform.rows(jnp.broadcast_to(jnp.where(finite, x, o), (k,)), 0, index)
-    for x, o in zip(ns, old, strict=True)
+  vectors = [jnp.broadcast_to(c, (k,)) for c in cs] + [
+    jnp.broadcast_to(jnp.where(finite, x, o), (k,)) for x, o in zip(ns, old, strict=True)
   ]
+  vectors = [jnp.max(jnp.broadcast_to(v, (2, k)), axis=0) for v in vectors]
+  index = _platform.opaque_indices(max(min(k, _ROW_INDICES), math.isqrt(k - 1) + 1), n)
+  vectors = [_scalars(v, index) for v in vectors]
+  cs, news = vectors[: len(cs)], vectors[len(cs) :]
   return [tuple(c[j] for c in cs) for j in range(k)], news
+
+
+# How many opaque indices _stacked_rule reads its vectors with (more for a
+# longer vector): a single reduction with thousands of outputs compiles in
+# time quadratic in their number.
+_ROW_INDICES = 512
+
+
+def _scalars(v: jax.Array, index: tuple[jax.Array, ...]) -> list[jax.Array]:
+  """The entries of the vector ``v``, each read at opaque indices (one kernel for all).
+
+  A vector longer than ``index`` is read as a matrix of rows of
+  ``len(index)``: a row at an opaque index, then its entry at another.
+  """
+  k, b = v.shape[0], len(index)
+  if k <= b:
+    return _platform.rows(v, 0, index[:k])
+  blocks = -(-k // b)
+  matrix = jnp.reshape(jnp.pad(v, (0, blocks * b - k)), (blocks, b))
+  rows = _platform.rows(matrix, 0, index[:blocks])
+  return [x for row in rows for x in _platform.rows(row, 0, index)][:k]
