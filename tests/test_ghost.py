@@ -665,7 +665,11 @@ def _reference(batch, seed):
 def _check(out, ref):
   assert int(out[1]) == int(ref[1]) and 0 < int(ref[1])
   for a, e in zip(jax.tree.leaves(out[0]), jax.tree.leaves(ref[0]), strict=True):
-    np.testing.assert_allclose(np.asarray(a), np.asarray(e), rtol=2e-5, atol=2e-6)
+    # An entry is a sum over examples whose terms may cancel: its float32
+    # rounding scales with the leaf's largest entry, not with its own size
+    # (the sharded sums add in another order than the reference's).
+    scale = max(1.0, float(np.max(np.abs(np.asarray(e)))))
+    np.testing.assert_allclose(np.asarray(a), np.asarray(e), rtol=2e-5, atol=2e-6 * scale)
 
 
 def md_ghost_in_shard_map():
