@@ -314,15 +314,14 @@ def test_a_nonfinite_gradient_never_reaches_the_state(bad):
 
 
 @pytest.mark.parametrize("k, b", [(5, 8), (8, 8), (9, 4), (1000, 40)])
-def test_scalars_reads_every_entry_of_a_vector_at_opaque_indices(k, b):
+def test_entries_reads_every_entry_of_a_vector_at_opaque_indices(k, b):
   from jaxclip._kernel import _platform
-  from jaxclip.transforms import _per_tensor
 
   v = jnp.arange(k, dtype=jnp.float32) * 1.5 - 7.0
 
   @jax.jit
   def read(v):
-    return jnp.stack(_per_tensor._scalars(v, _platform.opaque_indices(b, v)))
+    return jnp.stack(_platform.entries(v, _platform.opaque_indices(b, v)))
 
   np.testing.assert_array_equal(read(v), v)
   # Differentiable at the cost of the plain math: the tangent is the identity.

@@ -198,6 +198,43 @@ def opaque_indices(k: int, like: jax.Array) -> tuple[jax.Array, ...]:
   return tuple(jax.lax.reduce(operands, lowest, lambda a, b: tuple(map(jax.lax.max, a, b)), (0,)))
 
 
+# At most this many opaque indices read a vector's entries (entry_indices):
+# a single reduction with thousands of outputs compiles in time quadratic in
+# their number (0.75 s for 400, 8.8 s for 1,600), so a longer vector is read
+# in blocks.
+_ENTRY_INDICES = 512
+
+
+def materialized(v: jax.Array) -> jax.Array:
+  """``v``, computed by one kernel that all its readers share (XLA:CPU).
+
+  XLA copies cheap elementwise ops into the kernel of each consumer: a
+  vector made from every leaf's scalars, read one entry per leaf, would be
+  recomputed in every leaf's kernel. A maximum over two equal copies is exact
+  (NaN included) and is a reduction, which XLA does not copy.
+  """
+  return jnp.max(jnp.broadcast_to(v, (2,) + v.shape), axis=0)
+
+
+def entry_indices(k: int, like: jax.Array) -> tuple[jax.Array, ...]:
+  """The :func:`opaque_indices` with which :func:`entries` reads a ``k``-vector."""
+  return opaque_indices(max(min(k, _ENTRY_INDICES), math.isqrt(k - 1) + 1), like)
+
+
+def entries(v: jax.Array, index: tuple[jax.Array, ...]) -> list[jax.Array]:
+  """The entries of the vector ``v``, each read at opaque indices: one kernel for all.
+
+  A vector longer than ``index`` is read as a matrix of rows of
+  ``len(index)``: a row at an opaque index, then its entry at another.
+  """
+  k, b = v.shape[0], len(index)
+  if k <= b:
+    return rows(v, 0, index[:k])
+  blocks = -(-k // b)
+  matrix = jnp.reshape(jnp.pad(v, (0, blocks * b - k)), (blocks, b))
+  return [x for row in rows(matrix, 0, index[:blocks]) for x in rows(row, 0, index)][:k]
+
+
 def rows(stacked: jax.Array, first: int, indices: tuple[jax.Array, ...] | None) -> list[jax.Array]:
   """Rows ``first, first + 1, ...`` of ``stacked``, each of the stack's row shape.
 

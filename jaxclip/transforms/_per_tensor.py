@@ -18,7 +18,6 @@ flag for the whole step.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -227,10 +226,10 @@ def _stacked_rule(rule, stat, olds, total, prev_count, count, finite):
   The rule runs once on vectors, and each result vector is computed by one
   kernel that its readers share: XLA copies cheap elementwise ops into each
   consumer's kernel, so without it every leaf's kernel would recompute the
-  whole rule; a maximum over two equal copies (exact, NaN included) is a
-  reduction, which XLA never copies. Each leaf then reads its coefficients
-  and new statistics at indices XLA cannot fold (:func:`_scalars`), so all
-  the leaves of one shape share one kernel instead of one per leaf.
+  whole rule (:func:`jaxclip._kernel._platform.materialized`). Each leaf
+  then reads its coefficients and new statistics at indices XLA cannot fold
+  (:func:`jaxclip._kernel._platform.entries`), so all the leaves share one
+  kernel instead of one per leaf.
   """
   k = len(stat)
   n = _vector(stat)
@@ -240,29 +239,7 @@ def _stacked_rule(rule, stat, olds, total, prev_count, count, finite):
   vectors = [jnp.broadcast_to(c, (k,)) for c in cs] + [
     jnp.broadcast_to(jnp.where(finite, x, o), (k,)) for x, o in zip(ns, old, strict=True)
   ]
-  vectors = [jnp.max(jnp.broadcast_to(v, (2, k)), axis=0) for v in vectors]
-  index = _platform.opaque_indices(max(min(k, _ROW_INDICES), math.isqrt(k - 1) + 1), n)
-  vectors = [_scalars(v, index) for v in vectors]
+  index = _platform.entry_indices(k, n)
+  vectors = [_platform.entries(_platform.materialized(v), index) for v in vectors]
   cs, news = vectors[: len(cs)], vectors[len(cs) :]
   return [tuple(c[j] for c in cs) for j in range(k)], news
-
-
-# How many opaque indices _stacked_rule reads its vectors with (more for a
-# longer vector): a single reduction with thousands of outputs compiles in
-# time quadratic in their number.
-_ROW_INDICES = 512
-
-
-def _scalars(v: jax.Array, index: tuple[jax.Array, ...]) -> list[jax.Array]:
-  """The entries of the vector ``v``, each read at opaque indices (one kernel for all).
-
-  A vector longer than ``index`` is read as a matrix of rows of
-  ``len(index)``: a row at an opaque index, then its entry at another.
-  """
-  k, b = v.shape[0], len(index)
-  if k <= b:
-    return _platform.rows(v, 0, index[:k])
-  blocks = -(-k // b)
-  matrix = jnp.reshape(jnp.pad(v, (0, blocks * b - k)), (blocks, b))
-  rows = _platform.rows(matrix, 0, index[:blocks])
-  return [x for row in rows for x in _platform.rows(row, 0, index)][:k]
