@@ -311,18 +311,3 @@ def test_a_nonfinite_gradient_never_reaches_the_state(bad):
     np.testing.assert_array_equal(
       np.asarray(tx.update(warm, after)[0]["w"]), np.asarray(tx.update(warm, state)[0]["w"])
     )
-
-
-@pytest.mark.parametrize("k, b", [(5, 8), (8, 8), (9, 4), (1000, 40)])
-def test_entries_reads_every_entry_of_a_vector_at_opaque_indices(k, b):
-  from jaxclip._kernel import _platform
-
-  v = jnp.arange(k, dtype=jnp.float32) * 1.5 - 7.0
-
-  @jax.jit
-  def read(v):
-    return jnp.stack(_platform.entries(v, _platform.opaque_indices(b, v)))
-
-  np.testing.assert_array_equal(read(v), v)
-  # Differentiable at the cost of the plain math: the tangent is the identity.
-  np.testing.assert_array_equal(jax.grad(lambda v: jnp.sum(read(v) * v))(v), 2 * v)
