@@ -24,7 +24,11 @@ are the same; ``check`` below asserts it for every row):
   flags passed through one kernel) replaced by the identity;
 * ``stacked_rules``: the per-tensor rules (AdaGC and its siblings) run once on
   vectors of every leaf's scalars, read back at opaque indices
-  (``_per_tensor._stacked_rule``), replaced by the rule on each leaf's scalars.
+  (``_per_tensor._stacked_rule``), replaced by the rule on each leaf's scalars;
+* ``segment_parts``: in those vectors, the small leaves' parts computed by
+  one segment reduction of their concatenated terms
+  (``_platform.small_parts``, via ``_numerics.part_vector``), replaced by one
+  reduction per leaf.
 
 The rows' custom JVP and custom vmap rules (``_platform.rows``) are not
 switches: without them ``jax.grad`` and ``jax.vmap`` of a stacked clip are
@@ -74,6 +78,10 @@ def _plain_scales(fn, leaves, companions, sizes, ord, axes_of, operands):
   return _numerics._scale_plain(fn, ord, axes_of, leaves, companions, operands)
 
 
+def _plain_part_vector(leaves, ord, acc):
+  return jnp.stack(_numerics.leaf_parts(leaves, ord, acc))
+
+
 def _plain_grouped(leaves, ord, acc):
   return [_numerics._leaf_part(_numerics.as_array(x), ord).astype(acc) for x in leaves]
 
@@ -85,6 +93,7 @@ SWITCHES: dict[str, Callable[[], contextlib.AbstractContextManager]] = {
   "opaque_indices": lambda: _patched(_numerics, _STATIC_ROWS=0),
   "grouped_parts": lambda: _patched(_numerics, _grouped_parts=_plain_grouped),
   "stacked_rules": lambda: _patched(_per_tensor, _stacked_rule=_per_tensor._leaf_rule),
+  "segment_parts": lambda: _patched(_numerics, part_vector=_plain_part_vector),
   "computed_once": lambda: _patched(_numerics, computed_once=lambda flag: jnp.asarray(flag)),
 }
 
@@ -177,6 +186,14 @@ ROWS: dict[str, list[tuple[str, str, Callable[[], Callable[[], dict]]]]] = {
       "adaptive_norm_scale compile, 400 mixed leaves",
       "s",
       lambda: compile_row(lambda: jaxclip.adaptive_norm_scale(), 400),
+    ),
+  ],
+  "segment_parts": [
+    ("adagc compile, 400 mixed leaves", "s", lambda: compile_row(lambda: jaxclip.adagc(), 400)),
+    (
+      "adaptive_value_clip compile, 400 mixed leaves",
+      "s",
+      lambda: compile_row(lambda: jaxclip.adaptive_value_clip(), 400),
     ),
   ],
   "grouped_parts": [

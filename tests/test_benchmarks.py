@@ -467,6 +467,7 @@ _TRICK_PROBES = {
   "opaque_indices": lambda: (jaxclip.clip_by_norm(1.0), _probe_tree(3, (4,))),
   "grouped_parts": lambda: (jaxclip.clip_by_global_norm(1.0), _probe_tree(3, (4,))),
   "stacked_rules": lambda: (jaxclip.adagc(), _probe_tree(3, (4,))),
+  "segment_parts": lambda: (jaxclip.adaptive_value_clip(), _probe_tree(3, (4,))),
   "computed_once": lambda: (jaxclip.skip_nonfinite(optax.sgd(0.1)), _probe_tree(3, (4,))),
 }
 

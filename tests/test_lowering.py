@@ -231,7 +231,14 @@ def _exported_text(name, platform):
 
 
 _PER_LEAF = ("clip_by_norm", "clip_by_block_rms", "adaptive_grad_clip")
-_CPU_ONLY = ("stablehlo.optimization_barrier", "stablehlo.dynamic_slice", "stablehlo.slice")
+# The per-tensor rules' small leaves are reduced by one segment reduction on CPU.
+_SEGMENTED = ("adagc", "adaptive_value_clip", "adaptive_norm_scale")
+_CPU_ONLY = (
+  "stablehlo.optimization_barrier",
+  "stablehlo.dynamic_slice",
+  "stablehlo.slice",
+  "stablehlo.scatter",
+)
 
 
 @pytest.mark.hlo
@@ -248,6 +255,8 @@ def test_programs_for_gpu_and_tpu_carry_no_cpu_workaround(name, platform):
   assert "stablehlo.optimization_barrier" in cpu_text
   if name in _PER_LEAF:
     assert "stablehlo.concatenate" in cpu_text
+  if name in _SEGMENTED:
+    assert "stablehlo.scatter" in cpu_text
 
 
 @pytest.mark.parametrize("name", sorted(CLIPS))
@@ -266,6 +275,28 @@ def test_the_path_of_other_platforms_computes_the_same(name, monkeypatch):
       rtol=1e-2 if a.dtype != jnp.float32 else 1e-6,
       atol=1e-6,
     )
+
+
+@pytest.mark.parametrize("op", ["sum", "max"])
+def test_small_parts_reduces_each_array_in_one_segment_reduction(op):
+  rng = np.random.default_rng(0)
+  terms = tuple(
+    jnp.asarray(np.abs(rng.normal(size=shape)), jnp.float32)
+    for shape in [(3,), (1,), (4, 5), (65,), (2, 1, 3)]
+  )
+  plain = lambda ts: jnp.stack([_platform.plain_reduce(t, op, None, False) for t in ts])
+  parts = jax.jit(lambda ts: _platform.small_parts(ts, op))
+  np.testing.assert_allclose(parts(terms), plain(terms), rtol=1e-6)
+  assert "scatter" in parts.lower(terms).as_text()
+  assert "stablehlo.reduce" not in parts.lower(terms).as_text()
+  # Derivatives are the plain reductions': a gradient at 0 is finite.
+  weights = jnp.arange(1.0, 6.0)
+  grad = jax.grad(lambda ts: jnp.sum(_platform.small_parts(ts, op) * weights))
+  reference = jax.grad(lambda ts: jnp.sum(plain(ts) * weights))(terms)
+  for a, b in zip(grad(terms), reference, strict=True):
+    np.testing.assert_allclose(a, b, rtol=1e-6)
+  zeros = tuple(jnp.zeros_like(t) for t in terms)
+  assert all(np.isfinite(g).all() for g in grad(zeros))
 
 
 @pytest.mark.parametrize("k, b", [(5, 8), (8, 8), (9, 4), (1000, 40)])

@@ -75,6 +75,10 @@ def plain_reduce(
   """``jnp.sum`` (``op="sum"``) or ``jnp.max`` (0 for empty) of ``terms``."""
   if op == "sum":
     return jnp.sum(terms, axis=axes, keepdims=keepdims)
+  if all(terms.shape[a] for a in (range(terms.ndim) if axes is None else axes)):
+    # No ``initial``: its ``max(m, 0)`` changes nothing for non-negative terms,
+    # and would be a kernel of its own after every reduction on XLA:CPU.
+    return jnp.max(terms, axis=axes, keepdims=keepdims)
   # ``initial`` makes the max of an empty leaf 0, as its norm.
   return jnp.max(terms, axis=axes, keepdims=keepdims, initial=0.0)
 
@@ -152,6 +156,35 @@ def _float16_reduce_cpu(
 @_float16_reduce_cpu.defjvp
 def _float16_reduce_cpu_jvp(op, axes, keepdims, primals, tangents):
   return jax.jvp(lambda t: plain_reduce(t, op, axes, keepdims), primals, tangents)
+
+
+# ----------------------------------------------------------------------------
+# Every small leaf's own sum, one kernel each (XLA:CPU)
+# ----------------------------------------------------------------------------
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(1,))
+def small_parts(terms: tuple[jax.Array, ...], op: str) -> jax.Array:
+  """The sum (``op="sum"``) or max of each non-empty array of ``terms``, as one vector (XLA:CPU).
+
+  For the many small leaves of a tree whose every leaf's norm is needed.
+  XLA:CPU compiles a reduction kernel per leaf slowly (about 3 ms each at
+  400 leaves, more than twice an elementwise kernel); here every leaf's terms
+  are concatenated into one vector and reduced by segment, in one kernel for
+  all. Derivatives are the plain reductions'.
+  """
+  sizes = [t.size for t in terms]
+  flat = jnp.concatenate([jnp.ravel(t) for t in terms])
+  segments = np.repeat(np.arange(len(terms), dtype=np.int32), sizes)
+  reduce = jax.ops.segment_sum if op == "sum" else jax.ops.segment_max
+  return reduce(flat, segments, len(terms), indices_are_sorted=True)
+
+
+@small_parts.defjvp
+def _small_parts_jvp(op, primals, tangents):
+  return jax.jvp(
+    lambda ts: jnp.stack([plain_reduce(t, op, None, False) for t in ts]), primals, tangents
+  )
 
 
 # ----------------------------------------------------------------------------

@@ -172,7 +172,7 @@ def zero_nonfinite(
     _validation.numeric_leaves(updates, "zero_nonfinite", promote=False)
     # lax ops, a few per leaf: jnp's nested functions make tracing thousands
     # of leaves slow.
-    counts, zeros_like = {}, _scaffold._zeros_like_maker()
+    bad, zeros_like = {}, _scaffold._zeros_like_maker()
 
     def repair(leaf):
       x = _numerics.as_array(leaf)
@@ -181,17 +181,20 @@ def zero_nonfinite(
       finite = (
         jax.lax.is_finite(x) if jnp.issubdtype(x.dtype, jnp.floating) else jnp.isfinite(x)
       )  # complex: both parts finite
-      bad = jax.lax.convert_element_type(jax.lax.bitwise_not(finite), jnp.int32)
-      counts[id(leaf)] = jax.lax.reduce_sum(bad, tuple(range(x.ndim)))
+      bad[id(leaf)] = jax.lax.convert_element_type(jax.lax.bitwise_not(finite), jnp.int32)
       return jax.lax.select(finite, x, zeros_like(x))
 
     repaired = jax.tree.map(repair, updates)
     if axis_name is None:
-      count = sum(counts.values(), jnp.zeros((), jnp.int32))
+      count = _numerics.count_sum(list(bad.values()))
     else:  # a replicated leaf's entries count once
       count = _reduction.sum_across_devices(
         updates,
-        lambda leaves: [counts[id(x)] for x in leaves if id(x) in counts],
+        lambda leaves: [
+          jax.lax.reduce_sum(bad[id(x)], tuple(range(bad[id(x)].ndim)))
+          for x in leaves
+          if id(x) in bad
+        ],
         axis_name,
         replicated,
         partition_specs,

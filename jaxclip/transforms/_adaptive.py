@@ -254,18 +254,9 @@ def adaptive_value_clip(
     return (bound, _numerics.safe_divide(bound, top, top > 0, otherwise=1)), (m,)
 
   rule = _per_tensor.Rule(
-    "adaptive_value_clip", AdaptiveValueClipState, math.inf, step, _clip_entries
+    "adaptive_value_clip", AdaptiveValueClipState, math.inf, step, _numerics.scale_entries_above
   )
   return _per_tensor.per_tensor_transform(rule, axis_name, replicated, partition_specs)
-
-
-def _clip_entries(x: jax.Array, bound: jax.Array, factor: jax.Array) -> jax.Array:
-  """``x * factor`` where ``|x| > bound``, else ``x``, formed in float32 for half precision."""
-  dtype = _numerics.compute_dtype(x.dtype)
-  xc = x.astype(dtype)
-  magnitude = jnp.abs(xc)
-  over = magnitude > bound.astype(magnitude.dtype)
-  return jnp.where(over, xc * factor.astype(dtype), xc).astype(x.dtype)
 
 
 # ---------------------------------------------------------------- AdaGN

@@ -18,6 +18,7 @@ flag for the whole step.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -160,24 +161,26 @@ def per_tensor_transform(
           f"{rule.fn_name}'s state has a {field} of another structure than its {stat_fields[0]}."
         )
     leaves, treedef = jax.tree.flatten(updates)
-    stat, total = _reduction.tree_leaf_parts(
-      updates, rule.ord, axis_name, replicated, partition_specs
+    # Across devices the parts are summed outside the platform choice; on one
+    # device each branch reads them its own way.
+    parts = (
+      None
+      if axis_name is None
+      else _reduction.tree_leaf_parts(updates, rule.ord, axis_name, replicated, partition_specs)
     )
-    total = jnp.asarray(_numerics.safe_sqrt(total) if rule.ord == 2 else total).astype(jnp.float32)
     prev_count = state[-1]
     count = optax.safe_increment(prev_count)
-    # The guard: one flag for the whole step, read by every new statistic.
-    finite = _numerics.computed_once(jnp.all(jnp.isfinite(_vector(stat))) & jnp.isfinite(total))
     olds = [[_reshaped(values[i], ()) for i in positions] for values, _ in flat_stats]
-    coefficients, news = (
+    coefficients, news, finite = (
       _platform.on_cpu(
-        lambda st, ol: _stacked_rule(rule, st, ol, total, prev_count, count, finite),
-        lambda st, ol: _leaf_rule(rule, st, ol, total, prev_count, count, finite),
-        list(stat),
+        lambda ls, ps, ol: _stacked_rule(rule, ls, ps, ol, prev_count, count),
+        lambda ls, ps, ol: _leaf_rule(rule, ls, ps, ol, prev_count, count),
+        leaves,
+        parts,
         olds,
       )
       if positions
-      else ([], [[] for _ in olds])
+      else ([], [[] for _ in olds], jnp.ones((), jnp.bool_))
     )
     written = [list(values) for values, _ in flat_stats]
     for f, values in enumerate(written):
@@ -194,13 +197,29 @@ def per_tensor_transform(
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
-def _leaf_rule(rule, stat, olds, total, prev_count, count, finite):
-  """The rule on each leaf's own scalars: ``(coefficients per leaf, new stats per field)``.
+def _read(rule, leaves, parts):
+  """``(stat, total)``: each leaf's part (float32 scalars, or a vector) and the tree's statistic."""
+  if parts is None:
+    parts = _reduction.tree_leaf_parts(leaves, rule.ord)
+  stat, total = parts
+  total = jnp.asarray(_numerics.safe_sqrt(total) if rule.ord == 2 else total).astype(jnp.float32)
+  return stat, total
+
+
+def _guard(n, total):
+  """The non-finite guard: one flag for the whole step, read by every new statistic."""
+  return _numerics.computed_once(jnp.all(jnp.isfinite(n)) & jnp.isfinite(total))
+
+
+def _leaf_rule(rule, leaves, parts, olds, prev_count, count):
+  """The rule on each leaf's own scalars: ``(coefficients per leaf, new stats per field, finite)``.
 
   XLA fuses each leaf's arithmetic into that leaf's kernels. The rule is
   traced once, as a jitted function that each leaf calls (one equation per
   leaf, and XLA inlines it).
   """
+  stat, total = _read(rule, leaves, parts)
+  finite = _guard(_vector(stat), total)
 
   @jax.jit
   def leaf_step(n, old, total, prev_count, count, finite):
@@ -217,12 +236,15 @@ def _leaf_rule(rule, stat, olds, total, prev_count, count, finite):
     coefficients.append(cs)
     for out, x in zip(news, ns, strict=True):
       out.append(x)
-  return coefficients, news
+  return coefficients, news, finite
 
 
-def _stacked_rule(rule, stat, olds, total, prev_count, count, finite):
+def _stacked_rule(rule, leaves, parts, olds, prev_count, count):
   """:func:`_leaf_rule` on vectors of every leaf's scalars, read back at opaque indices (XLA:CPU).
 
+  On one device the parts are read as one vector
+  (:func:`jaxclip._kernel._numerics.part_vector`: the small leaves' by one
+  segment reduction, where a reduction kernel per leaf is slow to compile).
   The rule runs once on vectors, and each result vector is computed by one
   kernel that its readers share: XLA copies cheap elementwise ops into each
   consumer's kernel, so without it every leaf's kernel would recompute the
@@ -231,8 +253,14 @@ def _stacked_rule(rule, stat, olds, total, prev_count, count, finite):
   (:func:`jaxclip._kernel._platform.entries`), so all the leaves share one
   kernel instead of one per leaf.
   """
-  k = len(stat)
-  n = _vector(stat)
+  if parts is None:
+    vector = _numerics.part_vector(leaves, rule.ord, _numerics.tree_accumulation_dtype(leaves))
+    total = jnp.max(vector) if rule.ord == math.inf else jnp.sum(vector)
+    parts = (vector, total)
+  n, total = _read(rule, leaves, parts)
+  n = _vector(n) if isinstance(n, list) else n.astype(jnp.float32)
+  finite = _guard(n, total)
+  k = n.shape[0]
   n = _numerics.safe_sqrt(n) if rule.ord == 2 else n
   old = tuple(_vector(o) for o in olds)
   cs, ns = rule.step(Step(n, total, old, prev_count, count))
@@ -242,4 +270,4 @@ def _stacked_rule(rule, stat, olds, total, prev_count, count, finite):
   index = _platform.entry_indices(k, n)
   vectors = [_platform.entries(_platform.materialized(v), index) for v in vectors]
   cs, news = vectors[: len(cs)], vectors[len(cs) :]
-  return [tuple(c[j] for c in cs) for j in range(k)], news
+  return [tuple(c[j] for c in cs) for j in range(k)], news, finite
