@@ -259,6 +259,28 @@ def test_programs_for_gpu_and_tpu_carry_no_cpu_workaround(name, platform):
     assert "stablehlo.scatter" in cpu_text
 
 
+@pytest.mark.hlo
+@pytest.mark.parametrize("platform", ["cuda", "tpu"])
+def test_zero_nonfinite_counts_by_segment_on_cpu_only(platform):
+  tree = _mixed_precision_tree()
+  tx = jaxclip.zero_nonfinite()
+
+  def text(p):
+    exported = jax.export.export(jax.jit(tx.update), platforms=(p,))(tree, tx.init(tree))
+    return exported.mlir_module()
+
+  assert "stablehlo.scatter" not in text(platform)
+  assert "stablehlo.scatter" in text("cpu")
+  # Both count alike: NaN and inf entries in leaves of every dtype.
+  bad = [x.at[..., 0].set(jnp.nan if i % 2 else jnp.inf) for i, x in enumerate(tree)]
+  cpu = jax.jit(tx.update)(bad, tx.init(bad))[1].num_nonfinite_zeroed
+  with pytest.MonkeyPatch.context() as m:
+    m.setattr(_platform, "on_cpu", lambda cpu, default, *args: default(*args))
+    default = jax.jit(tx.update)(bad, tx.init(bad))[1].num_nonfinite_zeroed
+  expected = sum(int(np.prod(x.shape[:-1])) for x in tree)
+  assert int(cpu) == int(default) == expected
+
+
 @pytest.mark.parametrize("name", sorted(CLIPS))
 def test_the_path_of_other_platforms_computes_the_same(name, monkeypatch):
   # What GPU and TPU run (the default branch of every workaround), run here.

@@ -76,8 +76,8 @@ def plain_reduce(
   if op == "sum":
     return jnp.sum(terms, axis=axes, keepdims=keepdims)
   if all(terms.shape[a] for a in (range(terms.ndim) if axes is None else axes)):
-    # No ``initial``: its ``max(m, 0)`` changes nothing for non-negative terms,
-    # and would be a kernel of its own after every reduction on XLA:CPU.
+    # No ``initial``: its ``max(m, 0)`` changes nothing for non-negative terms
+    # and adds an op after every reduction.
     return jnp.max(terms, axis=axes, keepdims=keepdims)
   # ``initial`` makes the max of an empty leaf 0, as its norm.
   return jnp.max(terms, axis=axes, keepdims=keepdims, initial=0.0)
@@ -159,7 +159,7 @@ def _float16_reduce_cpu_jvp(op, axes, keepdims, primals, tangents):
 
 
 # ----------------------------------------------------------------------------
-# Every small leaf's own sum, one kernel each (XLA:CPU)
+# Every small leaf's sum or max, one segment reduction for all (XLA:CPU)
 # ----------------------------------------------------------------------------
 
 
