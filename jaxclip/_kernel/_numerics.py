@@ -580,26 +580,24 @@ def count_sum(indicators: list[jax.Array]) -> jax.Array:
   (:func:`jaxclip._kernel._platform.small_parts`); elsewhere each array is
   reduced on its own.
   """
-  flat = [
-    jax.lax.convert_element_type(jax.lax.reshape(x, (x.size,)), jnp.int32)
-    for x in indicators
-    if x.size
-  ]
+  arrays = [jax.lax.convert_element_type(x, jnp.int32) for x in indicators if x.size]
 
-  def plain(flat):
-    return _sum_scalars([jax.lax.reduce_sum(x, (0,)) for x in flat])
+  def plain(arrays):
+    return _sum_scalars([jax.lax.reduce_sum(x, tuple(range(x.ndim))) for x in arrays])
 
-  def cpu(flat):
-    is_small = [x.size <= _SMALL_LEAF and _sharding.layout(x) is _sharding.LOCAL for x in flat]
-    small = tuple(x for x, s in zip(flat, is_small, strict=True) if s)
+  def cpu(arrays):
+    # Only where the whole array is on this device: flattening a sharded one
+    # would gather it.
+    is_small = [x.size <= _SMALL_LEAF and _sharding.layout(x) is _sharding.LOCAL for x in arrays]
+    small = tuple(x for x, s in zip(arrays, is_small, strict=True) if s)
     if len(small) < 2:
-      return plain(flat)
-    others = [x for x, s in zip(flat, is_small, strict=True) if not s]
+      return plain(arrays)
+    others = [x for x, s in zip(arrays, is_small, strict=True) if not s]
     return plain([_platform.small_parts(small, "sum"), *others])
 
-  if not flat:
+  if not arrays:
     return jnp.zeros((), jnp.int32)
-  return _platform.on_cpu(cpu, plain, flat)
+  return _platform.on_cpu(cpu, plain, arrays)
 
 
 def _sum_scalars(parts: list[jax.Array]) -> jax.Array:
