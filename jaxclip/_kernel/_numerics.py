@@ -24,7 +24,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from jaxclip._kernel import _platform, _sharding
 from jaxclip._kernel._typing import ArrayLike
@@ -285,28 +284,21 @@ def part_vector(leaves: list[Any], ord: float, acc: jnp.dtype) -> jax.Array:
   from a vector: the leaves of at most ``_SEQUENTIAL_BLOCK`` elements that lie
   whole on this device are reduced together by
   :func:`jaxclip._kernel._platform.small_parts` (one segment reduction, where
-  a reduction kernel per leaf is slow to compile); the others as
-  :func:`leaf_parts` does.
+  a reduction kernel per leaf is slow to compile); the others are reduced as
+  :func:`leaf_parts` does and enter that reduction as one term each.
   """
   leaves = [as_array(x) for x in leaves]
-  # Only where the whole leaf is on this device: concatenating a sharded leaf
-  # would gather it, where a plain reduction sums its parts across devices.
-  is_small = [
-    0 < x.size <= _platform._SEQUENTIAL_BLOCK and _sharding.layout(x) is _sharding.LOCAL
-    for x in leaves
-  ]
-  small = [i for i, s in enumerate(is_small) if s]
-  large = [i for i, s in enumerate(is_small) if not s]
   term = abs_sq if ord == 2 else safe_abs
-  vectors = []
-  if small:
-    terms = tuple(term(leaves[i]).astype(acc) for i in small)
-    vectors.append(_platform.small_parts(terms, "max" if ord == math.inf else "sum"))
-  if large:
-    vectors.append(jnp.stack([_leaf_part(leaves[i], ord).astype(acc) for i in large]))
-  if len(vectors) == 1:
-    return vectors[0]
-  return jnp.concatenate(vectors)[np.argsort(small + large)]
+
+  def terms(x):
+    # Only where the whole leaf is on this device: concatenating a sharded
+    # leaf would gather it, where a plain reduction sums its parts across
+    # devices. Any other leaf enters as its own reduced part.
+    if 0 < x.size <= _platform._SEQUENTIAL_BLOCK and _sharding.layout(x) is _sharding.LOCAL:
+      return term(x).astype(acc)
+    return jnp.reshape(_leaf_part(x, ord).astype(acc), (1,))
+
+  return _platform.small_parts(tuple(terms(x) for x in leaves), "max" if ord == math.inf else "sum")
 
 
 def _group_plan(leaves: list[jax.Array]) -> tuple[tuple[Any, tuple[int, ...]], ...]:
