@@ -277,11 +277,21 @@ def leaf_parts(leaves: list[Any], ord: float, acc: jnp.dtype) -> list[jax.Array]
   return [_leaf_part(as_array(x), ord).astype(acc) for x in leaves]
 
 
+def _segmentable(x: jax.Array) -> bool:
+  """Whether ``x`` goes whole into :func:`jaxclip._kernel._platform.small_parts`' concatenation.
+
+  Non-empty, at most ``_SMALL_LEAF`` entries, and whole on this device:
+  concatenating a sharded array would gather it, where a plain reduction
+  sums its parts across devices.
+  """
+  return 0 < x.size <= _SMALL_LEAF and _sharding.layout(x) is _sharding.LOCAL
+
+
 def part_vector(leaves: list[Any], ord: float, acc: jnp.dtype) -> jax.Array:
   """:func:`leaf_parts` as one vector in ``acc``, the small leaves' in one kernel (XLA:CPU).
 
   For the CPU branch of the per-tensor rules, which read every leaf's part
-  from a vector: the leaves of at most ``_SEQUENTIAL_BLOCK`` elements that lie
+  from a vector: the leaves of at most ``_SMALL_LEAF`` elements that lie
   whole on this device are reduced together by
   :func:`jaxclip._kernel._platform.small_parts` (one segment reduction, where
   a reduction kernel per leaf is slow to compile); the others are reduced as
@@ -291,12 +301,9 @@ def part_vector(leaves: list[Any], ord: float, acc: jnp.dtype) -> jax.Array:
   term = abs_sq if ord == 2 else safe_abs
 
   def terms(x):
-    # Only where the whole leaf is on this device: concatenating a sharded
-    # leaf would gather it, where a plain reduction sums its parts across
-    # devices. Any other leaf enters as its own reduced part.
-    if 0 < x.size <= _platform._SEQUENTIAL_BLOCK and _sharding.layout(x) is _sharding.LOCAL:
+    if _segmentable(x):
       return term(x).astype(acc)
-    return jnp.reshape(_leaf_part(x, ord).astype(acc), (1,))
+    return jnp.reshape(_leaf_part(x, ord).astype(acc), (1,))  # its own reduced part
 
   return _platform.small_parts(tuple(terms(x) for x in leaves), "max" if ord == math.inf else "sum")
 
@@ -578,9 +585,7 @@ def count_sum(indicators: list[jax.Array]) -> jax.Array:
     return _sum_scalars([jax.lax.reduce_sum(x, tuple(range(x.ndim))) for x in arrays])
 
   def cpu(arrays):
-    # Only where the whole array is on this device: flattening a sharded one
-    # would gather it.
-    is_small = [x.size <= _SMALL_LEAF and _sharding.layout(x) is _sharding.LOCAL for x in arrays]
+    is_small = [_segmentable(x) for x in arrays]
     small = tuple(x for x, s in zip(arrays, is_small, strict=True) if s)
     if len(small) < 2:
       return plain(arrays)
