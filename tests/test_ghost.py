@@ -25,7 +25,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxclip
-from jaxclip.privacy import _ghost
+from jaxclip.privacy import _ghost, _ghost_capture
 from tests.helpers import mlp_loss, mlp_problem, multi_device_checks
 
 N_DEVICES = 8
@@ -398,6 +398,78 @@ def test_flax_linen_scan_over_remat_blocks_gets_the_dot_rule_per_layer():
   assert rules["['ScanCheckpointBlock_0']['LayerNorm_0']['scale']"] == "instantiate"
 
 
+def _remat_model(remat):
+  """A scan over stacked layers (dot, lookup, bias) and a conv stem, optionally rematerialised."""
+  ks = jax.random.split(jax.random.key(4), 6)
+  n = lambda k, *s: 0.5 * jax.random.normal(k, s)
+  params = {
+    "conv": n(ks[0], 3, 2, 3, 3),  # OIHW
+    "w": n(ks[1], 3, 3, 3),
+    "b": n(ks[2], 3, 3),
+    "table": n(ks[3], 3, 7, 3),
+    "head": n(ks[4], 3, 2),
+  }
+  wrap = jax.checkpoint if remat else (lambda f: f)
+
+  @wrap
+  def stem(kernel, image):
+    out = jax.lax.conv_general_dilated(image[None], kernel, (1, 1), "SAME")[0]
+    return jnp.tanh(out).reshape(3, -1).T  # (positions, channels)
+
+  def loss(p, image, ids):
+    @wrap
+    def layer(h, lw):
+      return jnp.tanh(h @ lw["w"] + lw["b"]) + lw["table"][ids], None
+
+    h, _ = jax.lax.scan(layer, stem(p["conv"], image), {k: p[k] for k in ("w", "b", "table")})
+    return jnp.sum(jnp.sin(h @ p["head"])), jnp.sum(h)
+
+  images = jax.random.normal(ks[5], (10, 2, 3, 3))
+  ids = jax.random.randint(ks[5], (10, 9), 0, 7).at[:, 1].set(3)
+  return loss, params, images, ids
+
+
+@pytest.mark.parametrize("remat", [True, False])
+def test_rematerialised_layers_take_two_passes_and_hold_no_site_records(remat):
+  loss, params, images, ids = _remat_model(remat)
+  kwargs = dict(batch_argnums=(1, 2), has_aux=True)
+  for microbatch_size in (None, 4):  # 4: a padded last chunk
+    got, ref = _compare(loss, params, images, ids, microbatch_size=microbatch_size, **kwargs)
+    np.testing.assert_allclose(np.asarray(got[3]), np.asarray(ref[3]), rtol=1e-6)
+  plan = jaxclip.ghost_plan(loss, params, images, ids, batch_argnums=(1, 2), has_aux=True)
+  assert plan.rules == {
+    "['b']": "instantiate",
+    "['conv']": "conv",
+    "['head']": "dot",
+    "['table']": "lookup",
+    "['w']": "dot",
+  }
+  assert plan.passes == (2 if remat else 1)
+  assert ("two backward passes" in str(plan)) == remat
+  # Two passes: every ghost site's norms come out of the backward pass, one
+  # per example and iteration, and none of its a or g is kept.
+  traced = _ghost.trace(loss, params, [images, ids], [0, 1], has_aux=True)
+  ghost_sites = {u for u, _, _ in traced.plan.ghost}
+  assert traced.plan.probed == (ghost_sites if remat else frozenset())
+  probes = {u: _ghost._probe_sumsq(traced.plan.sites[u], k, r) for u, k, r in traced.plan.ghost}
+  inputs = _ghost.Inputs(
+    traced.closed,
+    traced.leaves,
+    traced.arg_leaves,
+    traced.batched,
+    None,
+    traced.plan.tapped,
+    {u: probes[u] for u in traced.plan.probed},
+  )
+  cap = _ghost_capture.capture(inputs, traced.plan.sites)
+  for u in ghost_sites:
+    stack = tuple(length for _, length in traced.plan.sites[u].stack)
+    if remat:
+      assert cap.drecs[u] == [] and [g.shape for g in cap.gs[u]] == [(10,) + stack]
+    else:
+      assert cap.drecs[u] and cap.gs[u][0].shape[1:] != stack
+
+
 def test_conv_rule_with_stride_padding_dilation_and_feature_groups():
   import flax.linen as linen
 
@@ -696,6 +768,12 @@ def _scan_loss(p, x):
   return jnp.sum(h**2)
 
 
+def _remat_scan_loss(p, x):
+  layer = jax.checkpoint(lambda h, lw: (jnp.tanh(h @ lw["w"] + lw["b"]), None))
+  h, _ = jax.lax.scan(layer, x, p)
+  return jnp.sum(h**2)
+
+
 def md_ghost_scan_over_layers_in_shard_map():
   _ghost._VMAP_RATIO = float("inf")
   ks = jax.random.split(jax.random.key(3), 3)
@@ -705,16 +783,17 @@ def md_ghost_scan_over_layers_in_shard_map():
   clip = float(np.median(np.asarray(norms)))
   ref = jaxclip.per_example_clipped_grad(_scan_loss, clip)(params, xs)
   mesh = jax.make_mesh((N_DEVICES,), ("data",))
-  for microbatch_size in (None, 1):
-    local = jaxclip.per_example_clipped_grad(
-      _scan_loss, clip, microbatch_size=microbatch_size, axis_name="data", method="ghost"
-    )
-    with jax.set_mesh(mesh):
-      sharded = jax.device_put(xs, NamedSharding(mesh, P("data")))
-      out = jax.jit(
-        jax.shard_map(local, mesh=mesh, in_specs=(P(), P("data")), out_specs=(P(), P()))
-      )(params, sharded)
-    _check(out, ref)
+  for loss in (_scan_loss, _remat_scan_loss):  # one pass, two passes
+    for microbatch_size in (None, 1):
+      local = jaxclip.per_example_clipped_grad(
+        loss, clip, microbatch_size=microbatch_size, axis_name="data", method="ghost"
+      )
+      with jax.set_mesh(mesh):
+        sharded = jax.device_put(xs, NamedSharding(mesh, P("data")))
+        out = jax.jit(
+          jax.shard_map(local, mesh=mesh, in_specs=(P(), P("data")), out_specs=(P(), P()))
+        )(params, sharded)
+      _check(out, ref)
 
 
 def _spmd(axis_type, loss, params, batch, ref, clip):
@@ -746,7 +825,8 @@ def md_ghost_under_spmd_axis_name_gathers_no_examples():
   params, x, y = mlp_problem(batch=32, seed=8)
   ref = jaxclip.per_example_clipped_grad(mlp_loss, 30.0, batch_argnums=(1, 2))(params, x, y)
   for axis_type in (jax.sharding.AxisType.Explicit, jax.sharding.AxisType.Auto):
-    _spmd(axis_type, mlp_loss, params, [x, y], ref, 30.0)
+    for loss in (mlp_loss, jax.checkpoint(mlp_loss)):  # one pass, two passes
+      _spmd(axis_type, loss, params, [x, y], ref, 30.0)
 
 
 test_multi_device = multi_device_checks(globals(), N_DEVICES)

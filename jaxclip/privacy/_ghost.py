@@ -54,9 +54,15 @@ static slices (a Python loop over ``W[l]``), and the iterations of a
 
 The clipped sum is then book-kept: ``sum_b w_b g_{u,b}`` pulled back through
 each site (one matmul for a dense layer) and through ``h``, with no second
-pass over the model. Where the plan's norms cost more than a share
-``_VMAP_RATIO`` of forming every per-example gradient (long sequences of
-narrow layers), the caller forms per-example gradients instead.
+pass over the model. Book-keeping holds every site's ``a`` and ``g`` until the
+norms are known; where a ghost site is rematerialised (``jax.checkpoint``,
+flax ``nn.remat``: the model asks for its activations to be recomputed, not
+kept), the plan takes two passes instead: each ghost site's norm is taken in
+the backward pass where its ``a`` and ``g`` meet (a probe whose gradient is
+the norm), and the clipped sum is the gradient of ``sum_b w_b loss_b``.
+Where the plan's norms cost more than a share ``_VMAP_RATIO`` of forming
+every per-example gradient (long sequences of narrow layers), the caller
+forms per-example gradients instead.
 
 The engine is four modules, one per step:
 
@@ -134,6 +140,9 @@ class Traced:
       non-arrays such as ``True`` or a string, are baked into ``closed``).
     batched: Which of ``arg_leaves`` carry the examples on axis 0.
     plan: From :func:`make_plan`.
+    loss: ``loss(leaves, arg_leaves)``, the traced function itself: what
+      ``closed`` computes, for the second pass of a two-pass plan.
+    has_aux: Whether ``loss`` returns ``(loss, aux)``.
   """
 
   closed: Any
@@ -143,6 +152,8 @@ class Traced:
   arg_leaves: list[Any]
   batched: list[bool]
   plan: Plan
+  loss: Callable[[Any, Any], Any]
+  has_aux: bool = False
 
 
 def _is_static(x: Any) -> bool:
@@ -212,7 +223,9 @@ def trace(
     )
   infos = input_infos([jnp.ndim(x) for x in leaves], batched)
   plan = make_plan(analyze(closed, infos), len(leaves))
-  return Traced(closed, out_shape, leaves, params_tree, arg_leaves, batched, plan)
+  return Traced(
+    closed, out_shape, leaves, params_tree, arg_leaves, batched, plan, flat_loss, has_aux
+  )
 
 
 # ----------------------------------------------------------------------------
@@ -244,13 +257,26 @@ def clipped_sum(
     in float32 (or wider).
   """
   plan = traced.plan
+  probes = {
+    u: _probe_sumsq(plan.sites[u], k, rule) for u, k, rule in plan.ghost if u in plan.probed
+  }
   inputs = Inputs(
-    traced.closed, traced.leaves, traced.arg_leaves, traced.batched, spmd_axis_name, plan.tapped
+    traced.closed,
+    traced.leaves,
+    traced.arg_leaves,
+    traced.batched,
+    spmd_axis_name,
+    plan.tapped,
+    probes,
   )
   cap = _ghost_capture.capture(inputs, plan.sites)
   norms = _numerics.safe_sqrt(plan_sumsq(plan, cap))
   weights, extra = weights_fn(norms)
-  return book_keep(cap, weights), norms, extra, cap.aux
+  if plan.two_pass:
+    grads = weighted_grad(traced, weights, spmd_axis_name=spmd_axis_name)
+  else:
+    grads = book_keep(cap, weights)
+  return grads, norms, extra, cap.aux
 
 
 def plan_sumsq(plan: Plan, cap: Captured) -> jax.Array:
@@ -258,6 +284,10 @@ def plan_sumsq(plan: Plan, cap: Captured) -> jax.Array:
   acc = _numerics.tree_accumulation_dtype(cap.leaves)  # as method="vmap" sums squares
   sumsq = jnp.zeros((cap.n,), acc)
   for u, k, rule in plan.ghost:
+    if u in plan.probed:  # taken in the backward pass, per scan iteration
+      part = cap.gs[u][0]
+      sumsq = sumsq + jnp.sum(part.reshape(cap.n, -1), axis=1).astype(acc)
+      continue
     sumsq = sumsq + _rule_sumsq(cap, u, k, rule).astype(acc)
   for pair in plan.tied:
     sumsq = sumsq + _tied_sumsq(cap, pair).astype(acc)
@@ -282,6 +312,21 @@ def _rule_sumsq(cap: Captured, u: int, k: int, rule: str) -> jax.Array:
   return _ghost_norms.per_iteration(site, lambda i, g: _ghost_norms.gather_sumsq(site, i, g), a, g)
 
 
+def _probe_sumsq(site: _ghost_capture.Site, k: int, rule: str) -> Callable[..., jax.Array]:
+  """``(pvals, dvals, gs) -> ||grad||^2`` of a ghost site, for one example and one iteration.
+
+  The rules take a leading batch axis; inside the backward pass (under the
+  batch's ``vmap``) the site's values are one example's.
+  """
+  one = lambda x: x[None]
+  if rule == "dot":
+    pos = site.param_positions()[k]
+    return lambda pv, dv, gs: _ghost_norms.dot_sumsq(site, pos, one(dv[0]), one(gs[0]))[0]
+  if rule == "conv":
+    return lambda pv, dv, gs: _ghost_norms.conv_sumsq(site, one(pv[k]), one(dv[0]), one(gs[0]))[0]
+  return lambda pv, dv, gs: _ghost_norms.gather_sumsq(site, one(dv[0]), one(gs[0]))[0]
+
+
 def _tied_sumsq(cap: Captured, pair: _ghost_rules.Tied) -> jax.Array:
   """A tied table's squared norms: its lookup's, its head's and twice their cross term."""
   (gu, _), (du, dk) = pair
@@ -293,6 +338,28 @@ def _tied_sumsq(cap: Captured, pair: _ghost_rules.Tied) -> jax.Array:
     + _ghost_norms.dot_sumsq(head, pos, a, g)
     + 2 * _ghost_norms.tied_cross(lookup, ids, rows, head, pos, a, g)
   )
+
+
+def weighted_grad(traced: Traced, weights: jax.Array, *, spmd_axis_name: Any) -> list[jax.Array]:
+  """``sum_b w_b grad_b`` as the gradient of ``sum_b w_b loss_b``: a second backward pass.
+
+  The pass of a two-pass plan: the model's own backward pass (recomputing
+  what its ``jax.checkpoint`` layers drop), with each example's loss weighted.
+  """
+  data = [x for x, b in zip(traced.arg_leaves, traced.batched, strict=True) if b]
+
+  def losses(ls):
+    def one(data_b):
+      it = iter(data_b)
+      args = [next(it) if b else x for x, b in zip(traced.arg_leaves, traced.batched, strict=True)]
+      out = traced.loss(ls, args)
+      return out[0] if traced.has_aux else out
+
+    return jax.vmap(one, spmd_axis_name=spmd_axis_name)(data)
+
+  out, vjp = jax.vjp(losses, traced.leaves)
+  (grads,) = vjp(weights.astype(out.dtype))
+  return [x.astype(jnp.promote_types(x.dtype, jnp.float32)) for x in grads]
 
 
 def book_keep(cap: Captured, weights: jax.Array) -> list[jax.Array]:

@@ -11,7 +11,10 @@ Three walkers share one traversal (:class:`_Walker`):
 * :class:`Analyzer` finds the sites, statically (no values);
 * :class:`Forward` evaluates one example, adds a zero to each site's float
   outputs (so that the gradient with respect to those zeros is the site's
-  output gradient ``g``) and records each site's data inputs ``a``;
+  output gradient ``g``) and records each site's data inputs ``a``; at a
+  *probed* site it records nothing and the gradient with respect to its zero
+  is the site's squared norm, computed from ``a`` and ``g`` in the backward
+  pass (:func:`_probe`);
 * :class:`ParamsPass` evaluates only what does not depend on the batch and
   records each site's param and const inputs.
 
@@ -24,14 +27,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import jax
 import jax.extend.core as jex
 import jax.numpy as jnp
 
-from jaxclip._kernel import _sharding
+from jaxclip._kernel import _numerics, _sharding
 
 PARAM, DATA, CONST = "param", "data", "const"
 # Call primitives whose body is walked when a parameter goes in (so that the
@@ -92,6 +95,9 @@ class Site:
     stack: ``(scan id, length)`` of each ``lax.scan`` the site is in,
       outermost first: its records then carry one leading axis per scan (one
       entry per iteration).
+    remat: Whether the site is inside a rematerialised call
+      (``jax.checkpoint``, flax ``nn.remat``): the model asks for its
+      activations to be recomputed rather than kept.
   """
 
   eqn: Any
@@ -101,6 +107,7 @@ class Site:
   out_avals: tuple[Any, ...]
   rules: tuple[str, ...]
   stack: Stack = ()
+  remat: bool = False
 
   @property
   def name(self) -> str:
@@ -455,8 +462,18 @@ class _Walker:
 class Analyzer(_Walker):
   """Finds the sites (``self.sites``), from the classes of the values alone."""
 
+  in_remat = False  # whether the walk is inside a rematerialised call
+
   def computes(self, info: _Info) -> bool:
     return False
+
+  def call(self, eqn: Any, body: tuple[Any, list[Any]], ins: list[Pair]) -> list[Pair]:
+    saved = self.in_remat
+    self.in_remat = saved or eqn.primitive.name in _REMATS
+    try:
+      return super().call(eqn, body, ins)
+    finally:
+      self.in_remat = saved
 
   def site(self, eqn: Any, vals: list[Any], infos: list[_Info], aval: Any = None) -> list[Any]:
     roles = _roles(eqn, infos)
@@ -471,6 +488,7 @@ class Analyzer(_Walker):
         tuple(avals[j] for j in outs),
         tuple(_rule(eqn, roles, p) for p, r in enumerate(roles) if r == PARAM),
         self.stack,
+        self.in_remat,
       )
     )
     self.records.append(None)
@@ -491,12 +509,17 @@ class Forward(_Walker):
   The zeros ``zs[u]`` go to the float outputs of site ``u`` (the gradient with
   respect to them is the site's output gradient ``g``), or, for a site in
   ``tapped``, to its param inputs (the gradient is then the example's
-  gradient of those inputs, and nothing is recorded).
+  gradient of those inputs, and nothing is recorded). A site in ``probed``
+  gets one scalar zero, whose gradient is the site's squared norm (see
+  :func:`_probe`), and records nothing.
 
   Args:
     zs: For each site from ``base`` on, the zeros added to it.
     sites: The sites, from :class:`Analyzer`.
     tapped: The sites whose param inputs get the zeros.
+    probed: For each probed site, ``fn(pvals, dvals, gs)``: one example's
+      squared norm from the site's param and data inputs and its output
+      gradients (of one scan iteration).
   """
 
   def __init__(
@@ -504,15 +527,32 @@ class Forward(_Walker):
     zs: Sequence[Sequence[Any]],
     sites: Sequence[Site],
     tapped: frozenset[int] = frozenset(),
+    probed: Mapping[int, Callable[..., Any]] | None = None,
     **kwargs: Any,
   ):
     super().__init__(sites, **kwargs)
     self.zs = zs
     self.tapped = tapped
+    self.probed = probed or {}
 
   def site(self, eqn: Any, vals: list[Any], infos: list[_Info], aval: Any = None) -> list[Any]:
     index = len(self.records)
     roles = _roles(eqn, infos)
+    if eqn is not None and self.base + index in self.probed:
+      self.records.append([])
+      out = bind(eqn, vals)
+      floats = _float_outs(eqn, aval)
+      (z,) = self.zs[index]
+      probed = _probe(
+        self.probed[self.base + index],
+        [out[j] for j in floats],
+        [v for v, r in zip(vals, roles, strict=True) if r == PARAM],
+        [v for v, r in zip(vals, roles, strict=True) if r == DATA],
+        z,
+      )
+      for j, x in zip(floats, probed, strict=True):
+        out[j] = x
+      return out
     if eqn is not None and self.base + index in self.tapped:
       self.records.append([])
       zs = iter(self.zs[index])
@@ -528,7 +568,7 @@ class Forward(_Walker):
     return list(self.zs[u0 - self.base : u1 - self.base])
 
   def child(self, zs: Any, *, base: int, stack: Stack, scans: int) -> Forward:
-    return Forward(zs, self.sites, self.tapped, base=base, stack=stack, scans=scans)
+    return Forward(zs, self.sites, self.tapped, self.probed, base=base, stack=stack, scans=scans)
 
   def call(self, eqn: Any, body: tuple[Any, list[Any]], ins: list[Pair]) -> list[Pair]:
     if eqn.primitive.name in _REMATS:
@@ -559,6 +599,36 @@ class Forward(_Walker):
     self.scans = found["scans"]
     self.records.extend(records)
     return list(zip(outs, found["infos"], strict=True))
+
+
+def _probe(
+  fn: Callable[..., Any], outs: list[Any], pvals: list[Any], dvals: list[Any], z: Any
+) -> list[Any]:
+  """``outs``, unchanged; the gradient with respect to ``z`` is ``fn(pvals, dvals, gs)``.
+
+  ``gs`` are the gradients with respect to ``outs``, which pass through
+  unchanged: the backward pass computes the site's squared norm where its
+  ``a`` and ``g`` meet, and nothing of the site outlives that step (inside a
+  rematerialised layer, ``a`` is recomputed there as the model asks). Inside
+  a ``lax.scan`` the gradient with respect to a per-iteration ``z`` is that
+  iteration's norm.
+  """
+
+  @jax.custom_vjp
+  def identity(outs, pvals, dvals, z):
+    return outs
+
+  def fwd(outs, pvals, dvals, z):
+    return outs, (pvals, dvals)
+
+  def bwd(res, gs):
+    pvals, dvals = res
+    return gs, None, None, fn(pvals, dvals, gs).astype(dtype)
+
+  dtype = z.dtype
+
+  identity.defvjp(fwd, bwd)
+  return identity(outs, pvals, dvals, z)
 
 
 class ParamsPass(_Walker):
@@ -634,6 +704,8 @@ class Inputs(NamedTuple):
     spmd_axis_name: Passed to ``vmap``.
     tapped: The sites whose per-example param-input gradients are taken in
       the backward pass instead of their output gradients.
+    probed: The sites whose squared norms are taken in the backward pass
+      (see :class:`Forward`).
   """
 
   closed: Any
@@ -642,6 +714,7 @@ class Inputs(NamedTuple):
   batched: Sequence[bool]
   spmd_axis_name: Any
   tapped: frozenset[int] = frozenset()
+  probed: Mapping[int, Callable[..., Any]] = {}
 
   def infos(self) -> list[_Info]:
     return input_infos([jnp.ndim(x) for x in self.leaves], self.batched)
@@ -661,7 +734,8 @@ class Captured(NamedTuple):
       then one axis per enclosing scan).
     gs: Per site, the gradient of each example's loss with respect to each
       float output (same leading axes); for a site in ``tapped``, with
-      respect to each param input instead.
+      respect to each param input instead; for a probed site, its squared
+      norms (one per example and scan iteration).
     pvals: Per site, its param inputs (one axis per enclosing scan).
     cvals: Per site, its const inputs.
     params_pass: ``leaves -> (pvals, cvals)``.
@@ -723,7 +797,7 @@ def _site_gradients(inputs: Inputs, sites: Sequence[Site]) -> tuple[list, list, 
     return [next(it) if b else x for x, b in zip(inputs.arg_leaves, inputs.batched, strict=True)]
 
   def one(zs_b, data_b):
-    walker = Forward(zs_b, sites, inputs.tapped)
+    walker = Forward(zs_b, sites, inputs.tapped, inputs.probed)
     ins = list(zip(inputs.leaves + merge(data_b), in_infos, strict=True))
     outs = walker.run(inputs.closed, ins)
     return outs[0], (outs[1:], walker.records)
@@ -732,10 +806,13 @@ def _site_gradients(inputs: Inputs, sites: Sequence[Site]) -> tuple[list, list, 
     loss, rest = jax.vmap(one, spmd_axis_name=inputs.spmd_axis_name)(zs, data)
     return jnp.sum(loss), rest
 
+  acc = _numerics.tree_accumulation_dtype(inputs.leaves)
   zs = [
     tuple(
       _batch_zeros((n,) + tuple(length for _, length in s.stack) + a.shape, a.dtype, data[0])
-      for a in s.zero_avals(u in inputs.tapped)
+      for a in (
+        [jax.ShapeDtypeStruct((), acc)] if u in inputs.probed else s.zero_avals(u in inputs.tapped)
+      )
     )
     for u, s in enumerate(sites)
   ]

@@ -43,9 +43,15 @@ class GhostPlan:
   Attributes:
     leaves: One :class:`GhostLeafPlan` per parameter leaf, in
       ``jax.tree_util.tree_flatten_with_path`` order.
+    passes: ``1`` where the clipped sum is book-kept from the norms' own
+      backward pass; ``2`` where a ghost rule's layer is rematerialised
+      (``jax.checkpoint``, flax ``nn.remat``): the norms are taken in one
+      backward pass, which keeps nothing per layer, and the clipped sum is a
+      second, weighted backward pass.
   """
 
   leaves: tuple[GhostLeafPlan, ...]
+  passes: int = 1
 
   @property
   def rules(self) -> dict[str, str]:
@@ -70,6 +76,8 @@ class GhostPlan:
     ]
     lines = [line.rstrip() for line in lines]
     lines.append(f"{len(self.leaves)} leaves; {self.fallback_share:.1%} of the floats instantiated")
+    if self.passes == 2:
+      lines.append("two backward passes (rematerialised layers): the norms, then the clipped sum")
     return "\n".join(lines)
 
 
@@ -107,7 +115,11 @@ def ghost_plan(
   forming every per-example gradient (long sequences through narrow layers,
   convolutions over many positions), ``method="ghost"`` forms them as
   ``"vmap"`` does, and every leaf the loss uses reads ``instantiate``, with
-  the reason "cheaper to instantiate".
+  the reason "cheaper to instantiate". Where a layer with a ghost rule is
+  rematerialised (``jax.checkpoint``, flax ``nn.remat``), the model asks for
+  memory over compute: :attr:`GhostPlan.passes` is then ``2`` (the norms in one
+  backward pass that keeps no layer's ``a`` and ``g``, the clipped sum in a
+  second).
 
   Args:
     loss_fn: As for :func:`jaxclip.per_example_clipped_grad`.
@@ -170,5 +182,6 @@ def ghost_plan(
     tuple(
       GhostLeafPlan(path, rule, reason, int(jnp.size(x)), tuple(jnp.shape(x)))
       for path, (rule, reason), x in zip(paths, rules, traced.leaves, strict=True)
-    )
+    ),
+    passes=2 if traced.plan.two_pass and not _ghost.vmap_cheaper(traced.plan) else 1,
   )

@@ -42,6 +42,10 @@ class Plan:
     tapped: The sites whose per-example param-input gradients are taken in
       the backward pass instead of their output gradients and data inputs
       (:func:`_tapped`).
+    probed: The ghost sites whose squared norms are taken in the backward
+      pass, their ``a`` and ``g`` kept no longer than that step; the
+      clipped sum is then a second, weighted backward pass instead of
+      book-kept (:func:`_probed`). Empty for the one-pass plan.
   """
 
   sites: tuple[Site, ...]
@@ -50,6 +54,12 @@ class Plan:
   groups: tuple[Group, ...]
   cost: tuple[int, int] = (0, 0)
   tapped: frozenset[int] = frozenset()
+  probed: frozenset[int] = frozenset()
+
+  @property
+  def two_pass(self) -> bool:
+    """Whether the clipped sum is a second backward pass (see ``probed``)."""
+    return bool(self.probed)
 
 
 def make_plan(sites: Sequence[Site], num_leaves: int) -> Plan:
@@ -67,7 +77,31 @@ def make_plan(sites: Sequence[Site], num_leaves: int) -> Plan:
     groups.append(Group(leaves, tuple(bounds)))
   cost = (_ghost_cost(sites, ghost, tied, groups), _per_example_cost(sites, boundaries))
   merged = _merge_groups(groups)
-  return Plan(tuple(sites), tuple(ghost), tuple(tied), merged, cost, _tapped(sites, merged))
+  return Plan(
+    tuple(sites),
+    tuple(ghost),
+    tuple(tied),
+    merged,
+    cost,
+    _tapped(sites, merged),
+    _probed(sites, ghost),
+  )
+
+
+def _probed(sites: Sequence[Site], ghost: Sequence[Ghost]) -> frozenset[int]:
+  """The ghost sites probed in the backward pass: all of them, if one is rematerialised.
+
+  Book-keeping the clipped sum in one pass holds every ghost site's ``a`` and
+  ``g`` until the norms are known: under ``jax.checkpoint`` (flax
+  ``nn.remat``), where the gradient itself keeps only each layer's inputs,
+  that is several times the gradient's memory. A model that asks for its
+  activations to be recomputed gets two passes instead: the norms, taken
+  where each site's ``a`` and ``g`` meet in the backward pass, then the
+  gradient of the weighted sum of the losses.
+  """
+  if not any(sites[u].remat for u, _, _ in ghost):
+    return frozenset()
+  return frozenset(u for u, _, _ in ghost)
 
 
 def _tapped(sites: Sequence[Site], groups: Sequence[Group]) -> frozenset[int]:

@@ -206,8 +206,12 @@ def per_example_clipped_grad(
   ``nn.scan``, ``nnx.scan``, equinox) and per static slice of a stacked
   weight, the squared norms added. The clipped sum is then book-kept from the
   same ``a`` and ``g`` (one matmul per dense layer), with no second pass over
-  the model. Where these norms would cost more than per-example gradients
-  (long sequences through narrow layers), ``"vmap"``'s way is taken;
+  the model; where a layer with a ghost rule is rematerialised
+  (``jax.checkpoint``, flax ``nn.remat``), the norms are taken inside the
+  backward pass, keeping no ``a`` and ``g``, and the clipped sum is a second,
+  weighted backward pass (:attr:`jaxclip.GhostPlan.passes` is 2). Where these
+  norms would cost more than per-example gradients (long sequences through
+  narrow layers), ``"vmap"``'s way is taken;
   :func:`jaxclip.ghost_plan` shows the rule of each parameter. Results equal
   ``method="vmap"`` up to float rounding; memory stays close to the
   non-private gradient's (see the benchmark in docs/privacy.md). Under bfloat16
