@@ -288,7 +288,9 @@ def test_dot_rule_with_the_parameter_on_the_left_and_batch_dims():
 
 
 @pytest.mark.parametrize("lookup", ["index", "take_fill", "clip"])
-@pytest.mark.parametrize("rows", [5, 300])  # few rows: the table instantiated; many: ghost
+# 9 ids per example: 5 rows, the per-example table; 40, the sums of each distinct id's
+# rows (sorted runs); 300, the Gram form.
+@pytest.mark.parametrize("rows", [5, 40, 300])
 def test_embedding_lookup_with_repeated_and_out_of_range_ids(lookup, rows):
   table = jax.random.normal(jax.random.key(0), (rows, 3))
   look = {

@@ -199,11 +199,27 @@ def gather_sumsq(site: Site, ids: jax.Array, g: jax.Array) -> jax.Array:
   rows = site.eqn.invars[0].aval.shape[0]
   ids, g = _lookup_operands(site, ids, g)
   t = ids.shape[1]
-  if lookup_gram_is_cheaper(t, rows):  # t^2 R flops against (rows + t) R for the table
+  if lookup_gram_is_cheaper(t, rows):  # t^2 R flops against about 2 t R for the sums
     gg = jnp.einsum("btr,bsr->bts", g, g, precision=_HIGHEST)
     return jnp.sum(jnp.where(ids[:, :, None] == ids[:, None, :], gg, 0), axis=(1, 2))
-  table = jax.vmap(lambda i, x: jnp.zeros((rows, x.shape[1]), x.dtype).at[i].add(x))(ids, g)
-  return jnp.sum(table * table, axis=(1, 2))
+  if t < rows:  # the sums of the rows read, one per distinct id: the size of g
+    sums = jax.vmap(lambda i, x: _rows_by_id(i, x, t))(ids, g)
+  else:  # the per-example gradient of the table: smaller than g
+    sums = jax.vmap(lambda i, x: jnp.zeros((rows, x.shape[1]), x.dtype).at[i].add(x))(ids, g)
+  return jnp.sum(sums * sums, axis=(1, 2))
+
+
+def _rows_by_id(ids: jax.Array, g: jax.Array, t: int) -> jax.Array:
+  """One example's ``sum_{s: id_s = r} g_s`` for each distinct ``r`` (``t`` rows, some zero).
+
+  The non-zero rows of the per-example gradient of the table, without
+  forming its ``rows x R`` zeros: the ids sorted, each run of equal ids one
+  segment.
+  """
+  order = jnp.argsort(ids)
+  ids = ids[order]
+  run = jnp.cumsum(jnp.concatenate([jnp.zeros((1,), jnp.int32), (ids[1:] != ids[:-1])]))
+  return jax.ops.segment_sum(g[order], run, num_segments=t, indices_are_sorted=True)
 
 
 def tied_cross(
@@ -238,7 +254,7 @@ def site_cost(site: Site, k: int, rule: str) -> tuple[int, int]:
     rows, width = site.eqn.invars[0].aval.shape[0], math.prod(site.eqn.invars[0].aval.shape[1:])
     t = math.prod(site.eqn.invars[1].aval.shape[:-1])
     grad = (rows + t) * width
-    ghost = t * t * width if lookup_gram_is_cheaper(t, rows) else grad
+    ghost = t * t * width if lookup_gram_is_cheaper(t, rows) else min(2 * t, rows + t) * width
   elif rule == "conv":
     groups, positions, taps, outs = conv_dims(site)
     grad = groups * positions * taps * outs
