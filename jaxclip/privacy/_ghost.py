@@ -94,7 +94,11 @@ __all__ = ["Plan", "Traced", "analyze", "clipped_sum", "input_infos", "make_plan
 # The ghost pass is used when its norms cost at most this share of the flops
 # of every per-example gradient (it also pays a book-keeping pass that vmap
 # does not); above it, the per-example gradients are formed (method="vmap").
-_VMAP_RATIO = 0.8
+# Measured on XLA:CPU (benchmarks/ghost_zoo.md and ghost.md, ghost forced
+# against vmap): at shares 0.79 (linen nn.scan(nn.remat) GPT, two passes) and
+# 0.81 (equinox ViT) ghost took 0.73-1.01x vmap's time; at 1.0 (linen ResNet)
+# 1.04-1.27x, and at 1.06 (the benchmark GPT at T=128) 1.10-1.13x.
+_VMAP_RATIO = 0.9
 
 
 def vmap_cheaper(plan: Plan) -> bool:
