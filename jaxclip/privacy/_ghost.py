@@ -144,9 +144,6 @@ class Traced:
       non-arrays such as ``True`` or a string, are baked into ``closed``).
     batched: Which of ``arg_leaves`` carry the examples on axis 0.
     plan: From :func:`make_plan`.
-    loss: ``loss(leaves, arg_leaves)``, the traced function itself: what
-      ``closed`` computes, for the second pass of a two-pass plan.
-    has_aux: Whether ``loss`` returns ``(loss, aux)``.
   """
 
   closed: Any
@@ -156,8 +153,6 @@ class Traced:
   arg_leaves: list[Any]
   batched: list[bool]
   plan: Plan
-  loss: Callable[[Any, Any], Any]
-  has_aux: bool = False
 
 
 def _is_static(x: Any) -> bool:
@@ -227,9 +222,7 @@ def trace(
     )
   infos = input_infos([jnp.ndim(x) for x in leaves], batched)
   plan = make_plan(analyze(closed, infos), len(leaves))
-  return Traced(
-    closed, out_shape, leaves, params_tree, arg_leaves, batched, plan, flat_loss, has_aux
-  )
+  return Traced(closed, out_shape, leaves, params_tree, arg_leaves, batched, plan)
 
 
 # ----------------------------------------------------------------------------
@@ -277,7 +270,7 @@ def clipped_sum(
   norms = _numerics.safe_sqrt(plan_sumsq(plan, cap))
   weights, extra = weights_fn(norms)
   if plan.two_pass:
-    grads = weighted_grad(traced, weights, spmd_axis_name=spmd_axis_name)
+    grads = [x.astype(jnp.promote_types(x.dtype, jnp.float32)) for x in cap.weighted(weights)]
   else:
     grads = book_keep(cap, weights)
   return grads, norms, extra, cap.aux
@@ -342,28 +335,6 @@ def _tied_sumsq(cap: Captured, pair: _ghost_rules.Tied) -> jax.Array:
     + _ghost_norms.dot_sumsq(head, pos, a, g)
     + 2 * _ghost_norms.tied_cross(lookup, ids, rows, head, pos, a, g)
   )
-
-
-def weighted_grad(traced: Traced, weights: jax.Array, *, spmd_axis_name: Any) -> list[jax.Array]:
-  """``sum_b w_b grad_b`` as the gradient of ``sum_b w_b loss_b``: a second backward pass.
-
-  The pass of a two-pass plan: the model's own backward pass (recomputing
-  what its ``jax.checkpoint`` layers drop), with each example's loss weighted.
-  """
-  data = [x for x, b in zip(traced.arg_leaves, traced.batched, strict=True) if b]
-
-  def losses(ls):
-    def one(data_b):
-      it = iter(data_b)
-      args = [next(it) if b else x for x, b in zip(traced.arg_leaves, traced.batched, strict=True)]
-      out = traced.loss(ls, args)
-      return out[0] if traced.has_aux else out
-
-    return jax.vmap(one, spmd_axis_name=spmd_axis_name)(data)
-
-  out, vjp = jax.vjp(losses, traced.leaves)
-  (grads,) = vjp(weights.astype(out.dtype))
-  return [x.astype(jnp.promote_types(x.dtype, jnp.float32)) for x in grads]
 
 
 def book_keep(cap: Captured, weights: jax.Array) -> list[jax.Array]:

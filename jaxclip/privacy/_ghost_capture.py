@@ -744,6 +744,8 @@ class Captured(NamedTuple):
     aux: The aux leaves the loss returns for every example.
     spmd_axis_name: Passed to ``vmap``.
     tapped: As in :class:`Inputs`.
+    weighted: With probed sites, ``weights -> sum_b weights_b grad_b`` (the
+      parameters' gradients, in their dtypes): the second backward pass.
   """
 
   sites: tuple[Site, ...]
@@ -758,11 +760,12 @@ class Captured(NamedTuple):
   aux: list[Any]
   spmd_axis_name: Any
   tapped: frozenset[int] = frozenset()
+  weighted: Callable[[jax.Array], list[Any]] | None = None
 
 
 def capture(inputs: Inputs, sites: Sequence[Site]) -> Captured:
   """Every site's ``a`` and ``g`` for every example, and its param and const inputs."""
-  drecs, gs, aux = _site_gradients(inputs, sites)
+  drecs, gs, aux, weighted = _site_gradients(inputs, sites)
   params_pass = _params_pass(inputs, sites)
   pvals, pull, cvals = jax.vjp(params_pass, inputs.leaves, has_aux=True)
   n = inputs.data()[0].shape[0]
@@ -779,14 +782,23 @@ def capture(inputs: Inputs, sites: Sequence[Site]) -> Captured:
     aux=aux,
     spmd_axis_name=inputs.spmd_axis_name,
     tapped=inputs.tapped,
+    weighted=weighted,
   )
 
 
-def _site_gradients(inputs: Inputs, sites: Sequence[Site]) -> tuple[list, list, list]:
-  """Each site's data inputs and output gradients, for every example, and the aux leaves.
+def _site_gradients(
+  inputs: Inputs, sites: Sequence[Site]
+) -> tuple[list, list, list, Callable[[jax.Array], list[Any]] | None]:
+  """Each site's data inputs and output gradients, for every example, the aux leaves and,
+  with probed sites, the weighted gradient.
 
   The batch's loss is evaluated (under ``vmap``) with a zero added to each
-  site's output, and differentiated with respect to those zeros only.
+  site's output, and differentiated with respect to those zeros only. With
+  probed sites (two passes), it is differentiated with respect to the
+  parameters too, and the backward pass is run twice from the one forward
+  pass: once for the zeros (the norms; the parameters' gradients are dropped
+  unused), once more with the examples' weights for the parameters (the
+  returned ``weights -> sum_b weights_b grad_b``; the norms are dropped).
   """
   in_infos = inputs.infos()
   data = inputs.data()
@@ -796,15 +808,14 @@ def _site_gradients(inputs: Inputs, sites: Sequence[Site]) -> tuple[list, list, 
     it = iter(data_b)
     return [next(it) if b else x for x, b in zip(inputs.arg_leaves, inputs.batched, strict=True)]
 
-  def one(zs_b, data_b):
-    walker = Forward(zs_b, sites, inputs.tapped, inputs.probed)
-    ins = list(zip(inputs.leaves + merge(data_b), in_infos, strict=True))
-    outs = walker.run(inputs.closed, ins)
-    return outs[0], (outs[1:], walker.records)
+  def losses(leaves, zs):
+    def one(zs_b, data_b):
+      walker = Forward(zs_b, sites, inputs.tapped, inputs.probed)
+      ins = list(zip(list(leaves) + merge(data_b), in_infos, strict=True))
+      outs = walker.run(inputs.closed, ins)
+      return outs[0], (outs[1:], walker.records)
 
-  def total(zs):
-    loss, rest = jax.vmap(one, spmd_axis_name=inputs.spmd_axis_name)(zs, data)
-    return jnp.sum(loss), rest
+    return jax.vmap(one, spmd_axis_name=inputs.spmd_axis_name)(zs, data)
 
   acc = _numerics.tree_accumulation_dtype(inputs.leaves)
   zs = [
@@ -821,8 +832,13 @@ def _site_gradients(inputs: Inputs, sites: Sequence[Site]) -> tuple[list, list, 
   vary = frozenset().union(*map(_sharding.varying_axes, inputs.leaves + inputs.arg_leaves))
   if vary:
     zs = _sharding.cast_varying(zs, tuple(sorted(vary, key=str)))
-  gs, (aux, drecs) = jax.grad(total, has_aux=True)(zs)
-  return drecs, gs, aux
+  if not inputs.probed:
+    total = lambda zs: (lambda loss, rest: (jnp.sum(loss), rest))(*losses(inputs.leaves, zs))
+    gs, (aux, drecs) = jax.grad(total, has_aux=True)(zs)
+    return drecs, gs, aux, None
+  loss, vjp, (aux, drecs) = jax.vjp(losses, inputs.leaves, zs, has_aux=True)
+  gs = vjp(jnp.ones_like(loss))[1]
+  return drecs, gs, aux, lambda weights: vjp(weights.astype(loss.dtype))[0]
 
 
 def _params_pass(inputs: Inputs, sites: Sequence[Site]) -> Any:
