@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import types
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -614,6 +615,8 @@ def _probe(
   iteration's norm.
   """
 
+  dtype = z.dtype
+
   @jax.custom_vjp
   def identity(outs, pvals, dvals, z):
     return outs
@@ -624,8 +627,6 @@ def _probe(
   def bwd(res, gs):
     pvals, dvals = res
     return gs, None, None, fn(pvals, dvals, gs).astype(dtype)
-
-  dtype = z.dtype
 
   identity.defvjp(fwd, bwd)
   return identity(outs, pvals, dvals, z)
@@ -714,7 +715,7 @@ class Inputs(NamedTuple):
   batched: Sequence[bool]
   spmd_axis_name: Any
   tapped: frozenset[int] = frozenset()
-  probed: Mapping[int, Callable[..., Any]] = {}
+  probed: Mapping[int, Callable[..., Any]] = types.MappingProxyType({})
 
   def infos(self) -> list[_Info]:
     return input_infos([jnp.ndim(x) for x in self.leaves], self.batched)
