@@ -293,20 +293,27 @@ def plan_sumsq(plan: Plan, cap: Captured) -> jax.Array:
   return sumsq
 
 
+def _site_rule(site: _ghost_capture.Site, k: int, rule: str) -> Callable[..., jax.Array]:
+  """``(kernel, a, g) -> ||grad||^2`` of a ghost boundary, per example (leading batch axis).
+
+  ``kernel`` (the param input) is read by the ``conv`` rule only.
+  """
+  if rule == "dot":
+    pos = site.param_positions()[k]
+    return lambda w, a, g: _ghost_norms.dot_sumsq(site, pos, a, g)
+  if rule == "conv":
+    return lambda w, a, g: _ghost_norms.conv_sumsq(site, w, a, g)
+  return lambda w, ids, g: _ghost_norms.gather_sumsq(site, ids, g)
+
+
 def _rule_sumsq(cap: Captured, u: int, k: int, rule: str) -> jax.Array:
   """A ghost boundary's squared norms, summed over its scan iterations."""
   site, a, g = cap.sites[u], cap.drecs[u][0], cap.gs[u][0]
-  if rule == "dot":
-    pos = site.param_positions()[k]
-    return _ghost_norms.per_iteration(
-      site, lambda a, g: _ghost_norms.dot_sumsq(site, pos, a, g), a, g
-    )
+  fn = _site_rule(site, k, rule)
   if rule == "conv":
     kernel = jnp.broadcast_to(cap.pvals[u][k], (cap.n,) + jnp.shape(cap.pvals[u][k]))
-    return _ghost_norms.per_iteration(
-      site, lambda w, a, g: _ghost_norms.conv_sumsq(site, w, a, g), kernel, a, g
-    )
-  return _ghost_norms.per_iteration(site, lambda i, g: _ghost_norms.gather_sumsq(site, i, g), a, g)
+    return _ghost_norms.per_iteration(site, fn, kernel, a, g)
+  return _ghost_norms.per_iteration(site, lambda a, g: fn(None, a, g), a, g)
 
 
 def _probe_sumsq(site: _ghost_capture.Site, k: int, rule: str) -> Callable[..., jax.Array]:
@@ -315,13 +322,8 @@ def _probe_sumsq(site: _ghost_capture.Site, k: int, rule: str) -> Callable[..., 
   The rules take a leading batch axis; inside the backward pass (under the
   batch's ``vmap``) the site's values are one example's.
   """
-  one = lambda x: x[None]
-  if rule == "dot":
-    pos = site.param_positions()[k]
-    return lambda pv, dv, gs: _ghost_norms.dot_sumsq(site, pos, one(dv[0]), one(gs[0]))[0]
-  if rule == "conv":
-    return lambda pv, dv, gs: _ghost_norms.conv_sumsq(site, one(pv[k]), one(dv[0]), one(gs[0]))[0]
-  return lambda pv, dv, gs: _ghost_norms.gather_sumsq(site, one(dv[0]), one(gs[0]))[0]
+  fn, one = _site_rule(site, k, rule), lambda x: x[None]
+  return lambda pv, dv, gs: fn(one(pv[k]), one(dv[0]), one(gs[0]))[0]
 
 
 def _tied_sumsq(cap: Captured, pair: _ghost_rules.Tied) -> jax.Array:
