@@ -833,10 +833,9 @@ def _site_gradients(
   vary = frozenset().union(*map(_sharding.varying_axes, inputs.leaves + inputs.arg_leaves))
   if vary:
     zs = _sharding.cast_varying(zs, tuple(sorted(vary, key=str)))
-  if not inputs.probed:
-    total = lambda zs: (lambda loss, rest: (jnp.sum(loss), rest))(*losses(inputs.leaves, zs))
-    gs, (aux, drecs) = jax.grad(total, has_aux=True)(zs)
-    return drecs, gs, aux, None
+  if not inputs.probed:  # the zeros only
+    loss, vjp, (aux, drecs) = jax.vjp(lambda zs: losses(inputs.leaves, zs), zs, has_aux=True)
+    return drecs, vjp(jnp.ones_like(loss))[0], aux, None
   loss, vjp, (aux, drecs) = jax.vjp(losses, inputs.leaves, zs, has_aux=True)
   gs = vjp(jnp.ones_like(loss))[1]
   return drecs, gs, aux, lambda weights: vjp(weights.astype(loss.dtype))[0]
