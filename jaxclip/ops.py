@@ -20,10 +20,39 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxclip._kernel import _numerics, _reduction, _validation
+from jaxclip._kernel import _clip, _numerics, _reduction, _validation
 from jaxclip._kernel._typing import ArrayLike
 
 PyTree = Any
+
+
+def _is_number_literal(x: Any) -> bool:
+  """Whether ``x`` is a number, or a non-empty (nested) list or tuple of numbers only."""
+  if type(x) in (list, tuple):
+    return bool(x) and all(_is_number_literal(y) for y in x)
+  return isinstance(x, (int, float, np.number)) and not isinstance(x, (bool, np.bool_))
+
+
+def _as_tensor(t: PyTree, fn_name: str) -> PyTree:
+  """A list or tuple of Python numbers as the one tensor TensorFlow makes of it.
+
+  ``tf.clip_by_norm([3., 4.], 1.)`` clips the vector ``[3., 4.]``: TensorFlow
+  converts its argument to one tensor. As a pytree the same list would be two
+  scalar leaves, each clipped on its own, a silent difference; so a (nested)
+  list or tuple whose leaves are all Python (or NumPy) numbers is read as one
+  array, as TensorFlow reads it. A list that holds an array, and every
+  other container, is a pytree.
+  """
+  if type(t) not in (list, tuple) or not _is_number_literal(t):
+    return t
+  try:
+    return jnp.asarray(np.asarray(t))
+  except ValueError as e:
+    raise ValueError(
+      f"{fn_name} reads a list of numbers as one tensor, as TensorFlow does, but this "
+      f"one is ragged ({e}); pass a pytree of arrays to clip each leaf on its own."
+    ) from None
+
 
 __all__ = (
   "clip_by_average_norm",
@@ -162,6 +191,8 @@ def clip_by_value(tree: PyTree, clip_value_min: ArrayLike, clip_value_max: Array
 
   Args:
     tree: A pytree of real (integer or floating-point) arrays.
+      A list or tuple of Python numbers is one array, as TensorFlow
+      reads it (``[3., 4.]`` is a vector, not two scalar leaves).
     clip_value_min: The lower bound.
     clip_value_max: The upper bound.
 
@@ -183,70 +214,11 @@ def clip_by_value(tree: PyTree, clip_value_min: ArrayLike, clip_value_max: Array
     >>> jaxclip.ops.clip_by_value({'w': jnp.array([-1.5, 0.5])}, -1.0, 1.0)
     {'w': Array([-1. ,  0.5], dtype=float32)}
   """
+  tree = _as_tensor(tree, "clip_by_value")
   _validation.check_bounds(clip_value_min, clip_value_max, "clip_value_min", "clip_value_max")
   _validation.check_real_leaves(tree, "clip_by_value")
 
-  # The bounds are cast once per dtype and broadcast once per shape: a leaf
-  # then traces two ops, which counts at thousands of leaves.
-  cast: dict[Any, tuple[jax.Array, jax.Array]] = {}
-  broadcast: dict[tuple[Any, ...], tuple[jax.Array, jax.Array]] = {}
-
-  def bounds_for(x):
-    key = (x.shape, x.dtype)
-    if key not in broadcast:
-      if x.dtype not in cast:
-        cast[x.dtype] = (
-          _bound_for(x.dtype, clip_value_min, up=True),
-          _bound_for(x.dtype, clip_value_max, up=False),
-        )
-      for b in cast[x.dtype]:
-        try:
-          fits = jnp.broadcast_shapes(x.shape, b.shape) == x.shape
-        except ValueError:
-          fits = False
-        if not fits:
-          return None, b.shape
-      broadcast[key] = tuple(jnp.broadcast_to(b, x.shape) for b in cast[x.dtype])
-    return broadcast[key], None
-
-  def clip_leaf(path, x):
-    x = _numerics.as_array(x)
-    pair, bad_shape = bounds_for(x)
-    if pair is None:
-      raise ValueError(
-        f"clip_by_value: a bound of shape {bad_shape} does not broadcast to "
-        f"the leaf at {jax.tree_util.keystr(path) or '<root>'} of shape "
-        f"{x.shape}."
-      )
-    lo, hi = pair
-    return jax.lax.min(jax.lax.max(x, lo), hi)
-
-  return jax.tree_util.tree_map_with_path(clip_leaf, tree)
-
-
-def _bound_for(dtype, bound, up: bool) -> jax.Array:
-  """``bound`` cast to ``dtype``; for integer dtypes rounded (``up`` for a lower
-  bound, down for an upper one) and saturated to the dtype's range.
-
-  A concrete bound is rounded in float64 on the host, so a bound such as
-  ``-1e-80`` (which float32 would turn into ``-0.0``) still rounds to ``-1``.
-  """
-  if not jnp.issubdtype(dtype, jnp.integer):
-    return jnp.asarray(bound).astype(dtype)
-  info = jnp.iinfo(dtype)
-  concrete = _validation.concrete_value(bound)
-  if concrete is not None:
-    if not np.issubdtype(concrete.dtype, np.integer):
-      concrete = (np.ceil if up else np.floor)(concrete.astype(np.float64))
-    return jnp.asarray(np.clip(concrete, info.min, info.max).astype(dtype))
-  bound = jnp.asarray(bound)
-  if jnp.issubdtype(bound.dtype, jnp.integer):
-    b_info = jnp.iinfo(bound.dtype)
-    lo, hi = max(info.min, b_info.min), min(info.max, b_info.max)
-  else:
-    bound = jnp.ceil(bound) if up else jnp.floor(bound)
-    lo, hi = float(info.min), float(info.max)
-  return jnp.clip(bound, lo, hi).astype(dtype)
+  return _clip.value_clip(tree, clip_value_min, clip_value_max)
 
 
 def clip_by_norm(tree: PyTree, clip_norm: ArrayLike, axes: Any = None) -> PyTree:
@@ -275,6 +247,8 @@ def clip_by_norm(tree: PyTree, clip_norm: ArrayLike, axes: Any = None) -> PyTree
 
   Args:
     tree: A pytree of floating-point or complex arrays.
+      A list or tuple of Python numbers is one array, as TensorFlow
+      reads it (``[3., 4.]`` is a vector, not two scalar leaves).
     clip_norm: The maximum L2 norm, ``>= 0``; a scalar or an array that
       broadcasts against the reduced norm.
     axes: ``None``, an int, or a sequence of ints: the axes the norm is taken
@@ -295,14 +269,14 @@ def clip_by_norm(tree: PyTree, clip_norm: ArrayLike, axes: Any = None) -> PyTree
     >>> jaxclip.ops.clip_by_norm(jnp.array([[3., 4.], [0., 1.]]), 1., axes=[1])
     Array([[0.6, 0.8],
            [0. , 1. ]], dtype=float32)
+    >>> jaxclip.ops.clip_by_norm([3., 4.], 1.)  # one vector, as tf.clip_by_norm reads it
+    Array([0.6, 0.8], dtype=float32)
   """
+  tree = _as_tensor(tree, "clip_by_norm")
   _validation.check_hparam(clip_norm, "clip_norm", lo=0)
   _validation.check_inexact_leaves(tree, "clip_by_norm")
 
-  leaves, treedef = jax.tree.flatten(tree)
-  return treedef.unflatten(
-    _numerics.scale_by_leaf_norms(_norm_scale, leaves, 2, axes, operands=(clip_norm,))
-  )
+  return _clip.norm_clip(tree, clip_norm, axes)
 
 
 def clip_by_average_norm(tree: PyTree, clip_norm: ArrayLike) -> PyTree:
@@ -320,6 +294,8 @@ def clip_by_average_norm(tree: PyTree, clip_norm: ArrayLike) -> PyTree:
 
   Args:
     tree: A pytree of floating-point or complex arrays.
+      A list or tuple of Python numbers is one array, as TensorFlow
+      reads it (``[3., 4.]`` is a vector, not two scalar leaves).
     clip_norm: The maximum average L2 norm, ``>= 0``.
 
   Returns:
@@ -335,22 +311,11 @@ def clip_by_average_norm(tree: PyTree, clip_norm: ArrayLike) -> PyTree:
     >>> jaxclip.ops.clip_by_average_norm(jnp.array([3., 4.]), 1.)
     Array([1.2, 1.6], dtype=float32)
   """
+  tree = _as_tensor(tree, "clip_by_average_norm")
   _validation.check_hparam(clip_norm, "clip_norm", lo=0)
   _validation.check_inexact_leaves(tree, "clip_by_average_norm")
 
-  leaves, treedef = jax.tree.flatten(tree)
-  return treedef.unflatten(
-    _numerics.scale_by_leaf_norms(_average_norm_scale, leaves, 2, operands=(clip_norm,))
-  )
-
-
-def _norm_scale(norm, size, clip_norm):
-  del size
-  return _numerics.clip_scale(norm, clip_norm)
-
-
-def _average_norm_scale(norm, size, clip_norm):
-  return _numerics.clip_scale(norm, jnp.asarray(clip_norm, norm.dtype) * size)
+  return _clip.average_norm_clip(tree, clip_norm)
 
 
 def clip_by_global_norm(
@@ -392,7 +357,10 @@ def clip_by_global_norm(
     tree: A pytree of floating-point or complex arrays.
     clip_norm: The maximum global norm, ``>= 0``.
     use_norm: A precomputed global norm (a real scalar) to use instead of
-      computing one; it is also what is returned as the norm (``axis_name`` is then unused).
+      computing one; it is also what is returned as the norm (``axis_name`` is
+      then unused). It is read in float32 (float64 where a leaf or
+      ``use_norm`` is float64), so a bfloat16 or integer norm gives the factor
+      a float32 norm would.
     ord: The norm: ``2`` (default), ``1`` or ``inf``.
     axis_name: Inside ``shard_map``/``pmap``, the mesh axis (or tuple of
       axes) the leaves are sharded over, as in :func:`global_norm`: every
@@ -443,8 +411,5 @@ def clip_by_global_norm(
       or not (jnp.issubdtype(given, jnp.floating) or jnp.issubdtype(given, jnp.integer))
     ):
       raise TypeError(f"use_norm must be a real scalar, got {use_norm!r:.100}.")
-    norm = jnp.asarray(use_norm)
-    if not jnp.issubdtype(norm.dtype, jnp.floating):
-      norm = norm.astype(_numerics.tree_accumulation_dtype(tree))
-  scale = _numerics.clip_scale(norm, clip_norm)
-  return jax.tree.map(lambda x: _numerics.apply_scale(x, scale), tree), norm
+    norm = _clip.read_norm(use_norm, tree)
+  return _clip.global_norm_clip(tree, clip_norm, norm), norm

@@ -218,3 +218,42 @@ def test_a_loss_that_is_no_real_scalar_is_refused_under_both_methods(method):
       ValueError, match=r"loss_fn to return a real scalar.*" + __import__("re").escape(shown)
     ):
       jaxclip.per_example_clipped_grad(loss, 1.0, batch_argnums=1, method=method)(params, x)
+
+
+# ------------------------------------------------- hyperparameters, checked once
+
+from jaxclip._kernel import _numerics, _validation  # noqa: E402
+
+_CHECKS = ((_validation, "check_hparam"), (_validation, "check_bounds"), (_numerics, "check_ord"))
+
+
+@pytest.mark.parametrize("name", FACTORIES)
+def test_hyperparameters_are_checked_when_built_not_on_every_update(name, monkeypatch):
+  """A transform checks its hyperparameters in its factory; ``update`` checks none again.
+
+  (The ``ops`` functions check theirs on every call: they have no factory.)
+  """
+  tx = build(name)
+  params = {"w": jnp.ones((2, 3)), "b": jnp.full(3, 2.0)}
+  state = tx.init(params)
+  calls: list[str] = []
+  for module, fn in _CHECKS:
+    real = getattr(module, fn)
+    monkeypatch.setattr(
+      module, fn, lambda *a, _fn=fn, _real=real, **k: (calls.append(_fn), _real(*a, **k))[1]
+    )
+  updates, state = tx.update(params, state, params)
+  jax.make_jaxpr(tx.update)(params, state, params)
+  assert not calls, f"{name}'s update checked {sorted(set(calls))} again"
+
+
+def test_the_ops_still_check_their_arguments_on_every_call():
+  tree = {"w": jnp.array([3.0, 4.0])}
+  with pytest.raises(ValueError, match="clip_norm must be non-negative"):
+    ops.clip_by_norm(tree, -1.0)
+  with pytest.raises(ValueError, match="clip_norm must be non-negative"):
+    ops.clip_by_average_norm(tree, -1.0)
+  with pytest.raises(ValueError, match="clip_norm must be non-negative"):
+    ops.clip_by_global_norm(tree, -1.0)
+  with pytest.raises(ValueError, match="must not exceed"):
+    ops.clip_by_value(tree, 2.0, 1.0)

@@ -347,3 +347,42 @@ def test_traced_ord_asks_for_static_args():
 def test_traced_min_greater_than_max_gives_max():
   out = jax.jit(ops.clip_by_value)(jnp.array([-5.0, 0.0, 5.0]), 2.0, 1.0)
   np.testing.assert_array_equal(out, [1.0, 1.0, 1.0])
+
+
+# ------------------------------------------------- TensorFlow users' first calls
+
+
+@pytest.mark.parametrize("container", [list, tuple])
+def test_a_list_of_numbers_is_one_tensor_as_in_tensorflow(container):
+  """``tf.clip_by_norm([3., 4.], 1.)`` is ``[0.6, 0.8]``: the list is one vector."""
+  out = ops.clip_by_norm(container([3.0, 4.0]), 1.0)
+  assert isinstance(out, jax.Array) and out.dtype == jnp.float32
+  np.testing.assert_allclose(out, [0.6, 0.8], rtol=1e-6)
+  rows = ops.clip_by_norm(container([container([3.0, 4.0]), container([0.0, 1.0])]), 1.0, axes=[1])
+  np.testing.assert_allclose(rows, [[0.6, 0.8], [0.0, 1.0]], rtol=1e-6)
+  # TF v1's clip_by_average_norm: norm 5 / 2 entries = 2.5, held to 1.
+  np.testing.assert_allclose(ops.clip_by_average_norm(container([3.0, 4.0]), 1.0), [1.2, 1.6])
+  np.testing.assert_array_equal(ops.clip_by_value(container([-1, 2, 10]), 0, 3), [0, 2, 3])
+  np.testing.assert_allclose(ops.clip_by_norm([np.float32(3), np.float32(4)], 1.0), [0.6, 0.8])
+
+
+def test_a_list_of_arrays_stays_a_pytree_and_a_ragged_list_is_refused():
+  leaves = ops.clip_by_norm([jnp.array(3.0), jnp.array(4.0)], 1.0)
+  assert isinstance(leaves, list)
+  np.testing.assert_allclose(leaves, [1.0, 1.0])
+  with pytest.raises(ValueError, match="ragged"):
+    ops.clip_by_norm([[3.0, 4.0], [1.0]], 1.0)
+  with pytest.raises(TypeError, match="floating-point"):
+    ops.clip_by_norm([3, 4], 1.0)  # integers have no norm to clip, as before
+  # The global ops take a list of tensors in TF: a list of numbers is scalar leaves there.
+  clipped, norm = ops.clip_by_global_norm([3.0, 4.0], 1.0)
+  np.testing.assert_allclose(norm, 5.0)
+  np.testing.assert_allclose(clipped, [0.6, 0.8], rtol=1e-6)
+
+
+@pytest.mark.parametrize("given", [jnp.bfloat16(5), jnp.float16(5), np.int32(5)])
+def test_use_norm_of_a_lower_precision_is_read_in_float32(given):
+  clipped, norm = ops.clip_by_global_norm({"w": jnp.array(3.0)}, 3.0, use_norm=given)
+  assert norm.dtype == jnp.float32
+  assert clipped["w"].dtype == jnp.float32
+  np.testing.assert_allclose(clipped["w"], 1.8, rtol=1e-6)  # bfloat16 arithmetic: 1.8046875

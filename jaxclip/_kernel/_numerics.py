@@ -284,7 +284,13 @@ def _segmentable(x: jax.Array) -> bool:
   concatenating a sharded array would gather it, where a plain reduction
   sums its parts across devices.
   """
-  return 0 < x.size <= _SMALL_LEAF and _sharding.layout(x) is _sharding.LOCAL
+  return _is_small(x) and _sharding.layout(x) is _sharding.LOCAL
+
+
+def _is_small(x: jax.Array, limit: int = _SMALL_LEAF) -> bool:
+  """Non-empty with at most ``limit`` entries; a symbolic size counts as large."""
+  size = _platform.constant_size(x)
+  return size is not None and 0 < size <= limit
 
 
 def part_vector(leaves: list[Any], ord: float, acc: jnp.dtype) -> jax.Array:
@@ -318,14 +324,14 @@ def _group_plan(leaves: list[jax.Array]) -> tuple[tuple[Any, tuple[int, ...]], .
   chunks: dict[Any, list[list[int]]] = {}
   groups: dict[Any, list[int]] = {}
   for i, x in enumerate(leaves):
-    if x.size == 0:
+    if _platform.constant_size(x) == 0:
       continue
-    where = _sharding.layout(x) if x.size <= _SMALL_LEAF else None
+    where = _sharding.layout(x) if _is_small(x) else None
     if where is None:
       plan.append((None, (i,)))
     elif where is not _sharding.LOCAL:
       groups.setdefault((0, x.shape, x.dtype, where), []).append(i)
-    elif x.size <= _TINY_LEAF:
+    elif _is_small(x, _TINY_LEAF):
       groups.setdefault((1 << (x.size - 1).bit_length(), accumulation_dtype(x.dtype)), []).append(i)
     else:
       chunk = chunks.setdefault(x.dtype, [[]])
@@ -433,7 +439,8 @@ def scale_by_leaf_norms(
   groups: dict[Any, list[int]] = {}
   for i, x in enumerate(leaves):
     if (
-      x.size <= _SMALL_LEAF
+      _platform.constant_size(x) is not None
+      and x.size <= _SMALL_LEAF
       and _sharding.layout(x) is _sharding.LOCAL
       and (others is None or _sharding.layout(others[i]) is _sharding.LOCAL)
     ):
@@ -579,7 +586,11 @@ def count_sum(indicators: list[jax.Array]) -> jax.Array:
   (:func:`jaxclip._kernel._platform.small_parts`); elsewhere each array is
   reduced on its own.
   """
-  arrays = [jax.lax.convert_element_type(x, jnp.int32) for x in indicators if x.size]
+  arrays = [
+    jax.lax.convert_element_type(x, jnp.int32)
+    for x in indicators
+    if _platform.constant_size(x) != 0
+  ]
 
   def plain(arrays):
     return _sum_scalars([jax.lax.reduce_sum(x, tuple(range(x.ndim))) for x in arrays])

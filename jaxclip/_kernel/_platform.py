@@ -31,6 +31,21 @@ import jax.numpy as jnp
 import numpy as np
 
 
+def constant_size(x: Any) -> int | None:
+  """The number of entries of ``x``, or ``None`` if a dimension is symbolic.
+
+  Under ``jax.export`` with a symbolic shape (``jax.export.symbolic_shape``)
+  a size is an expression that cannot be compared with a constant. Every
+  choice of a trick by size reads it here, and a size that is not a
+  constant counts as large: such a leaf takes the plain path, whose ops
+  accept any shape.
+  """
+  shape = x.shape if hasattr(x, "shape") else np.shape(x)
+  if not all(isinstance(d, (int, np.integer)) for d in shape):
+    return None
+  return math.prod(shape)
+
+
 def on_cpu(cpu: Callable[..., Any], default: Callable[..., Any], *args: Any) -> Any:
   """``cpu(*args)`` in programs lowered for CPU, ``default(*args)`` elsewhere.
 
@@ -93,7 +108,8 @@ def float16_reduce(
   leaf's bytes). A two-output reduction keeps the conversion inside the
   reduction kernel, so no copy is made (see :func:`_float16_reduce_cpu`).
   """
-  if not terms.size:
+  size = constant_size(terms)
+  if not size:  # empty, or of a symbolic size
     return plain_reduce(terms, op, axes, keepdims)
   axes = tuple(range(terms.ndim)) if axes is None else tuple(axes)
   return on_cpu(

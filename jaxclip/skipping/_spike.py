@@ -201,13 +201,14 @@ def skip_on_spike(
   def init_fields(params):
     del params
     size = _validation.require_size(window, "window")
-    inf = jnp.array(jnp.inf, jnp.float32)
+    # Every field an array of its own, so that the state can be donated.
+    inf = lambda: jnp.array(jnp.inf, jnp.float32)
     return _fields(
       _history.empty(size),
       _history.empty(size),
       spike_grad_norm=jnp.zeros((), jnp.float32),
-      spike_norm_threshold=inf,
-      spike_loss_threshold=inf,
+      spike_norm_threshold=inf(),
+      spike_loss_threshold=inf(),
       spike_step_skipped=jnp.array(False),
     )
 

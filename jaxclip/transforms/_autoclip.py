@@ -8,8 +8,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxclip import ops
-from jaxclip._kernel import _history, _numerics, _reduction, _validation
+from jaxclip._kernel import _clip, _history, _numerics, _reduction, _validation
 from jaxclip._kernel._typing import ArrayLike
 
 
@@ -131,7 +130,7 @@ def autoclip(
       norm,
     )
     threshold = _history.percentile(buf, percentile)
-    clipped, _ = ops.clip_by_global_norm(updates, threshold, use_norm=norm)
+    clipped = _clip.global_norm_clip(updates, threshold, norm)
     return clipped, AutoClipState(
       autoclip_norm_history=buf.values,
       autoclip_norm_count=buf.size,

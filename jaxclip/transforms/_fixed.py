@@ -8,8 +8,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxclip import ops
-from jaxclip._kernel import _numerics, _validation
+from jaxclip._kernel import _clip, _numerics, _reduction, _validation
 from jaxclip._kernel._typing import ArrayLike
 
 
@@ -51,7 +50,7 @@ def value_clip(lo: ArrayLike, hi: ArrayLike, fn_name: str) -> Any:
 
   def update(updates):
     updates = _validation.numeric_leaves(updates, fn_name, dtype_for=dtype_for)
-    return ops.clip_by_value(updates, lo, hi)
+    return _clip.value_clip(updates, lo, hi)
 
   return update
 
@@ -140,7 +139,7 @@ def clip_by_norm(max_norm: ArrayLike, axes: Any = None) -> optax.GradientTransfo
   """
   _validation.check_hparam(max_norm, "max_norm", lo=0)
   return stateless(
-    lambda u: ops.clip_by_norm(_validation.numeric_leaves(u, "clip_by_norm"), max_norm, axes)
+    lambda u: _clip.norm_clip(_validation.numeric_leaves(u, "clip_by_norm"), max_norm, axes)
   )
 
 
@@ -165,7 +164,7 @@ def clip_by_average_norm(max_norm: ArrayLike) -> optax.GradientTransformationExt
   """
   _validation.check_hparam(max_norm, "max_norm", lo=0)
   return stateless(
-    lambda u: ops.clip_by_average_norm(
+    lambda u: _clip.average_norm_clip(
       _validation.numeric_leaves(u, "clip_by_average_norm"), max_norm
     )
   )
@@ -266,14 +265,8 @@ def clip_by_global_norm(
   def update_fn(updates, state, params=None, **extra_args):
     del params, extra_args
     updates = _validation.numeric_leaves(updates, "clip_by_global_norm")
-    clipped, norm = ops.clip_by_global_norm(
-      updates,
-      max_norm,
-      ord=ord,
-      axis_name=axis_name,
-      replicated=replicated,
-      partition_specs=partition_specs,
-    )
+    norm = _reduction.tree_norm(updates, ord, axis_name, replicated, partition_specs)
+    clipped = _clip.global_norm_clip(updates, max_norm, norm)
     if state is not None:
       norm = norm.astype(state.pre_clip_norm.dtype)
     return clipped, ClipByGlobalNormState(pre_clip_norm=norm)

@@ -145,8 +145,10 @@ def per_tensor_transform(
   stat_fields = fields[:-1]
 
   def init_fn(params):
-    zeros = jax.tree.map(_init_stat, params)
-    return rule.state_type(*([zeros] * len(stat_fields)), jnp.zeros((), jnp.int32))
+    # A tree of its own per field: a state whose fields share a buffer cannot
+    # be donated (jax.jit(..., donate_argnums=...) refuses to donate it twice).
+    stats = [jax.tree.map(_init_stat, params) for _ in stat_fields]
+    return rule.state_type(*stats, jnp.zeros((), jnp.int32))
 
   def update_fn(updates, state, params=None, **extra_args):
     del params, extra_args

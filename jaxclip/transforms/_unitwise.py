@@ -60,7 +60,9 @@ def clip_by_block_rms(threshold: ArrayLike) -> optax.GradientTransformationExtra
 
 def _block_rms_scale(norm, size, threshold):
   # rms >= threshold  <=>  norm >= threshold * sqrt(size)
-  return _numerics.clip_scale(norm, jnp.asarray(threshold, norm.dtype) * math.sqrt(size))
+  # A symbolic size (jax.export) is a value only known when the program runs.
+  root = math.sqrt(size) if isinstance(size, int) else jnp.sqrt(jnp.asarray(size, norm.dtype))
+  return _numerics.clip_scale(norm, jnp.asarray(threshold, norm.dtype) * root)
 
 
 def _unitwise_axes(shape: tuple[int, ...], axis: Axis) -> Axis:

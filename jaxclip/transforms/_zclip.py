@@ -8,8 +8,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxclip import ops
-from jaxclip._kernel import _numerics, _reduction, _validation
+from jaxclip._kernel import _clip, _numerics, _reduction, _validation
 from jaxclip._kernel._typing import ArrayLike
 
 
@@ -160,16 +159,17 @@ def zclip(
 
   def init_fn(params):
     del params
-    zero = jnp.zeros((), jnp.float32)
     size = _validation.require_size(warmup_steps, "warmup_steps")
+    # Every field an array of its own, so that the state can be donated.
+    zero = lambda: jnp.zeros((), jnp.float32)
     return ZClipState(
       zclip_warmup_norms=jnp.zeros((size,), jnp.float32),
       zclip_warmup_count=jnp.zeros((), jnp.int32),
-      zclip_norm_ema=zero,
-      zclip_norm_var_ema=zero,
-      zclip_z_score=zero,
+      zclip_norm_ema=zero(),
+      zclip_norm_var_ema=zero(),
+      zclip_z_score=zero(),
       zclip_threshold=jnp.array(jnp.inf, jnp.float32),
-      zclip_pre_clip_norm=zero,
+      zclip_pre_clip_norm=zero(),
     )
 
   def update_fn(updates, state, params=None, **extra_args):
@@ -225,7 +225,7 @@ def zclip(
     new_mean = jnp.where(init_now, w_mean, jnp.where(move, ema_mean, mean))
     new_var = jnp.where(init_now, w_var, jnp.where(move, ema_var, var))
 
-    clipped, _ = ops.clip_by_global_norm(updates, threshold, use_norm=norm)
+    clipped = _clip.global_norm_clip(updates, threshold, norm)
     return clipped, ZClipState(
       zclip_warmup_norms=buf,
       zclip_warmup_count=new_count,
