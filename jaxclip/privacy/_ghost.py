@@ -89,7 +89,16 @@ from jaxclip.privacy import _ghost_capture, _ghost_norms, _ghost_rules
 from jaxclip.privacy._ghost_capture import Captured, Inputs, analyze, input_infos
 from jaxclip.privacy._ghost_rules import Plan, make_plan
 
-__all__ = ["Plan", "Traced", "analyze", "clipped_sum", "input_infos", "make_plan", "trace"]
+__all__ = [
+  "Plan",
+  "Traced",
+  "analyze",
+  "clipped_sum",
+  "falls_back",
+  "input_infos",
+  "make_plan",
+  "trace",
+]
 
 # The ghost pass is used when its norms cost at most this share of the flops
 # of every per-example gradient (it also pays a book-keeping pass that vmap
@@ -99,6 +108,15 @@ __all__ = ["Plan", "Traced", "analyze", "clipped_sum", "input_infos", "make_plan
 # 0.81 (equinox ViT) ghost took 0.73-1.01x vmap's time; at 1.0 (linen ResNet)
 # 1.04-1.27x, and at 1.06 (the benchmark GPT at T=128) 1.10-1.13x.
 _VMAP_RATIO = 0.9
+
+
+def falls_back(plan: Plan) -> bool:
+  """Whether ``method="ghost"`` forms per-example gradients as ``method="vmap"`` does.
+
+  Where the loss has a higher-order primitive the engine cannot read
+  (``plan.unknown``), or where per-example gradients cost less.
+  """
+  return bool(plan.unknown) or vmap_cheaper(plan)
 
 
 def vmap_cheaper(plan: Plan) -> bool:
@@ -113,7 +131,15 @@ def vmap_cheaper(plan: Plan) -> bool:
 
 
 def leaf_rules(plan: Plan, num_leaves: int) -> list[tuple[str, str | None]]:
-  """``(rule, reason)`` of each parameter leaf, as :func:`jaxclip.ghost_plan` reports them."""
+  """``(rule, reason)`` of each parameter leaf, as :func:`jaxclip.ghost_plan` reports them.
+
+  With a higher-order primitive the engine cannot read, every leaf is
+  instantiated (as under ``method="vmap"``: what that primitive uses is not
+  known), the reason naming it.
+  """
+  if plan.unknown:
+    why = "falls back to method='vmap': " + "; ".join(plan.unknown)
+    return [("instantiate", why)] * num_leaves
   if not vmap_cheaper(plan):
     return _ghost_rules.leaf_rules(plan, num_leaves)
   ghost, per_example = plan.cost
@@ -221,7 +247,8 @@ def trace(
       f"got {loss_shape}."
     )
   infos = input_infos([jnp.ndim(x) for x in leaves], batched)
-  plan = make_plan(analyze(closed, infos), len(leaves))
+  sites, unknown = _ghost_capture.analysis(closed, infos)
+  plan = make_plan(sites, len(leaves), unknown)
   return Traced(closed, out_shape, leaves, params_tree, arg_leaves, batched, plan)
 
 

@@ -20,7 +20,11 @@ Three walkers share one traversal (:class:`_Walker`):
 
 Call primitives (``jit``, ``remat``) are walked into when a parameter goes in,
 and a ``lax.scan`` over stacked layers is walked per iteration, its records
-stacked over the iterations.
+stacked over the iterations. Which primitives these are, and how their
+parameters are read, is :mod:`jaxclip.privacy._jax_internals`'s; a
+higher-order primitive it cannot read that touches the parameters or the
+batch is recorded by :class:`Analyzer` (``unknown``), and the whole loss then
+takes ``method="vmap"``.
 """
 
 from __future__ import annotations
@@ -32,31 +36,12 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import jax
-import jax.extend.core as jex
 import jax.numpy as jnp
 
 from jaxclip._kernel import _numerics, _sharding
+from jaxclip.privacy import _jax_internals as _jax
 
 PARAM, DATA, CONST = "param", "data", "const"
-# Call primitives whose body is walked when a parameter goes in (so that the
-# uses inside a jitted or rematerialised layer are seen one by one).
-_CALLS = frozenset({"jit", "pjit", "closed_call", "core_call", "checkpoint", "remat", "remat2"})
-_REMATS = frozenset({"checkpoint", "remat", "remat2"})
-# Primitives that rearrange a parameter without changing its values: the
-# gradient of the result has the norm of the parameter's gradient.
-_VIEWS = frozenset(
-  {
-    "reshape",
-    "transpose",
-    "squeeze",
-    "expand_dims",
-    "copy",
-    "copy_p",
-    "convert_element_type",
-    "broadcast_in_dim",
-    "slice",
-  }
-)
 
 Stack = tuple[tuple[int, int], ...]  # (scan id, length) of each enclosing scan, outermost first
 Pair = tuple[Any, "_Info"]  # a value (or None where not computed) and its class
@@ -73,6 +58,10 @@ class _Info:
   # For a view of a static slice of the leaf, ``(leaf axis, start, stop)`` of
   # each sliced axis; ``()`` for the whole leaf.
   region: tuple[tuple[int, int, int], ...] = ()
+  # Whether it is a view of a leaf that a ``lax.scan`` closes over (one of its
+  # consts): the same weight read by every iteration, which is why ``view``
+  # is ``None`` inside the scan's body.
+  scan_const: bool = False
 
 
 _CONST = _Info(CONST)
@@ -112,7 +101,7 @@ class Site:
 
   @property
   def name(self) -> str:
-    return "the loss" if self.eqn is None else self.eqn.primitive.name
+    return "the loss" if self.eqn is None else _jax.name(self.eqn)
 
   def param_positions(self) -> list[int]:
     return [i for i, r in enumerate(self.roles) if r == PARAM]
@@ -132,22 +121,7 @@ def is_float(aval: Any) -> bool:
   return jnp.issubdtype(aval.dtype, jnp.floating)
 
 
-def bind(eqn: Any, vals: Sequence[Any]) -> list[Any]:
-  """Applies an equation's primitive to ``vals``; always a list of outputs."""
-  out = eqn.primitive.bind(*vals, **eqn.primitive.get_bind_params(eqn.params))
-  return list(out) if eqn.primitive.multiple_results else [out]
-
-
-def _body(eqn: Any) -> tuple[Any, list[Any]] | None:
-  """The jaxpr and consts of a call primitive's body, or ``None``."""
-  if eqn.primitive.name not in _CALLS:
-    return None
-  inner = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
-  if isinstance(inner, jex.ClosedJaxpr):
-    return inner.jaxpr, list(inner.consts)
-  if isinstance(inner, jex.Jaxpr) and not inner.constvars:
-    return inner, []
-  return None
+bind = _jax.bind  # applies an equation's primitive to values; always a list of outputs
 
 
 # ----------------------------------------------------------------------------
@@ -158,23 +132,26 @@ def _body(eqn: Any) -> tuple[Any, list[Any]] | None:
 def _view_of(eqn: Any, infos: list[_Info]) -> _Info:
   """What an equation's output depends on, when its inputs depend on params only."""
   deps = frozenset().union(*(i.deps for i in infos))
-  name = eqn.primitive.name
   params = [i for i in infos if i.kind == PARAM]
-  if name not in _VIEWS or len(params) != 1 or params[0].view is None or len(eqn.outvars) != 1:
+  if not _jax.is_view(eqn) or len(params) != 1 or len(eqn.outvars) != 1:
     return _Info(PARAM, deps)
   src, out = eqn.invars[0].aval, eqn.outvars[0].aval
   if not (is_float(src) and is_float(out)) or infos[0].kind != PARAM:
     return _Info(PARAM, deps)
   info = params[0]
-  if name == "slice":
+  same_values = _jax.is_slice(eqn) or math.prod(src.shape) == math.prod(out.shape)
+  if info.view is None:  # still a scan's const, if it was one
+    return _Info(PARAM, deps, scan_const=info.scan_const and same_values)
+  if _jax.is_slice(eqn):
     return _slice_of(eqn, info, deps)
-  if math.prod(src.shape) != math.prod(out.shape):
+  if not same_values:
     return _Info(PARAM, deps)  # broadcast_in_dim that repeats values
   axes = info.axes
-  if axes is not None and name == "transpose":
-    axes = tuple(axes[p] for p in eqn.params["permutation"])
-  elif axes is not None and name == "squeeze":
-    gone = {d % src.ndim for d in eqn.params["dimensions"]}
+  perm, gone = _jax.transpose_permutation(eqn), _jax.squeeze_dimensions(eqn)
+  if axes is not None and perm is not None:
+    axes = tuple(axes[p] for p in perm)
+  elif axes is not None and gone is not None:
+    gone = {d % src.ndim for d in gone}
     axes = tuple(a for j, a in enumerate(axes) if j not in gone)
   elif tuple(src.shape) != tuple(out.shape):
     axes = None  # still the leaf's values, but not axis by axis
@@ -183,14 +160,15 @@ def _view_of(eqn: Any, infos: list[_Info]) -> _Info:
 
 def _slice_of(eqn: Any, info: _Info, deps: frozenset[int]) -> _Info:
   """A static slice of a view: a view of a region of the leaf (or of nothing known)."""
-  strides = eqn.params["strides"]
+  bounds = _jax.slice_bounds(eqn)
+  if bounds is None:
+    return _Info(PARAM, deps)
+  starts, limits, strides = bounds
   if info.axes is None or (strides is not None and any(s != 1 for s in strides)):
     return _Info(PARAM, deps)
   region = dict((a, (lo, hi)) for a, lo, hi in info.region)
   shape = eqn.invars[0].aval.shape
-  for j, (lo, hi) in enumerate(
-    zip(eqn.params["start_indices"], eqn.params["limit_indices"], strict=True)
-  ):
+  for j, (lo, hi) in enumerate(zip(starts, limits, strict=True)):
     if (lo, hi) != (0, shape[j]):
       base = region.get(info.axes[j], (0, None))[0]
       region[info.axes[j]] = (base + lo, base + hi)
@@ -215,7 +193,10 @@ def disjoint(a: _Info, b: _Info) -> bool:
 
 def _gather_is_lookup(eqn: Any) -> bool:
   """Whether a gather takes whole rows of its operand: ``E[ids]``, ``take(E, ids, 0)``."""
-  dn = eqn.params["dimension_numbers"]
+  parts = _jax.gather_parts(eqn)
+  if parts is None:
+    return False
+  dn = parts.dimension_numbers
   op, idx = eqn.invars[0].aval, eqn.invars[1].aval
   rest = tuple(op.shape[1:])
   lead = idx.ndim - 1
@@ -225,24 +206,24 @@ def _gather_is_lookup(eqn: Any) -> bool:
     and tuple(dn.collapsed_slice_dims) == (0,)
     and tuple(dn.start_index_map) == (0,)
     and not tuple(dn.operand_batching_dims)
-    and tuple(eqn.params["slice_sizes"]) == (1,) + rest
+    and parts.slice_sizes == (1,) + rest
     and tuple(dn.offset_dims) == tuple(range(lead, lead + len(rest)))
   )
 
 
 def _conv_is_ghostable(eqn: Any) -> bool:
-  return eqn.params["batch_group_count"] == 1 and eqn.params["dimension_numbers"] is not None
+  parts = _jax.conv_parts(eqn)
+  return parts is not None and parts.batch_group_count == 1 and parts.dimension_numbers is not None
 
 
 def _rule(eqn: Any, roles: tuple[str, ...], pos: int) -> str:
   if eqn is None:
     return "generic"
-  name = eqn.primitive.name
-  if name == "dot_general" and len(roles) == 2 and roles[1 - pos] == DATA:
+  if _jax.dot_dimension_numbers(eqn) is not None and len(roles) == 2 and roles[1 - pos] == DATA:
     return "dot"
-  if name == "gather" and pos == 0 and roles[1] == DATA and _gather_is_lookup(eqn):
+  if pos == 0 and len(roles) == 2 and roles[1] == DATA and _gather_is_lookup(eqn):
     return "gather"
-  if name == "conv_general_dilated" and pos == 1 and roles[0] == DATA and _conv_is_ghostable(eqn):
+  if pos == 1 and len(roles) == 2 and roles[0] == DATA and _conv_is_ghostable(eqn):
     return "conv"
   return "generic"
 
@@ -280,6 +261,8 @@ class _ScanShape(NamedTuple):
   closed: Any  # the body's ClosedJaxpr
   body_infos: list[_Info]  # consts, carries and xs, as the body sees them
   out_infos: list[_Info]  # final carries, then ys
+  reverse: bool
+  unroll: Any
 
 
 def _scan_shape(eqn: Any, infos: Sequence[_Info]) -> _ScanShape | None:
@@ -289,14 +272,19 @@ def _scan_shape(eqn: Any, infos: Sequence[_Info]) -> _ScanShape | None:
   each iteration uses its own slice, so a rule applied per iteration, its
   squared norms summed, is exact. Parameters it closes over (``consts``) are
   used by every iteration and lose their view of the leaf (they are
-  instantiated). A carry that depends on the parameters alone is not handled.
+  instantiated; ``scan_const`` says why). A carry that depends on the
+  parameters alone is not handled.
   """
-  p = eqn.params
-  nc, nk = p["num_consts"], p["num_carry"]
-  closed = p["jaxpr"]
+  parts = _jax.scan_parts(eqn)
+  if parts is None:
+    return None
+  nc, nk, closed = parts.num_consts, parts.num_carry, parts.body
   if any(i.kind == PARAM for i in infos[nc : nc + nk]):
     return None
-  c_infos = [_Info(PARAM, i.deps) if i.kind == PARAM else i for i in infos[:nc]]
+  c_infos = [
+    _Info(PARAM, i.deps, scan_const=i.scan_const or i.view is not None) if i.kind == PARAM else i
+    for i in infos[:nc]
+  ]
   x_infos = [
     _Info(PARAM, i.deps, i.view, None if i.axes is None else i.axes[1:], i.region)
     if i.kind == PARAM
@@ -318,7 +306,16 @@ def _scan_shape(eqn: Any, infos: Sequence[_Info]) -> _ScanShape | None:
       break
     k_infos = new
   ys_infos = [_Info(PARAM, i.deps) if i.kind == PARAM else i for _, i in probe[nk:]]
-  return _ScanShape(nc, nk, p["length"], closed, c_infos + k_infos + x_infos, k_infos + ys_infos)
+  return _ScanShape(
+    nc,
+    nk,
+    parts.length,
+    closed,
+    c_infos + k_infos + x_infos,
+    k_infos + ys_infos,
+    parts.reverse,
+    parts.unroll,
+  )
 
 
 # ----------------------------------------------------------------------------
@@ -365,10 +362,10 @@ class _Walker:
     env: dict[Any, Pair] = {}
 
     def read(v):
-      return (v.val, _CONST) if isinstance(v, jex.Literal) else env[v]
+      return (_jax.literal_value(v), _CONST) if _jax.is_literal(v) else env[v]
 
     def write(v, x):
-      if not isinstance(v, jex.DropVar):
+      if not _jax.is_dropped(v):
         env[v] = x
 
     for v, c in zip(jaxpr.constvars, consts, strict=True):
@@ -385,11 +382,14 @@ class _Walker:
     vals = [x for x, _ in ins]
     infos = [i for _, i in ins]
     kinds = {i.kind for i in infos}
-    if PARAM in kinds and eqn.primitive.name == "scan":
+    why = _jax.unreadable(eqn)
+    if why is not None and (kinds & {PARAM, DATA} or _jax.captures_tracer(eqn)):
+      self.unreadable(eqn, why)
+    if PARAM in kinds and _jax.is_scan(eqn):
       shape = _scan_shape(eqn, infos)
       if shape is not None:
         return self.scan(eqn, shape, ins)
-    body = _body(eqn) if PARAM in kinds else None
+    body = _jax.call_body(eqn) if PARAM in kinds else None
     if body is not None:
       return self.call(eqn, body, ins)
     if _is_site(eqn, infos):
@@ -429,18 +429,21 @@ class _Walker:
       outs = self.computed([x for x, _ in outs], shape.out_infos)
       return outs[:nk], (outs[nk:], sub.records)
 
-    p = eqn.params
     carry, (ys, records) = jax.lax.scan(
       step,
       vals[nc : nc + nk],
       (vals[nc + nk :], zs),
       length=shape.length,
-      reverse=p["reverse"],
-      unroll=p["unroll"],
+      reverse=shape.reverse,
+      unroll=shape.unroll,
     )
     self.scans = scans[0]
     self.records.extend(records)
     return list(zip(list(carry) + list(ys), shape.out_infos, strict=True))
+
+  def unreadable(self, eqn: Any, why: str) -> None:
+    """Notes a higher-order equation the engine cannot read, which touches the parameters or
+    the batch (``why``: in a few words)."""
 
   def site_zeros(self, u0: int, u1: int) -> list[Any] | None:
     """The zeros added to the outputs of sites ``u0`` to ``u1`` (``None``: none added)."""
@@ -465,12 +468,22 @@ class Analyzer(_Walker):
 
   in_remat = False  # whether the walk is inside a rematerialised call
 
+  def __init__(self, *args: Any, **kwargs: Any):
+    super().__init__(*args, **kwargs)
+    # Why the engine cannot read each higher-order equation it does not know
+    # that touches the parameters or the batch, once each, in order.
+    self.unknown: list[str] = []
+
   def computes(self, info: _Info) -> bool:
     return False
 
+  def unreadable(self, eqn: Any, why: str) -> None:
+    if why not in self.unknown:
+      self.unknown.append(why)
+
   def call(self, eqn: Any, body: tuple[Any, list[Any]], ins: list[Pair]) -> list[Pair]:
     saved = self.in_remat
-    self.in_remat = saved or eqn.primitive.name in _REMATS
+    self.in_remat = saved or _jax.is_remat(eqn)
     try:
       return super().call(eqn, body, ins)
     finally:
@@ -572,7 +585,7 @@ class Forward(_Walker):
     return Forward(zs, self.sites, self.tapped, self.probed, base=base, stack=stack, scans=scans)
 
   def call(self, eqn: Any, body: tuple[Any, list[Any]], ins: list[Pair]) -> list[Pair]:
-    if eqn.primitive.name in _REMATS:
+    if _jax.is_remat(eqn):
       return self.remat(eqn, body, ins)
     return super().call(eqn, body, ins)
 
@@ -594,9 +607,7 @@ class Forward(_Walker):
       found.update(infos=[i for _, i in outs], scans=sub.scans)
       return [x for x, _ in outs], sub.records
 
-    outs, records = jax.checkpoint(
-      inner, prevent_cse=eqn.params.get("prevent_cse", True), policy=eqn.params.get("policy")
-    )([x for x, _ in ins], zs)
+    outs, records = jax.checkpoint(inner, **_jax.remat_options(eqn))([x for x, _ in ins], zs)
     self.scans = found["scans"]
     self.records.extend(records)
     return list(zip(outs, found["infos"], strict=True))
@@ -662,9 +673,16 @@ def input_infos(ndims: Sequence[int], batched: Sequence[bool]) -> list[_Info]:
 
 def analyze(closed: Any, in_infos: Sequence[_Info]) -> list[Site]:
   """The sites of a traced per-example loss."""
+  return analysis(closed, in_infos)[0]
+
+
+def analysis(closed: Any, in_infos: Sequence[_Info]) -> tuple[list[Site], tuple[str, ...]]:
+  """The sites of a traced per-example loss, and why the engine cannot read each higher-order
+  equation it does not know that touches the parameters or the batch (if any: the loss then
+  takes ``method="vmap"``)."""
   walker = Analyzer()
   walker.run(closed, [(None, i) for i in in_infos])
-  return walker.sites
+  return walker.sites, tuple(walker.unknown)
 
 
 def site_outputs(

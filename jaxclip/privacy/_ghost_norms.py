@@ -19,6 +19,7 @@ import jax.numpy as jnp
 
 from jaxclip._kernel import _numerics
 from jaxclip.privacy import _ghost_capture
+from jaxclip.privacy import _jax_internals as _jax
 from jaxclip.privacy._ghost_capture import Captured, Site
 
 # Elements of per-example gradients one chunk of an instantiated group may hold at once.
@@ -42,7 +43,7 @@ def dot_dims(site: Site, pos: int) -> tuple[tuple[int, int, int, int], tuple[lis
   """``(n, T, C, F)`` of :func:`_dot_operands`, and the data operand's batch, free and
   contracting dims."""
   eqn = site.eqn
-  (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+  (lc, rc), (lb, rb) = _jax.dot_dimension_numbers(eqn)
   contract, batch = (lc, lb) if pos == 1 else (rc, rb)
   d_aval = eqn.invars[1 - pos].aval
   size = lambda dims: math.prod(d_aval.shape[i] for i in dims)
@@ -112,8 +113,8 @@ def _mixed_sumsq(a: jax.Array, g: jax.Array) -> jax.Array:
 def conv_dims(site: Site) -> tuple[int, int, int, int]:
   """A convolution's feature groups, output positions, taps and outputs per group."""
   eqn = site.eqn
-  dn = eqn.params["dimension_numbers"]
-  groups = eqn.params["feature_group_count"]
+  parts = _jax.conv_parts(eqn)
+  dn, groups = parts.dimension_numbers, parts.feature_group_count
   rhs, out = eqn.invars[1].aval, eqn.outvars[0].aval
   positions = math.prod(out.shape[d] for d in (dn.out_spec[0], *dn.out_spec[2:]))
   taps = math.prod(rhs.shape[d] for d in dn.rhs_spec[1:])  # per group: C / groups * K
@@ -136,8 +137,8 @@ def conv_sumsq(site: Site, kernel: jax.Array, a: jax.Array, g: jax.Array) -> jax
     g: The gradient with respect to the output, for every example.
   """
   eqn = site.eqn
-  params = eqn.params
-  dn = params["dimension_numbers"]
+  params = _jax.conv_parts(eqn)
+  dn = params.dimension_numbers
   rhs_aval, out_aval = eqn.invars[1].aval, eqn.outvars[0].aval
   groups, positions, taps, outs = conv_dims(site)
   if not gram_is_cheaper(positions, taps, outs):  # the per-example kernel gradient costs less
@@ -155,10 +156,10 @@ def conv_sumsq(site: Site, kernel: jax.Array, a: jax.Array, g: jax.Array) -> jax
     p = jax.lax.conv_general_dilated_patches(
       x,
       filt,
-      params["window_strides"],
-      params["padding"],
-      params["lhs_dilation"],
-      params["rhs_dilation"],
+      params.window_strides,
+      params.padding,
+      params.lhs_dilation,
+      params.rhs_dilation,
       precision=_HIGHEST,
     )  # N, C * K, out spatial...
     return jnp.moveaxis(p, 1, -1).reshape(positions, -1)
@@ -184,7 +185,7 @@ def _lookup_operands(site: Site, ids: jax.Array, g: jax.Array) -> tuple[jax.Arra
   n = ids.shape[0]
   ids = ids.reshape(n, -1)
   g = _numerics.upcast_for_accumulation(g).reshape(n, ids.shape[1], -1)
-  mode = getattr(eqn.params["mode"], "name", str(eqn.params["mode"]))
+  mode = _jax.gather_parts(eqn).mode
   if "FILL" in mode or "PROMISE" in mode:  # out-of-range rows: dropped from the gradient
     g = jnp.where(((ids >= 0) & (ids < rows))[..., None], g, 0)
   return jnp.clip(ids, 0, rows - 1), g
@@ -364,12 +365,31 @@ def instantiated_sumsq(group: Group, cap: Captured) -> jax.Array:
   size = sum(math.prod(jnp.shape(cap.leaves[i])) for i in group.leaves) + sum(
     math.prod(jnp.shape(cap.pvals[u][k])) for u, k in lay.order
   )
-  chunk = max(1, min(cap.n, _CHUNK_ELEMENTS // max(size, 1)))
+  limit = max(1, _CHUNK_ELEMENTS // max(size, 1))
+  if cap.spmd_axis_name is None and _jax.is_symbolic(cap.n):
+    return _symbolic_chunks(per_example, xs, cap.n, limit)
+  chunk = min(cap.n, limit)
   if cap.spmd_axis_name is not None or chunk >= cap.n:
     # One chunk: a plain vmap (lax.map would compile the per-example gradient
     # in another layout, many times slower for convolutions on XLA:CPU).
     return jax.vmap(per_example, spmd_axis_name=cap.spmd_axis_name)(xs)
   return jax.lax.map(per_example, xs, batch_size=chunk)
+
+
+def _symbolic_chunks(fn: Callable[[Any], jax.Array], xs: Any, n: Any, limit: int) -> jax.Array:
+  """``vmap(fn)(xs)`` for a symbolic number of examples ``n``, at most ``limit`` at once.
+
+  Under ``jax.export`` with a symbolic batch the number of chunks is not
+  known when tracing: the examples are cut into ``min(n, limit)``-row chunks
+  (the last one filled up with copies of example ``n - 1``, dropped after),
+  mapped one after the other.
+  """
+  chunk = _jax.min_dim(n, limit)
+  num = -(-n // chunk)
+  rows = jnp.minimum(jnp.arange(num * chunk), n - 1)
+  split = lambda x: jnp.take(x, rows, axis=0).reshape((num, chunk) + x.shape[1:])
+  out = jax.lax.map(jax.vmap(fn), jax.tree.map(split, xs))
+  return out.reshape((num * chunk,) + out.shape[2:])[:n]
 
 
 def _boundary_pull(cap: Captured, lay: _Layout) -> Callable[[list[Any]], Any]:

@@ -115,7 +115,13 @@ def ghost_plan(
   forming every per-example gradient (long sequences through narrow layers,
   convolutions over many positions), ``method="ghost"`` forms them as
   ``"vmap"`` does, and every leaf the loss uses reads ``instantiate``, with
-  the reason "cheaper to instantiate". Where a layer with a ghost rule is
+  the reason "cheaper to instantiate". Where the loss uses a higher-order
+  primitive (one that carries a sub-jaxpr: a call, a loop) that the engine
+  does not know, or cannot read, on the parameters or the batch, it takes
+  ``"vmap"``'s way too: every leaf reads ``instantiate``, the reason naming
+  that primitive. A weight a ``lax.scan`` closes over (not sliced from its
+  ``xs``) is read by every iteration: it is instantiated, the reason saying
+  it is a scan constant. Where a layer with a ghost rule is
   rematerialised (``jax.checkpoint``, flax ``nn.remat``), the model asks for
   memory over compute: :attr:`GhostPlan.passes` is then ``2`` (the norms in one
   backward pass that keeps no layer's ``a`` and ``g``, the clipped sum in a
@@ -183,5 +189,5 @@ def ghost_plan(
       GhostLeafPlan(path, rule, reason, int(jnp.size(x)), tuple(jnp.shape(x)))
       for path, (rule, reason), x in zip(paths, rules, traced.leaves, strict=True)
     ),
-    passes=2 if traced.plan.two_pass and not _ghost.vmap_cheaper(traced.plan) else 1,
+    passes=2 if traced.plan.two_pass and not _ghost.falls_back(traced.plan) else 1,
   )

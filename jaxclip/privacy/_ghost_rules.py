@@ -17,6 +17,7 @@ from collections.abc import Sequence
 import jax.numpy as jnp
 
 from jaxclip.privacy import _ghost_capture, _ghost_norms
+from jaxclip.privacy import _jax_internals as _jax
 from jaxclip.privacy._ghost_capture import Site
 from jaxclip.privacy._ghost_norms import Boundary, Group
 
@@ -46,6 +47,10 @@ class Plan:
       pass, their ``a`` and ``g`` kept no longer than that step; the
       clipped sum is then a second, weighted backward pass instead of
       book-kept (:func:`_probed`). Empty for the one-pass plan.
+    unknown: Why the engine cannot read each higher-order equation it does
+      not know that touches the parameters or the batch
+      (:func:`jaxclip.privacy._jax_internals.unreadable`); if any, the whole
+      loss takes ``method="vmap"`` whatever the rules.
   """
 
   sites: tuple[Site, ...]
@@ -55,6 +60,7 @@ class Plan:
   cost: tuple[int, int] = (0, 0)
   tapped: frozenset[int] = frozenset()
   probed: frozenset[int] = frozenset()
+  unknown: tuple[str, ...] = ()
 
   @property
   def two_pass(self) -> bool:
@@ -62,8 +68,14 @@ class Plan:
     return bool(self.probed)
 
 
-def make_plan(sites: Sequence[Site], num_leaves: int) -> Plan:
-  """Groups the leaves by shared uses and picks each group's rule."""
+def make_plan(sites: Sequence[Site], num_leaves: int, unknown: Sequence[str] = ()) -> Plan:
+  """Groups the leaves by shared uses and picks each group's rule.
+
+  Args:
+    sites: From :func:`jaxclip.privacy._ghost_capture.analysis`.
+    num_leaves: The number of parameter leaves.
+    unknown: From the same: the higher-order equations the engine cannot read.
+  """
   boundaries = [(u, k) for u, s in enumerate(sites) if s.outs for k in range(len(s.infos))]
   ghost, tied, groups = [], [], []
   for leaves, bounds in _units(sites, boundaries, num_leaves):
@@ -85,6 +97,7 @@ def make_plan(sites: Sequence[Site], num_leaves: int) -> Plan:
     cost,
     _tapped(sites, merged),
     _probed(sites, ghost),
+    tuple(unknown),
   )
 
 
@@ -212,7 +225,7 @@ def _tied_pair(sites: Sequence[Site], leaf: int, bounds: Sequence[Boundary]) -> 
     return None
   eqn = sites[du].eqn
   pos = sites[du].param_positions()[dk]
-  (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+  (lc, rc), (lb, rb) = _jax.dot_dimension_numbers(eqn)
   contract, batch = (rc, rb) if pos == 1 else (lc, lb)
   if batch or len(contract) != 1 or d_info.axes[contract[0]] != 1:
     return None
@@ -253,6 +266,11 @@ def _fallback_reason(sites: Sequence[Site], leaf: int, bounds: Sequence[Boundary
   site, info = sites[u], sites[u].infos[k]
   if len(info.deps) > 1:
     return f"combined with another parameter before `{site.name}`"
+  if info.view != leaf and info.scan_const:
+    return (
+      f"a `lax.scan` constant: the same weight is read by `{site.name}` in every iteration "
+      "(closed over, not sliced from xs)"
+    )
   if info.view != leaf:
     return f"transformed before `{site.name}`"
   if site.eqn is None:

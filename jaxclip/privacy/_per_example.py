@@ -19,6 +19,7 @@ import jax.numpy as jnp
 
 from jaxclip._kernel import _numerics, _sharding, _validation
 from jaxclip.privacy import _clip_batch, _ghost
+from jaxclip.privacy import _jax_internals as _jax
 
 PyTree = Any
 AxisName = _sharding.AxisName
@@ -76,14 +77,28 @@ def _first_real_row(x: jax.Array, onehot: jax.Array) -> jax.Array:
   return jnp.sum(picked, axis=0, dtype=work).astype(x.dtype)
 
 
-def _stand_in(x: Any, mask: jax.Array, padded: int) -> jax.Array:
+def _pad_rows(x: jax.Array, rows: Any) -> jax.Array:
+  """``x`` with ``rows >= len(x)`` rows: zeros appended.
+
+  With a symbolic batch (``jax.export``), where how many rows to append is not
+  known when tracing, the rows appended are copies of the last one: callers
+  mask them out.
+  """
+  n = x.shape[0]
+  if n == rows:
+    return x
+  if _jax.is_symbolic(n) or _jax.is_symbolic(rows):
+    return jnp.take(x, jnp.minimum(jnp.arange(rows), n - 1), axis=0)
+  return jnp.pad(x, [(0, rows - n)] + [(0, 0)] * (x.ndim - 1))
+
+
+def _stand_in(x: Any, mask: jax.Array, padded: Any) -> jax.Array:
   """``x`` padded to ``padded`` rows, every row where ``mask`` is False replaced by the first
   real example (so a loss that is non-finite on zeros or on masked rows stays finite)."""
   x = jnp.asarray(x)
   onehot = jnp.arange(x.shape[0]) == jnp.argmax(mask[: x.shape[0]])
   first = _first_real_row(x, onehot)
-  if padded > x.shape[0]:
-    x = jnp.pad(x, [(0, padded - x.shape[0])] + [(0, 0)] * (x.ndim - 1))
+  x = _pad_rows(x, padded)
   return jnp.where(mask.reshape((-1,) + (1,) * (x.ndim - 1)), x, first)
 
 
@@ -211,7 +226,8 @@ def per_example_clipped_grad(
   backward pass, keeping no ``a`` and ``g``, and the clipped sum is a second,
   weighted backward pass (:attr:`jaxclip.GhostPlan.passes` is 2). Where these
   norms would cost more than per-example gradients (long sequences through
-  narrow layers), ``"vmap"``'s way is taken;
+  narrow layers), or where the loss uses a higher-order primitive the engine
+  does not know, ``"vmap"``'s way is taken;
   :func:`jaxclip.ghost_plan` shows the rule of each parameter. Results equal
   ``method="vmap"`` up to float rounding; memory stays close to the
   non-private gradient's (see the benchmark in docs/privacy.md). Under bfloat16
@@ -219,6 +235,12 @@ def per_example_clipped_grad(
   book-kept through the model's own bfloat16 operations, matches it bit for
   bit where nothing is clipped, while ``vmap``'s float32 sum of per-example gradients
   differs from both by bfloat16 rounding.
+
+  **Symbolic batches.** Under ``jax.export`` the batch dimension may be
+  symbolic (``jax.export.symbolic_shape("b")``), for both methods, with or
+  without ``microbatch_size`` (chunks of ``min(b, microbatch_size)``
+  examples) and ``example_mask``; with ``group_size=k`` it must be known to
+  be a multiple of ``k`` (such as ``symbolic_shape("k*u")``).
 
   Args:
     loss_fn: ``loss_fn(params, *args) -> scalar`` for one example (or, with
@@ -284,7 +306,8 @@ def per_example_clipped_grad(
       not a multiple of the devices of ``spmd_axis_name``, ``batch_argnums``
       naming ``params``, batch arguments without a common leading
       dimension, an ``example_mask`` that is not boolean ``(batch,)``, a
-      ``group_size`` that is not a positive divisor of the batch, an unknown
+      ``group_size`` that is not a positive divisor of the batch (or of a
+      symbolic batch not known to be its multiple), an unknown
       ``method``, or (with ``method="ghost"``) complex
       parameters or a loss that is not a real scalar.
 
@@ -498,6 +521,12 @@ def _grouped(opts: _Options, batch: _Batch) -> _Units:
   k, size, mask = opts.group_size, batch.size, batch.mask
   if k == 1:
     return _Units(batch.args, batch.idx, size, mask, opts.microbatch_size)
+  if _jax.is_symbolic(size % k):
+    raise ValueError(
+      f"group_size={k} must divide the batch, whose size {size} is symbolic (jax.export) "
+      f"and not known to be a multiple of {k}: export it as one, such as "
+      f"jax.export.symbolic_shape('{k}*u')."
+    )
   if size % k:
     raise ValueError(
       f"group_size={k} must divide the batch of {size} examples "
@@ -554,14 +583,25 @@ def _unit_loss(opts: _Options, idx: Sequence[int]) -> Callable[..., Any]:
 
 
 class _Chunks(NamedTuple):
-  """How the units are cut into chunks: ``num`` chunks of ``size`` units (``padded`` in all)."""
+  """How the units are cut into chunks: ``num`` chunks of ``size`` units (``padded`` in all).
 
-  size: int
-  num: int
+  With a symbolic batch (``jax.export``), ``size`` and ``num`` are symbolic
+  too: ``min(batch, microbatch_size)`` and as many chunks as that takes.
+  """
+
+  size: Any
+  num: Any
 
   @property
-  def padded(self) -> int:
+  def padded(self) -> Any:
     return self.size * self.num
+
+  def pads(self, units: int) -> bool:
+    """Whether the chunks hold more than ``units`` rows (always, for a symbolic batch: the
+    padding rows are then masked, whether there are any or not)."""
+    if _jax.is_symbolic(units):
+      return self.padded != units
+    return self.padded > units
 
   def split(self, x: Any) -> jax.Array:
     """``x`` (padded to ``padded`` rows) as ``(num, size, ...)``.
@@ -569,9 +609,7 @@ class _Chunks(NamedTuple):
     Example ``i * num + j`` goes to chunk ``j``, row ``i``: a device holding a
     contiguous block of the batch holds whole rows of every chunk.
     """
-    x = jnp.asarray(x)
-    if x.shape[0] < self.padded:
-      x = jnp.pad(x, [(0, self.padded - x.shape[0])] + [(0, 0)] * (x.ndim - 1))
+    x = _pad_rows(jnp.asarray(x), self.padded)
     return jnp.swapaxes(x.reshape((self.size, self.num) + x.shape[1:]), 0, 1)
 
   def join(self, a: jax.Array, size: int) -> jax.Array:
@@ -580,10 +618,17 @@ class _Chunks(NamedTuple):
 
 
 def _chunks(opts: _Options, units: _Units) -> _Chunks:
-  size = units.size if units.microbatch is None else min(int(units.microbatch), units.size)
-  num = -(-units.size // size) if size else 1
+  micro = units.microbatch
+  size = units.size if micro is None else _jax.min_dim(units.size, int(micro))
+  if _jax.is_symbolic(units.size):  # a symbolic batch has at least one example
+    num = -(-units.size // size)
+    several = micro is not None  # chunks of microbatch_size, unless the batch is smaller
+    size_devices = int(micro) if several else None
+  else:
+    num = -(-units.size // size) if size else 1
+    several, size_devices = num > 1, size
   devices = _mesh_axis_size(opts.spmd_axis_name)
-  if num > 1 and devices and size % devices:
+  if several and devices and size_devices % devices:
     raise ValueError(
       f"microbatch_size={opts.microbatch_size} must be a multiple of the {devices} "
       f"devices of spmd_axis_name={opts.spmd_axis_name!r}, so that every device "
@@ -604,12 +649,10 @@ def _clipped_units(
   # then evaluated on real data only, so no NaN reaches the sum, under
   # either method.
   mask = units.mask
-  if mask is not None or chunks.padded > units.size:
-    full_mask = (
-      jnp.arange(chunks.padded) < units.size
-      if mask is None
-      else jnp.pad(mask, (0, chunks.padded - units.size))
-    )
+  if mask is not None or chunks.pads(units.size):
+    full_mask = jnp.arange(chunks.padded) < units.size
+    if mask is not None:
+      full_mask = full_mask & _pad_rows(mask, chunks.padded)
     batch = [
       jax.tree.map(lambda x: _stand_in(x, full_mask, chunks.padded), units.args[i])
       for i in units.idx
@@ -625,7 +668,7 @@ def _clipped_units(
 
   if units.size == 0:
     out = _empty_batch(opts, loss, params, units)
-  elif chunks.num == 1:
+  elif isinstance(chunks.num, int) and chunks.num == 1:
     out = clip_chunk(batch, full_mask)
   else:
     out = _scan_chunks(clip_chunk, chunks, params, units, batch, full_mask)
@@ -764,10 +807,11 @@ def _ghost_chunk(
 ) -> tuple[Any, jax.Array, jax.Array, Any] | None:
   """``method="ghost"``: the clipped sum from ghost norms and book-keeping.
 
-  ``None`` where the plan costs more than forming per-example gradients.
+  ``None`` where the plan costs more than forming per-example gradients, or where
+  the loss has a higher-order primitive the engine cannot read.
   """
   traced = _ghost.trace(loss, params, args, idx, has_aux=opts.has_aux)
-  if _ghost.vmap_cheaper(traced.plan):
+  if _ghost.falls_back(traced.plan):
     return None
   bound = jnp.asarray(opts.l2_norm_clip, _numerics.tree_accumulation_dtype(traced.leaves))
 
