@@ -55,8 +55,10 @@ def _jaxpr_eqns(tx: optax.GradientTransformation, leaves: int) -> int:
 # flake at the 400 leaves: op counts, which grow with the square of
 # the leaf count when something per leaf reads a value made from every leaf
 # (the way AdaGC once took minutes at 400 leaves).
-# At most this many times the jaxpr of adam's own update, chained:
-_JAXPR_BOUND = 5.0
+# At most this many times the jaxpr of adam's own update, chained. (jax 0.10.0
+# traces jnp.stack of n scalars as n + 1 equations, 0.10.1 on as one `stack`:
+# adaptive_norm_scale is 5.13x adam there, 4.84x on jax 0.10.2.)
+_JAXPR_BOUND = 5.5
 # Four times the leaves at most this many times the ops (linear, with slack).
 _GROWTH_BOUND = 4.5
 

@@ -11,9 +11,11 @@ from __future__ import annotations
 import functools
 import importlib.util
 import pathlib
+import re
 import types
 import unittest
 
+import numpy as np
 import pytest
 
 import jaxclip
@@ -29,15 +31,27 @@ DROP_INS = (
   "unitwise_norm",
 )
 
-# Tests of the file that fail with optax's own code too, with the reason. The
-# test below checks that each still fails with optax, so a fixed one shows up.
+# Tests of the file that ask for more than float32 gives, with the reason. The
+# test below checks that each fails, where it fails, by float32's epsilon at
+# most, and that optax's own code fails the same way (or passes).
 FAIL_WITH_OPTAX = {
   "test_clip_by_block_rms": (
     "asserts that the RMS of a clipped float32 leaf equals the threshold to 7 "
-    "decimal places; optax's own clip gives 0.9999999 (1 ulp off) for the "
-    "first leaf at threshold 1 on XLA:CPU, jaxclip's for the second."
+    "decimal places, finer than float32's epsilon (1.2e-7) near 1.0: optax's own "
+    "clip is 1.2e-7 off for the first leaf at threshold 1 on XLA:CPU with jax "
+    "0.10.2 (exact with jax 0.10.0), jaxclip's for the second with both."
   ),
 }
+
+_DIFFERENCE = re.compile(
+  r"within 7 places \((?:Array\()?([-\d.e+]+)(?:, dtype=\w+\))? difference\)"
+)
+
+
+def _within_float32_eps(trace: str) -> bool:
+  """Whether a failure is an ``assertAlmostEqual`` missed by at most float32's epsilon."""
+  match = _DIFFERENCE.search(trace)
+  return match is not None and abs(float(match.group(1))) <= np.finfo(np.float32).eps
 
 
 def _load_optax_test_module() -> types.ModuleType:
@@ -85,7 +99,9 @@ def test_optax_clipping_suite_passes_on_jaxclip():
   module._clipping = types.SimpleNamespace(**{n: _counting(n, calls) for n in DROP_INS})
   run, problems = _run(module)
 
-  unexpected = {k: v for k, v in problems.items() if k not in FAIL_WITH_OPTAX}
+  unexpected = {
+    k: v for k, v in problems.items() if k not in FAIL_WITH_OPTAX or not _within_float32_eps(v)
+  }
   assert not unexpected, "\n\n".join(f"{k}:\n{v}" for k, v in unexpected.items())
   assert run >= 9, run
   # The substitution happened: every drop-in the file calls was ours.
@@ -93,8 +109,9 @@ def test_optax_clipping_suite_passes_on_jaxclip():
   used = {n for n in DROP_INS if f"_clipping.{n}(" in source}
   assert len(used) >= 7 and set(calls) == used, (calls, used)
 
-  # The excluded tests fail with optax's own code as well.
+  # optax's own code gives the excluded tests no better than float32's epsilon
+  # (it fails them or passes them, by the jax release).
   module._clipping = original
   run, with_optax = _run(module, set(FAIL_WITH_OPTAX))
   assert run == len(FAIL_WITH_OPTAX)
-  assert set(with_optax) == set(FAIL_WITH_OPTAX), with_optax
+  assert all(_within_float32_eps(v) for v in with_optax.values()), with_optax

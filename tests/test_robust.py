@@ -98,7 +98,13 @@ def test_skip_nonfinite_jit_scan_and_inject_hyperparams_agree():
   grads = jnp.stack(vec([1.0, NAN, 2.0, NAN, NAN, NAN, 4.0]))
   params = jnp.zeros(2)
   tx = jaxclip.skip_nonfinite(optax.adam(0.1), max_consecutive=2)
+  jitted = run(tx, list(grads), params)
+  # Op by op, XLA may round adam's step one ulp apart from a compiled program
+  # (jax 0.10.0 does, without jaxclip): eager agrees to that, compiled ones exactly.
   eager = run(tx, list(grads), params, jit=False)
+  for a, b in zip(eager, jitted, strict=True):
+    np.testing.assert_allclose(np.asarray(a[0]), np.asarray(b[0]), rtol=2e-7)
+    assert int(a[2].num_consecutive_nonfinite) == int(b[2].num_consecutive_nonfinite)
 
   def body(carry, g):
     state, p = carry
@@ -106,13 +112,13 @@ def test_skip_nonfinite_jit_scan_and_inject_hyperparams_agree():
     return (state, optax.apply_updates(p, u)), u
 
   (state, _), us = jax.lax.scan(body, (tx.init(params), params), grads)
-  np.testing.assert_array_equal(np.asarray(us), np.stack([np.asarray(s[0]) for s in eager]))
-  assert_bit_identical(state, eager[-1][2])
+  np.testing.assert_array_equal(np.asarray(us), np.stack([np.asarray(s[0]) for s in jitted]))
+  assert_bit_identical(state, jitted[-1][2])
   assert_same_avals(state, tx.init(params))
 
   injected = optax.inject_hyperparams(jaxclip.skip_nonfinite)(optax.adam(0.1), max_consecutive=2)
   inj = run(injected, list(grads), params)
-  for a, b in zip(inj, eager, strict=True):
+  for a, b in zip(inj, jitted, strict=True):
     np.testing.assert_array_equal(np.asarray(a[0]), np.asarray(b[0]))
 
 
