@@ -243,7 +243,7 @@ def test_flax_nnx_optimizer(case):
   opt = nnx.Optimizer(model, optax.chain(make(case), optax.sgd(0.01)), wrt=nnx.Param)
   x = jnp.ones((4, 3))
 
-  @nnx.jit
+  @nnx.jit(donate_argnums=(0, 1))  # as users write it: model and optimizer donated
   def step(model, opt):
     loss, g = nnx.value_and_grad(lambda m: jnp.sum(m(x) ** 2))(model)
     opt.update(model, g)
@@ -262,7 +262,7 @@ def test_equinox_training_step(case):
   state = tx.init(eqx.filter(model, eqx.is_array))
   x = jnp.ones((4, 3))
 
-  @eqx.filter_jit
+  @eqx.filter_jit(donate="all")  # as users write it: model and state donated
   def step(model, state):
     loss, g = eqx.filter_value_and_grad(lambda m: jnp.sum(jax.vmap(m)(x) ** 2))(model)
     u, state = tx.update(g, state, eqx.filter(model, eqx.is_array))

@@ -6,12 +6,14 @@ covered the day it is added) is run:
 * with its state donated (``jax.jit(..., donate_argnums=...)``), from an
   eager and from a jitted ``init``, for two steps against the same steps
   undonated;
-* in flax linen's ``TrainState`` under ``jax.jit(step, donate_argnums=0)``,
-  in flax nnx's ``nnx.Optimizer`` under ``nnx.jit`` with the optimizer
-  donated, and in an equinox loop under ``eqx.filter_jit(donate="all")``,
-  each against the same steps written with optax alone;
-* exported with ``jax.export`` under a symbolic dimension, for CPU, CUDA and
-  TPU at once, and the exported program called at two sizes against ``jit``.
+* exported with ``jax.export`` under a symbolic dimension, and the exported
+  program called at two sizes against ``jit``; the chain of every factory is
+  also lowered for CUDA and TPU with that symbolic dimension;
+* chained all together, in flax linen's ``TrainState`` under
+  ``jax.jit(step, donate_argnums=0)``, in flax nnx's ``nnx.Optimizer`` under
+  ``nnx.jit`` with the optimizer donated, and in an equinox loop under
+  ``eqx.filter_jit(donate="all")``, each against the same steps written with
+  optax alone.
 """
 
 from __future__ import annotations
@@ -57,25 +59,59 @@ def _assert_no_shared_buffers(tree, what: str) -> None:
   assert not shared, f"{what}: {shared} leaves share a buffer with another leaf"
 
 
-# ------------------------------------------------------------------- donation
+# ------------------------------------------------- donation and a symbolic size
+
+
+def _spec(rows) -> dict:
+  """The shapes of :func:`_params` with ``rows`` (an int or a symbolic dimension) for its rows."""
+  shapes = {"w": (rows, 4), "b": (4,), "v": (rows,)}
+  return {k: jax.ShapeDtypeStruct(s, jnp.float32) for k, s in shapes.items()}
 
 
 @pytest.mark.parametrize("name", FACTORIES)
-def test_state_can_be_donated(name):
-  """Two donated steps give the undonated steps' updates and states, bit for bit."""
+def test_donated_and_exported_steps_equal_the_jitted_ones(name):
+  """Per factory, against two steps of ``jax.jit(tx.update)`` at 2 and 7 rows:
+
+  * donated (``donate_argnums=1``) at 2 rows, from an eager and from a jitted
+    ``init``: equal bit for bit, and no two state leaves share a buffer;
+  * exported with the rows symbolic (``jax.export.symbolic_shape``) and
+    called at 2 and 7 rows: equal to float rounding.
+  """
   tx = _every.build(name)
-  params = _params()
-  for init in (tx.init, jax.jit(tx.init)):
-    _assert_no_shared_buffers(init(params), f"{name}'s init")
   plain, donated = jax.jit(tx.update), jax.jit(tx.update, donate_argnums=1)
-  state_a, state_b = tx.init(params), jax.jit(tx.init)(params)
-  for step in range(2):
-    grads = _grads(params, step)
-    want, state_a = plain(grads, state_a, params)
-    got, state_b = donated(grads, state_b, params)
-    _assert_no_shared_buffers(state_b, f"{name}'s state after step {step}")
-    assert_tree_allclose(got, want, rtol=0)
-    assert_tree_allclose(state_b, state_a, rtol=0)
+  (rows,) = export.symbolic_shape("rows")
+  exported = export.export(plain)(_spec(rows), jax.eval_shape(tx.init, _spec(rows)), _spec(rows))
+  for n in (2, 7):
+    params = _params(n)
+    _assert_no_shared_buffers(tx.init(params), f"{name}'s init")
+    _assert_no_shared_buffers(jax.jit(tx.init)(params), f"{name}'s jitted init")
+    want = got = tx.init(params)
+    donated_state = jax.jit(tx.init)(params) if n == 2 else None
+    for step in range(2):
+      grads = _grads(params, step)
+      (want_updates, want), (got_updates, got) = (
+        plain(grads, want, params),
+        exported.call(grads, got, params),
+      )
+      assert_tree_allclose(got_updates, want_updates, rtol=1e-6)
+      assert_tree_allclose(got, want, rtol=1e-6)
+      if donated_state is not None:
+        donated_updates, donated_state = donated(grads, donated_state, params)
+        _assert_no_shared_buffers(donated_state, f"{name}'s donated state after step {step}")
+        assert_tree_allclose(donated_updates, want_updates, rtol=0)
+        assert_tree_allclose(donated_state, want, rtol=0)
+
+
+def test_every_transform_exports_for_gpu_and_tpu_with_a_symbolic_size():
+  """The chain of every factory lowers for CUDA and TPU with a symbolic size (from this CPU)."""
+  tx = _every_transform()
+  (rows,) = export.symbolic_shape("rows")
+  spec = _spec(rows)
+  exported = export.export(jax.jit(tx.update), platforms=("cuda", "tpu"))(
+    spec, jax.eval_shape(tx.init, spec), spec
+  )
+  assert exported.platforms == ("cuda", "tpu")
+  assert any("rows" in str(a) for a in exported.in_avals)
 
 
 # ------------------------------------------------------------ flax TrainState
@@ -199,36 +235,3 @@ def test_equinox_loop_under_donation():
     model, opt_state = step(model, opt_state)
   assert_tree_allclose(eqx.filter(model, eqx.is_inexact_array), want[0], rtol=1e-6)
   assert_tree_allclose(opt_state, want[1], rtol=1e-6)
-
-
-# ------------------------------------------------------------ symbolic shapes
-
-
-@pytest.mark.parametrize("name", FACTORIES)
-def test_exports_with_a_symbolic_dimension(name):
-  """``tx.update`` exported with ``rows`` symbolic, then run at two sizes against ``jit``.
-
-  Lowered for CPU, CUDA and TPU in one export, so the platform-dependent
-  branches of the kernel are all traced with a symbolic size.
-  """
-  tx = _every.build(name)
-  (rows,) = export.symbolic_shape("rows")
-  shapes = jax.tree.map(lambda x: x.shape, _params())
-  spec = {
-    k: jax.ShapeDtypeStruct(tuple(rows if d == 3 else d for d in s), jnp.float32)
-    for k, s in shapes.items()
-  }
-  state_spec = jax.eval_shape(tx.init, spec)
-  exported = export.export(jax.jit(tx.update), platforms=("cpu", "cuda", "tpu"))(
-    spec, state_spec, spec
-  )
-  assert exported.platforms == ("cpu", "cuda", "tpu")
-  for n in (2, 7):
-    params = _params(n)
-    state_e = state_j = tx.init(params)
-    for step in range(2):
-      grads = _grads(params, step)
-      got, state_e = exported.call(grads, state_e, params)
-      want, state_j = jax.jit(tx.update)(grads, state_j, params)
-      assert_tree_allclose(got, want, rtol=1e-6)
-      assert_tree_allclose(state_e, state_j, rtol=1e-6)
