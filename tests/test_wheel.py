@@ -34,7 +34,17 @@ import jaxclip
 ROOT = Path(__file__).resolve().parents[1]
 # What a checkout holds besides the sources (.gitignore): build outputs, caches, venvs.
 _OUTPUTS = {
-  ROOT: {".git", ".venv", "venv", "build", "dist", "site", ".pytest_cache", ".hypothesis"},
+  ROOT: {
+    ".git",
+    ".venv",
+    ".venv-lowest",
+    "venv",
+    "build",
+    "dist",
+    "site",
+    ".pytest_cache",
+    ".hypothesis",
+  },
   ROOT / "examples": {"output"},
 }
 _CACHES = shutil.ignore_patterns("__pycache__", "*.egg-info", ".ipynb_checkpoints", ".ruff_cache")
