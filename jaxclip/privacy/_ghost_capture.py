@@ -121,9 +121,6 @@ def is_float(aval: Any) -> bool:
   return jnp.issubdtype(aval.dtype, jnp.floating)
 
 
-bind = _jax.bind  # applies an equation's primitive to values; always a list of outputs
-
-
 # ----------------------------------------------------------------------------
 # Views: which part of which leaf a param value is
 # ----------------------------------------------------------------------------
@@ -400,7 +397,7 @@ class _Walker:
       info = _view_of(eqn, infos)
     else:
       info = _CONST
-    res = bind(eqn, vals) if self.computes(info) else [None] * len(eqn.outvars)
+    res = _jax.bind(eqn, vals) if self.computes(info) else [None] * len(eqn.outvars)
     return [(x, info) for x in res]
 
   def scan(self, eqn: Any, shape: _ScanShape, ins: list[Pair]) -> list[Pair]:
@@ -554,7 +551,7 @@ class Forward(_Walker):
     roles = _roles(eqn, infos)
     if eqn is not None and self.base + index in self.probed:
       self.records.append([])
-      out = bind(eqn, vals)
+      out = _jax.bind(eqn, vals)
       floats = _float_outs(eqn, aval)
       (z,) = self.zs[index]
       probed = _probe(
@@ -571,9 +568,9 @@ class Forward(_Walker):
       self.records.append([])
       zs = iter(self.zs[index])
       vals = [v + next(zs) if r == PARAM else v for v, r in zip(vals, roles, strict=True)]
-      return bind(eqn, vals)
+      return _jax.bind(eqn, vals)
     self.records.append([v for v, r in zip(vals, roles, strict=True) if r == DATA])
-    out = list(vals) if eqn is None else bind(eqn, vals)
+    out = list(vals) if eqn is None else _jax.bind(eqn, vals)
     for j, z in zip(_float_outs(eqn, aval), self.zs[index], strict=True):
       out[j] = out[j] + z
     return out
@@ -697,7 +694,7 @@ def site_outputs(
     if site.eqn is None:
       return list(pvals)
     its = {PARAM: iter(pvals), CONST: iter(cvals), DATA: iter(dvals)}
-    out = bind(site.eqn, [next(its[r]) for r in site.roles])
+    out = _jax.bind(site.eqn, [next(its[r]) for r in site.roles])
     return [out[j] for j in site.outs]
 
   for _ in site.stack:

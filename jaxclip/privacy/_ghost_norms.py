@@ -144,7 +144,7 @@ def conv_sumsq(site: Site, kernel: jax.Array, a: jax.Array, g: jax.Array) -> jax
   if not gram_is_cheaper(positions, taps, outs):  # the per-example kernel gradient costs less
 
     def one(k_b, a_b, g_b):
-      _, vjp = jax.vjp(lambda k: _ghost_capture.bind(eqn, [a_b, k])[0], k_b)
+      _, vjp = jax.vjp(lambda k: _jax.bind(eqn, [a_b, k])[0], k_b)
       (grad,) = vjp(g_b.astype(out_aval.dtype))
       return jnp.sum(_numerics.abs_sq(_numerics.upcast_for_accumulation(grad)))
 
