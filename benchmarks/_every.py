@@ -17,6 +17,8 @@ import jaxclip
 
 # Public callables that are not factories of a GradientTransformation.
 NOT_TRANSFORMS = {
+  "calibrate_noise",
+  "dp_epsilon",
   "ghost_plan",
   "ops",
   "per_example_clipped_grad",
@@ -40,6 +42,7 @@ REQUIRED = {
   "clip_by_norm": lambda: jaxclip.clip_by_norm(1.0),
   "clip_by_value": lambda: jaxclip.clip_by_value(-1.0, 1.0),
   "clipped": lambda: jaxclip.clipped(optax.identity(), global_clipnorm=1.0),
+  "dp_noise": lambda: jaxclip.dp_noise(1.0, 1.1, expected_batch_size=16),
   "skip_above": lambda: jaxclip.skip_above(optax.identity(), 10.0),
   "skip_nonfinite": lambda: jaxclip.skip_nonfinite(optax.identity()),
   "skip_on_spike": lambda: jaxclip.skip_on_spike(optax.identity(), window=8),

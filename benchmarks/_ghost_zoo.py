@@ -1,22 +1,23 @@
 """Ghost norms on the model zoo: ``python -m benchmarks.ghost --zoo``.
 
 For each model of :mod:`benchmarks._zoo` (at its ``"bench"`` size) and each
-batch size ``B``, three ways to get one step's gradient, each jitted and
+batch size ``B``, four ways to get one step's gradient, each jitted and
 compiled on its own:
 
 * ``grad``: the non-private gradient, ``jax.grad`` of the summed per-example
   losses (the baseline);
-* ``vmap`` and ``ghost``: ``jaxclip.per_example_clipped_grad(loss_fn, clip,
-  batch_argnums=(1, 2), method=..., return_norms=True)``, the whole batch at
-  once.
+* ``vmap``, ``ghost`` and ``auto``: ``jaxclip.per_example_clipped_grad(loss_fn,
+  clip, batch_argnums=(1, 2), method=..., return_norms=True)``, the whole
+  batch at once.
 
 Reported: the compiled program's temporary memory (XLA's memory analysis), the
-median step time (the three timed interleaved, one step of each in turn), the
-ratios issue #25 sets targets on (ghost/vmap time <= 1.05, ghost/grad time
-<= 1.5, ghost/grad memory <= 1.3) and the share of the parameters' floats that
-:func:`jaxclip.ghost_plan` instantiates (<= 10%), with the leaves it
-instantiates and why. ``l2_norm_clip`` is, per model, the median per-example
-norm of the first batch (from vmap's norms), so that some examples are
+median step time (the four timed interleaved, one step of each in turn), the
+ratios issues #25 and #39 set targets on (ghost/grad time <= 1.5, ghost/grad
+memory <= 1.3, auto/vmap time <= 1.05: no slower than vmap but for noise) and
+the share of the parameters' floats that :func:`jaxclip.ghost_plan`
+instantiates under ``"ghost"`` (<= 10%), with the leaves it instantiates and
+why, and what ``"auto"`` chose on this platform. ``l2_norm_clip`` is, per
+model, the median per-example norm of the first batch (from vmap's norms), so that some examples are
 clipped; it is a traced argument of every case (the non-private one ignores
 it), so that one compiled program serves any clip. It writes
 ``ghost_zoo.md`` into ``--out``.
@@ -26,7 +27,6 @@ from __future__ import annotations
 
 import datetime
 import importlib.metadata
-import math
 import os
 import platform
 import time
@@ -40,14 +40,13 @@ import numpy as np
 
 import jaxclip
 from benchmarks import _cases, _main, _report, _timing, _zoo
-from jaxclip.privacy import _ghost
 
-METHODS = ("grad", "vmap", "ghost")
+METHODS = ("grad", "vmap", "ghost", "auto")
 BATCHES, QUICK_BATCHES = (16, 128), (4,)
 TARGETS = {
-  "ghost/vmap time": 1.05,
   "ghost/grad time": 1.5,
   "ghost/grad mem": 1.3,
+  "auto/vmap time": 1.05,
   "fallback share": 0.10,
 }
 
@@ -89,18 +88,23 @@ def plan_summary(model: _zoo.Model) -> dict:
     ],
   }
   reasons = {leaf.reason for leaf in plan.leaves}
-  if len(reasons) == 1 and plan.fallback_share == 1.0 and hasattr(_ghost, "_VMAP_RATIO"):
-    # The whole loss falls back on cost: what the ghost rules alone would instantiate.
-    ratio, _ghost._VMAP_RATIO = _ghost._VMAP_RATIO, math.inf
-    try:
-      forced = jaxclip.ghost_plan(model.loss_fn, model.params, x, y, batch_argnums=(1, 2))
-    finally:
-      _ghost._VMAP_RATIO = ratio
-    out.update(
-      whole_loss=reasons.pop(),
-      forced_share=forced.fallback_share,
-      forced_rules=sorted({leaf.rule for leaf in forced.leaves}),
-    )
+  if len(reasons) == 1 and plan.fallback_share == 1.0:  # a primitive the engine cannot read
+    out["whole_loss"] = reasons.pop()
+  auto = jaxclip.ghost_plan(model.loss_fn, model.params, x, y, batch_argnums=(1, 2), method="auto")
+  whole = {
+    leaf.reason
+    for leaf in auto.leaves
+    if leaf.reason and "the loss runs as method='vmap'" in leaf.reason
+  }
+  out["auto"] = {
+    "platform": auto.platform,
+    "whole_loss": whole.pop() if whole else None,
+    "chosen": [
+      (leaf.path, leaf.reason)
+      for leaf in auto.leaves
+      if leaf.rule == "instantiate" and leaf.reason.startswith("auto on") and not whole
+    ],
+  }
   return out
 
 
@@ -134,19 +138,23 @@ def run_model(model: _zoo.Model, batches: list[int], reps: int) -> list[dict]:
     steps = {name: (lambda s, c=c, args=args: (c(*args), s), None) for name, c in compiled.items()}
     for name, s in _timing.time_interleaved(steps, reps, warmup=1).items():
       row[name]["ms"] = 1e3 * s
-    if "vmap" in outputs and "ghost" in outputs:
-      (gv, nv, normv), (gg, ng, normg) = outputs["vmap"], outputs["ghost"]
+    if "vmap" in outputs and "ghost" in outputs and "auto" in outputs:
+      (gv, nv, normv) = outputs["vmap"]
       top = max(float(jnp.max(jnp.abs(a))) for a in jax.tree.leaves(gv)) or 1.0
-      diff = max(
-        float(jnp.max(jnp.abs(a - e)))
-        for a, e in zip(jax.tree.leaves(gg), jax.tree.leaves(gv), strict=True)
-      )
-      row["check"] = {
-        "clipped_vmap": int(nv),
-        "clipped_ghost": int(ng),
-        "sum_rel_diff": diff / top,
-        "norm_rel_diff": float(jnp.max(jnp.abs(normg - normv) / normv)),
-      }
+      row["check"] = {"clipped_vmap": int(nv)}
+      for m in ("ghost", "auto"):
+        gm, nm, normm = outputs[m]
+        diff = max(
+          float(jnp.max(jnp.abs(a - e)))
+          for a, e in zip(jax.tree.leaves(gm), jax.tree.leaves(gv), strict=True)
+        )
+        row["check"].update(
+          {
+            f"clipped_{m}": int(nm),
+            f"{m}_sum_rel_diff": diff / top,
+            f"{m}_norm_rel_diff": float(jnp.max(jnp.abs(normm - normv) / normv)),
+          }
+        )
     for m in METHODS:
       res = row[m]
       print(
@@ -163,12 +171,14 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 
 
 def ratios(row: dict, share: float | None) -> dict[str, float | None]:
-  """The four figures issue #25 sets targets on, for one row."""
-  g, v, h = row["grad"], row["vmap"], row["ghost"]
+  """The figures issues #25 and #39 set targets on, for one row, and ghost/vmap's."""
+  g, v, h, a = row["grad"], row["vmap"], row["ghost"], row["auto"]
   return {
     "ghost/vmap time": _ratio(h["ms"], v["ms"]),
+    "ghost/vmap mem": _ratio(h["temp_mb"], v["temp_mb"]),
     "ghost/grad time": _ratio(h["ms"], g["ms"]),
     "ghost/grad mem": _ratio(h["temp_mb"], g["temp_mb"]),
+    "auto/vmap time": _ratio(a["ms"], v["ms"]),
     "fallback share": share,
   }
 
@@ -180,15 +190,21 @@ HEADER = [
   "grad MiB",
   "vmap MiB",
   "ghost MiB",
+  "auto MiB",
   "grad ms",
   "vmap ms",
   "ghost ms",
+  "auto ms",
   "ghost/vmap time",
+  "ghost/vmap mem",
   "ghost/grad time",
   "ghost/grad mem",
+  "auto/vmap time",
   "fallback share",
+  "auto",
   "targets missed",
 ]
+RATIOS = HEADER[11:16]
 
 
 def table(rows: list[dict], plans: dict[str, dict]) -> str:
@@ -203,14 +219,24 @@ def table(rows: list[dict], plans: dict[str, dict]) -> str:
       cells += [
         r[m]["status"] if r[m]["status"] != "ok" else _report.num(r[m][key]) for m in METHODS
       ]
-    cells += [f"{rat[k]:.2f}" if rat[k] is not None else "n/a" for k in list(TARGETS)[:3]]
+    cells += [f"{rat[k]:.2f}" if rat[k] is not None else "n/a" for k in RATIOS]
     p = plans[r["model"]]
     cells.append(
       "n/a"
       if share is None
       else f"{share:.1%}"
       if "whole_loss" not in p
-      else f"{share:.0%} (on cost; rules alone {p['forced_share']:.1%})"
+      else f"{share:.0%} (the engine cannot read the loss)"
+    )
+    auto = p.get("auto")
+    cells.append(
+      "n/a"
+      if auto is None
+      else "vmap's program"
+      if auto["whole_loss"]
+      else f"rules, {len(auto['chosen'])} instantiated"
+      if auto["chosen"]
+      else "ghost's rules"
     )
     cells.append(", ".join(missed + [f"{k} n/a" for k in unknown]) or "none")
     body.append(cells)
@@ -225,17 +251,19 @@ def markdown(
   out += [
     "",
     "`grad` is the non-private gradient (`jax.grad` of the summed per-example losses); "
-    "`vmap` and `ghost` are `jaxclip.per_example_clipped_grad(loss_fn, clip, "
+    "`vmap`, `ghost` and `auto` are `jaxclip.per_example_clipped_grad(loss_fn, clip, "
     "batch_argnums=(1, 2), method=..., return_norms=True)`, the whole batch at once. `MiB` "
     "is the compiled program's temporary memory (XLA's memory analysis), `ms` the median "
-    "step time, the three cases of a row timed interleaved. `fallback share`: the share of "
-    "the parameters' floats that `jaxclip.ghost_plan` instantiates (per-example gradient "
-    "formed exactly); `on cost`: the whole loss is instantiated because its ghost norms "
-    "would cost more flops than its per-example gradients, and `rules alone` is the share "
-    "the ghost rules would leave to instantiation. Targets (issue #25): ghost/vmap time <= "
-    f"{TARGETS['ghost/vmap time']}, ghost/grad time <= {TARGETS['ghost/grad time']}, "
-    f"ghost/grad memory <= {TARGETS['ghost/grad mem']}, fallback share <= "
-    f"{TARGETS['fallback share']:.0%}.",
+    "step time, the four cases of a row timed interleaved, on a machine shared with other "
+    "jobs (the load averages above): a time ratio within about 5% of 1 is noise. "
+    "`fallback share`: the share of the parameters' floats that `jaxclip.ghost_plan` "
+    'instantiates under `method="ghost"` (per-example gradient formed exactly), which '
+    'applies every ghost rule it finds. `auto`: what `method="auto"` chose on this '
+    'platform (`ghost_plan(..., method="auto")`): ghost\'s rules, some leaves instantiated '
+    'instead, or `method="vmap"`\'s program for the whole loss. Targets: ghost/grad time '
+    f"<= {TARGETS['ghost/grad time']} and fallback share <= {TARGETS['fallback share']:.0%} "
+    f"(issue #25), ghost/grad memory <= {TARGETS['ghost/grad mem']} and auto/vmap time <= "
+    f"{TARGETS['auto/vmap time']} (issue #39).",
     "",
   ]
   out += [table(rows, plans), "", "## Models", ""]
@@ -247,11 +275,7 @@ def markdown(
       out.append(f"- `{name}`: n/a ({p['why']})")
       continue
     if "whole_loss" in p:
-      out.append(
-        f"- `{name}` (100% of the floats): every leaf, {p['whole_loss']}; the ghost "
-        f"rules alone (rules {', '.join(p['forced_rules'])}) would instantiate "
-        f"{p['forced_share']:.1%}"
-      )
+      out.append(f"- `{name}` (100% of the floats): every leaf, {p['whole_loss']}")
       continue
     big = sorted(p["fallback"], key=lambda leaf: -leaf[1])
     leaves = "; ".join(f"`{path}` ({n:,}: {why})" for path, n, why in big[:8])
@@ -261,6 +285,20 @@ def markdown(
       f"- `{name}` ({p['share']:.1%} of the floats; rules used: "
       f"{', '.join(p['rules'])}): {leaves or 'none'}"
     )
+  out += ["", "## What auto chose", ""]
+  for name, p in plans.items():
+    auto = p.get("auto")
+    if auto is None:
+      continue
+    if auto["whole_loss"]:
+      out.append(f"- `{name}`: {auto['whole_loss']}")
+    elif auto["chosen"]:
+      out.append(
+        f"- `{name}`: ghost's rules but for "
+        + "; ".join(f"`{path}` ({why})" for path, why in auto["chosen"])
+      )
+    else:
+      out.append(f"- `{name}`: ghost's rules")
   notes = [
     f"- {r['model']} B={r['B']} {m}: {r[m]['status']}: {r[m]['why']}"
     for r in rows
@@ -275,9 +313,11 @@ def markdown(
     if c:
       out.append(
         f"- {r['model']} B={r['B']}, l2_norm_clip {r['clip']:.3g}: examples clipped: "
-        f"vmap {c['clipped_vmap']}, ghost {c['clipped_ghost']} of {r['B']}; ghost's "
-        f"clipped sum differs from vmap's by at most {c['sum_rel_diff']:.1e} of its "
-        f"largest entry, its norms by at most {c['norm_rel_diff']:.1e} (relative)"
+        f"vmap {c['clipped_vmap']}, ghost {c['clipped_ghost']}, auto {c['clipped_auto']} of "
+        f"{r['B']}; the clipped sums differ from vmap's by at most "
+        f"{c['ghost_sum_rel_diff']:.1e} (ghost) and {c['auto_sum_rel_diff']:.1e} (auto) of "
+        f"its largest entry, the norms by at most {c['ghost_norm_rel_diff']:.1e} and "
+        f"{c['auto_norm_rel_diff']:.1e} (relative)"
       )
   return "\n".join(out) + "\n"
 

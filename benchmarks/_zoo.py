@@ -22,7 +22,16 @@ write, from the library's layers (no hand-written math where a layer exists):
 * ``jax_scan_mlp``: plain JAX, a token embedding, residual MLP blocks whose
   weights are one stacked pytree scanned over with ``jax.lax.scan``, and a head;
 * ``jax_loop_mlp``: the same stacked pytree, its layers applied in a Python
-  loop through static slices ``w[l]``.
+  loop through static slices ``w[l]``;
+* ``linen_lstm``: a flax linen language model, ``nn.Embed``, ``nn.RNN`` over an
+  ``nn.LSTMCell`` (its weights read by every step of the scan) and a ``nn.Dense``
+  head on every step;
+* ``linen_cnn``: a small flax linen CNN, two 3 x 3 ``nn.Conv`` at stride 2 (16 and
+  32 channels) and a ``nn.Dense`` head on the flattened features;
+* ``linen_shared_gpt``: an ALBERT-style flax linen transformer, one pre-LayerNorm
+  block (the GPT's) applied at every layer by ``nn.scan`` with
+  ``variable_broadcast="params"`` (its weights read by every iteration), a
+  position table looked up at ``jnp.arange(T)`` and an untied ``nn.Dense`` head.
 
 ``build(name, size)`` returns a :class:`Model`: its parameters, a per-example
 loss ``loss_fn(params, x, y)`` (one example, no batch axis) and
@@ -175,6 +184,109 @@ def _linen_scan_gpt(size: str) -> Model:
     f"{cfg['layers']} blocks of LayerNorm + causal MultiHeadDotProductAttention "
     f"({cfg['heads']} heads) + Dense MLP under nn.scan(nn.remat(Block)); vocab "
     f"{cfg['vocab']}, d {cfg['d']}, T {cfg['seq']}",
+    params,
+    loss_fn,
+    make,
+  )
+
+
+class _LinenLSTM(nn.Module):
+  vocab: int
+  d: int
+
+  @nn.compact
+  def __call__(self, tokens: jax.Array) -> jax.Array:
+    h = nn.RNN(nn.LSTMCell(self.d))(nn.Embed(self.vocab, self.d)(tokens))
+    return nn.Dense(self.vocab)(h)
+
+
+def _linen_lstm(size: str) -> Model:
+  cfg = _LM[size]
+  model = _LinenLSTM(cfg["vocab"], cfg["d"])
+  make = _tokens(cfg)
+  params = _run_once(model.init, jax.random.key(0), make(1, 0)[0][0])["params"]
+
+  def loss_fn(params, x, y):
+    return _xent(model.apply({"params": params}, x), y)
+
+  return Model(
+    "linen_lstm",
+    f"flax linen LSTM language model: nn.Embed, nn.RNN(nn.LSTMCell) (its weights "
+    f"read by every step of the scan), Dense head on every step; vocab {cfg['vocab']}, "
+    f"d {cfg['d']}, T {cfg['seq']}",
+    params,
+    loss_fn,
+    make,
+  )
+
+
+class _LinenCNN(nn.Module):
+  classes: int
+
+  @nn.compact
+  def __call__(self, x: jax.Array) -> jax.Array:  # (side, side, 3)
+    x = nn.relu(nn.Conv(16, (3, 3), 2)(x))
+    x = nn.relu(nn.Conv(32, (3, 3), 2)(x))
+    return nn.Dense(self.classes)(x.reshape(-1))
+
+
+def _linen_cnn(size: str) -> Model:
+  cfg = _IMG[size]
+  side = 32 if size == "bench" else cfg["side"]
+  model = _LinenCNN(cfg["classes"])
+  make = _images((side, side, 3), cfg["classes"])
+  params = _run_once(model.init, jax.random.key(0), make(1, 0)[0][0])["params"]
+
+  def loss_fn(params, x, y):
+    return _xent(model.apply({"params": params}, x), y)
+
+  return Model(
+    "linen_cnn",
+    f"flax linen small CNN: Conv 3x3 stride 2 (16 channels), Conv 3x3 stride 2 (32), "
+    f"Dense head on the flattened features; images {side}x{side}x3, {cfg['classes']} classes",
+    params,
+    loss_fn,
+    make,
+  )
+
+
+class _LinenSharedGPT(nn.Module):
+  vocab: int
+  seq: int
+  d: int
+  layers: int
+  heads: int
+
+  @nn.compact
+  def __call__(self, tokens: jax.Array) -> jax.Array:
+    pos = self.param("pos", nn.initializers.normal(0.02), (self.seq, self.d))
+    h = nn.Embed(self.vocab, self.d)(tokens) + pos[jnp.arange(tokens.shape[0])]
+    block = nn.scan(
+      _LinenBlock,
+      variable_broadcast="params",
+      split_rngs={"params": False},
+      in_axes=nn.broadcast,
+      length=self.layers,
+    )
+    h, _ = block(self.heads, name="shared_block")(h, None)
+    return nn.Dense(self.vocab)(nn.LayerNorm()(h))
+
+
+def _linen_shared_gpt(size: str) -> Model:
+  cfg = _LM[size]
+  model = _LinenSharedGPT(**cfg)
+  make = _tokens(cfg)
+  params = _run_once(model.init, jax.random.key(0), make(1, 0)[0][0])["params"]
+
+  def loss_fn(params, x, y):
+    return _xent(model.apply({"params": params}, x), y)
+
+  return Model(
+    "linen_shared_gpt",
+    f"flax linen ALBERT-style GPT: nn.Embed, positions looked up at jnp.arange(T), one "
+    f"block of LayerNorm + causal MultiHeadDotProductAttention ({cfg['heads']} heads) + "
+    f"Dense MLP applied {cfg['layers']} times by nn.scan(variable_broadcast='params'), "
+    f"untied Dense head; vocab {cfg['vocab']}, d {cfg['d']}, T {cfg['seq']}",
     params,
     loss_fn,
     make,
@@ -463,6 +575,9 @@ MODELS: dict[str, Callable[[str], Model]] = {
   "eqx_vit": _eqx_vit,
   "jax_scan_mlp": lambda size: _jax_stacked(size, loop=False),
   "jax_loop_mlp": lambda size: _jax_stacked(size, loop=True),
+  "linen_lstm": _linen_lstm,
+  "linen_shared_gpt": _linen_shared_gpt,
+  "linen_cnn": _linen_cnn,
 }
 SIZES = ("tiny", "bench")
 

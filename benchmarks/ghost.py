@@ -26,6 +26,14 @@ It prints a markdown table and writes ``ghost.md`` and ``ghost.png``
 (temporary memory against the batch size, one panel per ``T``) into
 ``--out`` (default ``benchmarks/``). ``--quick`` is a smoke test: a tiny
 model, tiny batches, two repetitions.
+
+``--peers`` runs the same model beside jax_privacy's ``clipped_grad`` and
+Opacus (ghost and hooks), one thread each, and writes ``ghost_peers.md``
+(:mod:`benchmarks._peers`). The peers are the ``peers`` extra, installed in
+a venv of their own (torch 2.13.0 is the CPU wheel)::
+
+  python3 -m venv .venv-peers && .venv-peers/bin/pip install -e ".[peers]" torch==2.13.0
+  .venv-peers/bin/python -m benchmarks.ghost --peers
 """
 
 from __future__ import annotations
@@ -122,6 +130,12 @@ def _parser() -> argparse.ArgumentParser:
   )
   p.add_argument(
     "--models", nargs="+", default=None, help="with --zoo: the zoo models to run (default: all)"
+  )
+  p.add_argument(
+    "--peers",
+    action="store_true",
+    help="the GPT beside jax_privacy's clipped_grad and Opacus (ghost and hooks), one thread "
+    "each (benchmarks/_peers.py, the `peers` extra): writes ghost_peers.md (B 32 128, T 16 128)",
   )
   p.add_argument(
     "--memory-only",
@@ -492,6 +506,12 @@ def plot(path: str, rows: list[dict]) -> None:
 
 def main(argv: list[str] | None = None) -> str:
   args = _parser().parse_args(argv)
+  if args.peers:  # before anything starts jax's backend: it pins the threads
+    from benchmarks import _peers
+
+    return _peers.main(
+      args, " ".join(["python -m benchmarks.ghost", *(sys.argv[1:] if argv is None else argv)])
+    )
   if args.zoo:
     from benchmarks import _ghost_zoo
 

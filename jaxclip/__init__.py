@@ -6,9 +6,13 @@ module) that chains with any optax optimizer.
 """
 
 from jaxclip import ops as ops
+from jaxclip.privacy import DPNoiseState as DPNoiseState
 from jaxclip.privacy import GhostLeafPlan as GhostLeafPlan
 from jaxclip.privacy import GhostPlan as GhostPlan
 from jaxclip.privacy import PoissonBatch as PoissonBatch
+from jaxclip.privacy import calibrate_noise as calibrate_noise
+from jaxclip.privacy import dp_epsilon as dp_epsilon
+from jaxclip.privacy import dp_noise as dp_noise
 from jaxclip.privacy import ghost_plan as ghost_plan
 from jaxclip.privacy import per_example_clipped_grad as per_example_clipped_grad
 from jaxclip.privacy import per_example_global_norm_clip as per_example_global_norm_clip
@@ -58,6 +62,7 @@ __all__ = (
   "AdaptiveValueClipState",
   "AutoClipState",
   "ClipByGlobalNormState",
+  "DPNoiseState",
   "GhostLeafPlan",
   "GhostPlan",
   "PoissonBatch",
@@ -73,6 +78,7 @@ __all__ = (
   "adaptive_norm_scale",
   "adaptive_value_clip",
   "autoclip",
+  "calibrate_noise",
   "clip",
   "clip_by_average_norm",
   "clip_by_block_rms",
@@ -80,6 +86,8 @@ __all__ = (
   "clip_by_norm",
   "clip_by_value",
   "clipped",
+  "dp_epsilon",
+  "dp_noise",
   "ghost_plan",
   "ops",
   "per_example_clipped_grad",

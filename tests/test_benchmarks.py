@@ -9,6 +9,8 @@ import os
 import re
 import subprocess
 import sys
+import tomllib
+import types
 from pathlib import Path
 
 import jax
@@ -18,7 +20,7 @@ import optax
 import pytest
 
 import jaxclip
-from benchmarks import _cases, _main, _model, _trees, ghost, tricks
+from benchmarks import _cases, _main, _model, _peers, _trees, ghost, tricks
 from jaxclip._kernel import _numerics
 
 # Gradient-sized leaves (one above the kernel's small-leaf size, the others
@@ -493,3 +495,85 @@ def test_each_trick_switch_changes_the_cpu_program_and_keeps_its_values(trick):
   assert with_text != without_text, trick
   for a, b in zip(jax.tree.leaves(with_out), jax.tree.leaves(without_out), strict=True):
     np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=1e-2)
+
+
+def _import_without(*missing):
+  def import_module(name):
+    if name in missing:
+      raise ModuleNotFoundError(f"No module named {name!r}")
+    return types.SimpleNamespace(__version__="9.9")
+
+  return import_module
+
+
+def test_peers_availability_names_the_extra_of_a_missing_peer():
+  have = _peers.availability(_import_without("opacus"))
+  assert have["jax_privacy"] == ("jax_privacy 9.9", None)
+  version, why = have["Opacus"]
+  assert version is None and "`opacus`" in why and "`peers` extra" in why and _peers.INSTALL in why
+  assert _peers.availability(_import_without("torch"))["Opacus"][1].count("`torch`") == 1
+  # The install line is the extra's, and the extra is not the test extra.
+  assert 'pip install -e ".[peers]" torch==2.13.0' in _peers.INSTALL
+  extras = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())[
+    "project"
+  ]["optional-dependencies"]
+  assert {"torch", "opacus", "jax-privacy"} <= {re.split("[<>=]", r)[0] for r in extras["peers"]}
+  assert not any(r.startswith(("torch", "opacus", "jaxclip[peers")) for r in extras["test"])
+
+
+def test_peers_run_without_torch_writes_the_table_and_names_the_extra(
+  tmp_path, monkeypatch, capsys
+):
+  # `--peers` with Opacus missing: its rows read "not installed" and the note names the extra.
+  # The measurement is replaced (a real run compiles for minutes); the rows, the ratios, the
+  # notes and the file are the benchmark's own code.
+  have = _peers.availability(_import_without("torch", "opacus"))
+  monkeypatch.setattr(_peers, "availability", lambda: have)
+  monkeypatch.setattr(_peers, "pin_one_thread", lambda with_torch: f"pinned (torch {with_torch})")
+  secs = {"jax grad": [0.10, 0.20, 0.30], "jaxclip ghost": [0.12, 0.26, 0.33]}
+  cpus = {"jax grad": [0.10, 0.10, 0.10], "jaxclip ghost": [0.11, 0.11, 0.12]}
+
+  def run(batches, seq_lens, model, clip, reps, probes):
+    assert (batches, seq_lens, reps) == ([3], [5], 3)
+    rows = _peers.new_rows(3, 5, _peers.availability())
+    for key, r in rows.items():
+      if r["status"] == "ok":
+        r.update(secs=secs.get(key, [0.2, 0.4, 0.6]), cpus=cpus.get(key, [0.2, 0.2, 0.2]))
+        r.update(thread=0.99, peak_mb=8.0)
+        r.update(
+          temp_mb=4.0 if key == "jax grad" else 5.0, check=None if key == "jax grad" else 1e-7
+        )
+        r["check_ref"] = "jaxclip vmap"
+    _peers.add_ratios(rows)
+    return list(rows.values())
+
+  monkeypatch.setattr(_peers, "run", run)
+  argv = ["--peers", "--batch", "3", "--seq", "5", "--reps", "3", "--out", str(tmp_path)]
+  text = ghost.main(argv)
+  assert "`peers` extra" in capsys.readouterr().err
+  assert (tmp_path / "ghost_peers.md").read_text().strip() == text.strip()
+  assert "- threads: pinned (torch False)" in text and "shared with other jobs" in text
+  tables = [[]]
+  for line in text.splitlines():
+    if line.startswith("| "):
+      tables[-1].append([c.strip() for c in line.strip("|").split("|")])
+    elif tables[-1] and not line.startswith("|---"):
+      tables.append([])
+  cpu_x, wall_x, peak_x, every = tables[:4]
+  assert cpu_x[0][:2] == ["B", "T"] and len(cpu_x[0]) == 2 + len(_peers.SUMMARY)
+  cpu, wall = (dict(zip(t[0], t[1], strict=True)) for t in (cpu_x, wall_x))
+  # Paired wall ratios 1.2, 1.3, 1.1: the median, not the ratio of the medians (1.3 / 0.2).
+  assert wall['jaxclip method="ghost"'] == "1.20" and wall['jaxclip method="vmap"'] == "2.00"
+  assert cpu['jaxclip method="ghost"'] == "1.10" and cpu['jaxclip method="vmap"'] == "2.00"
+  assert cpu["Opacus ghost"] == wall["Opacus hooks"] == "not installed"
+  assert dict(zip(peak_x[0], peak_x[1], strict=True))["jax_privacy clipped_grad"] == "1.00"
+  assert every[0] == _peers.HEADER and len(every) == 1 + len(_peers.CASES)
+  rows = {(r[2], r[3]): dict(zip(every[0], r, strict=True)) for r in every[1:]}
+  ghost_row = rows[("jaxclip", 'method="ghost"')]
+  assert ghost_row["x own wall (IQR)"] == "1.20 (1.15-1.25)" and ghost_row["x own temp"] == "1.25"
+  assert ghost_row["wall ms"] == "260.0" and ghost_row["CPU ms"] == "110.0"
+  assert ghost_row["busiest thread"] == "99%"
+  opacus = [r for (fw, _), r in rows.items() if fw in ("torch", "Opacus")]
+  assert len(opacus) == 4 and all(r["CPU ms"] == "not installed" for r in opacus)
+  notes = text.split("## Cases not run")[1]
+  assert notes.count("`peers` extra") == 4 and _peers.INSTALL in notes

@@ -29,6 +29,7 @@ def _optimizer() -> optax.GradientTransformationExtraArgs:
   inner = optax.chain(
     jaxclip.record_norms(),
     jaxclip.clip_by_global_norm(5.0),
+    jaxclip.dp_noise(5.0, 1e-3, seed=1),  # its key resumes: the same noise after a restore
     jaxclip.autoclip(50.0, history=4),
     jaxclip.zclip(z_thresh=1.0, warmup_steps=2),
     jaxclip.skip_above(jaxclip.clipped(optax.adam(1e-2), global_clipnorm=4.0), SKIP_ABOVE),

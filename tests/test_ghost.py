@@ -31,15 +31,8 @@ from tests.helpers import mlp_loss, mlp_problem, multi_device_checks
 N_DEVICES = 8
 
 
-@pytest.fixture(autouse=True)
-def always_ghost(monkeypatch):
-  """The ghost pass even where forming per-example gradients would cost less (the engine
-  then falls back to vmap: ``test_whole_loss_falls_back_where_vmap_costs_less`` checks that)."""
-  monkeypatch.setattr(_ghost, "_VMAP_RATIO", float("inf"))
-
-
-def _compare(loss_fn, params, *args, rtol=2e-5, atol=1e-6, **kwargs):
-  """Runs both methods at the median norm; returns the plan's ghost rules used."""
+def _compare(loss_fn, params, *args, rtol=2e-5, atol=1e-6, method_="ghost", **kwargs):
+  """Runs ``method_`` and vmap at the median norm; returns the plan's ghost rules used."""
 
   @jax.jit  # the reference, compiled once: the clip is traced
   def vmap(clip, *a):
@@ -49,7 +42,7 @@ def _compare(loss_fn, params, *args, rtol=2e-5, atol=1e-6, **kwargs):
   clip = float(np.median(np.asarray(norms)))
   ref = vmap(clip, params, *args)
   got = jax.jit(
-    jaxclip.per_example_clipped_grad(loss_fn, clip, method="ghost", return_norms=True, **kwargs)
+    jaxclip.per_example_clipped_grad(loss_fn, clip, method=method_, return_norms=True, **kwargs)
   )(params, *args)
   n = norms.shape[0]
   assert 0 < int(ref[1]) < n, (int(ref[1]), n)  # some clipped, some not
@@ -367,10 +360,65 @@ def test_plain_scan_over_stacked_layers_gets_the_rules_per_iteration():
   assert plan.rules == {
     "['b']": "instantiate",
     "['head']": "dot",
-    "['shared']": "instantiate",
+    "['shared']": "dot",  # closed over by the scan: every iteration's rows together
     "['table']": "lookup",
     "['w']": "dot",
   }
+
+
+def _rnn_loss(p, xs, y):
+  """An Elman RNN over ``xs`` (its hidden-to-hidden ``wh`` and input ``wx`` closed over by the
+  scan: every step reads them), a position table looked up at fixed ids, a nested scan whose
+  inner steps share ``wi`` but whose outer steps slice ``wo``."""
+  xs = xs + p["wpe"][jnp.arange(xs.shape[0])] + jnp.take(p["wpe2"], jnp.arange(xs.shape[0]), 0)
+
+  def step(h, x):
+    h = jnp.tanh(x @ p["wx"] + h @ p["wh"] + p["b"])
+    return h, h
+
+  h, hs = jax.lax.scan(step, jnp.zeros(p["wh"].shape[0]), xs)
+
+  def outer(h, wo):
+    h, _ = jax.lax.scan(lambda h, _: (jnp.sin(h @ p["wi"]), None), h @ wo, None, length=2)
+    return h, None
+
+  h, _ = jax.lax.scan(outer, h, p["wo"])
+  return jnp.sum((h @ p["out"] - y) ** 2) + 0.1 * jnp.sum(hs**2)
+
+
+def _rnn_problem():
+  ks = jax.random.split(jax.random.key(7), 10)
+  n = lambda k, *s: 0.5 * jax.random.normal(k, s)
+  params = {
+    "wx": n(ks[0], 3, 5),
+    "wh": n(ks[1], 5, 5),
+    "b": n(ks[2], 5),
+    "wpe": n(ks[3], 6, 3),
+    "wpe2": n(ks[4], 6, 3),
+    "wi": n(ks[5], 5, 5),
+    "wo": n(ks[6], 2, 5, 5),
+    "out": n(ks[7], 5, 2),
+  }
+  return params, jax.random.normal(ks[8], (8, 6, 3)), jax.random.normal(ks[9], (8, 2))
+
+
+@pytest.mark.parametrize("remat", [False, True])
+def test_weights_shared_by_scan_iterations_and_fixed_lookups_get_rules(remat):
+  params, xs, y = _rnn_problem()
+  loss = jax.checkpoint(_rnn_loss) if remat else _rnn_loss
+  _compare(loss, params, xs, y, batch_argnums=(1, 2))
+  plan = jaxclip.ghost_plan(loss, params, xs, y, batch_argnums=(1, 2))
+  assert plan.rules == {
+    "['b']": "instantiate",  # a bias: its per-example gradient, summed over the steps
+    "['out']": "dot",
+    "['wh']": "dot",  # the dot rule over steps x positions
+    "['wi']": "dot",  # shared by the inner scan's steps, the outer's added
+    "['wo']": "dot",  # sliced per outer step
+    "['wpe']": "lookup",  # wpe[jnp.arange(T)]: ids that do not depend on the example
+    "['wpe2']": "lookup",  # jnp.take(wpe2, jnp.arange(T), 0)
+    "['wx']": "dot",
+  }, plan
+  assert plan.passes == (2 if remat else 1)
 
 
 def test_flax_linen_scan_over_remat_blocks_gets_the_dot_rule_per_layer():
@@ -548,16 +596,30 @@ def test_leaves_instantiated_at_one_site_share_one_pass():
   assert [leaves for leaves, _ in plan.groups] == [(0, 1)]  # b and s: one per-example pass
 
 
-def test_whole_loss_falls_back_where_vmap_costs_less(monkeypatch):
-  monkeypatch.setattr(_ghost, "_VMAP_RATIO", 0.5)
+def test_ghost_keeps_its_rules_where_per_example_gradients_cost_less():
+  # 64 rows of an 8 x 4 weight: the dot rule forms A^T G per example (as vmap
+  # does); "ghost" keeps it (the user's choice), "auto" on CPU takes vmap's program.
   w = jax.random.normal(jax.random.key(0), (8, 4))
-  long = lambda w, x: jnp.sum(jnp.sin(x @ w))  # 64 rows: A^T G per example, as vmap does
+  long = lambda w, x: jnp.sum(jnp.sin(x @ w))
   xs = jax.random.normal(jax.random.key(1), (6, 64, 8))
-  plan = jaxclip.ghost_plan(long, w, xs, batch_argnums=1)
-  assert plan.rules == {"": "instantiate"} and "cheaper to instantiate" in plan.leaves[0].reason
+  assert jaxclip.ghost_plan(long, w, xs, batch_argnums=1).rules == {"": "dot"}
+  auto = jaxclip.ghost_plan(long, w, xs, batch_argnums=1, method="auto", platform="cpu")
+  assert (
+    auto.rules == {"": "instantiate"} and "the loss runs as method='vmap'" in auto.leaves[0].reason
+  )
+  assert "auto on cpu" in auto.leaves[0].reason and "(method='auto' on cpu)" in str(auto)
   _compare(long, w, xs, batch_argnums=1)
-  short = jaxclip.ghost_plan(long, jnp.ones((64, 64)), jnp.ones((6, 2, 64)), batch_argnums=1)
-  assert short.rules == {"": "dot"}  # 2 rows of a 64 x 64 weight: the Gram form
+  for method in ("ghost", "auto"):  # 2 rows of a 64 x 64 weight: the Gram form, on every platform
+    for platform in ("cpu", "gpu"):
+      short = jaxclip.ghost_plan(
+        long,
+        jnp.ones((64, 64)),
+        jnp.ones((6, 2, 64)),
+        batch_argnums=1,
+        method=method,
+        platform=platform,
+      )
+      assert short.rules == {"": "dot"}, (method, platform)
 
 
 def test_loss_that_depends_on_the_parameters_only_for_some_examples():
@@ -639,8 +701,10 @@ def test_a_parameter_in_a_loop_jax_cannot_differentiate_names_the_primitive():
 
 
 def test_bad_method_and_complex_parameters_are_refused():
-  with pytest.raises(ValueError, match="method must be 'vmap' or 'ghost'"):
+  with pytest.raises(ValueError, match="method must be one of 'vmap', 'ghost', 'auto'"):
     jaxclip.per_example_clipped_grad(mlp_loss, 1.0, method="ghosts")
+  with pytest.raises(ValueError, match="ghost_plan takes method 'ghost' or 'auto'"):
+    jaxclip.ghost_plan(mlp_loss, *mlp_problem(batch=2, seed=0), method="vmap")
   fn = jaxclip.per_example_clipped_grad(lambda w, x: jnp.abs(jnp.sum(w * x)), 1.0, method="ghost")
   with pytest.raises(ValueError, match="real parameters"):
     fn(jnp.ones(2, jnp.complex64), jnp.ones((3, 2), jnp.complex64))
@@ -659,6 +723,32 @@ def test_ghost_lowers_for_gpu_and_tpu_without_cpu_workarounds(platform):
   text = jax.export.export(jax.jit(fn), platforms=(platform,))(params, tokens).mlir_module()
   assert "stablehlo.optimization_barrier" not in text
   assert "stablehlo.dot_general" in text
+
+
+def _auto_problem():
+  # 64 rows through an 8 x 4 weight (its per-example gradient costs fewer flops and
+  # floats than its rule), then their mean through a 4 x 5 head (its rule costs less
+  # of both). On CPU the rules kept still cost more than 0.9x the per-example
+  # gradients' flops: vmap's program. Elsewhere (memory first): the head's rule.
+  ks = jax.random.split(jax.random.key(3), 3)
+  p = {"w1": jax.random.normal(ks[0], (8, 4)), "w2": jax.random.normal(ks[1], (4, 5))}
+  xs = jax.random.normal(ks[2], (6, 64, 8))
+  return (lambda p, x: jnp.sum(jnp.sin(jnp.mean(jnp.tanh(x @ p["w1"]), 0) @ p["w2"]))), p, xs
+
+
+def test_auto_chooses_by_the_platform_the_program_is_lowered_for():
+  loss, p, xs = _auto_problem()
+  cpu = jaxclip.ghost_plan(loss, p, xs, method="auto", platform="cpu")
+  gpu = jaxclip.ghost_plan(loss, p, xs, method="auto", platform="gpu")
+  assert cpu.rules == {"['w1']": "instantiate", "['w2']": "instantiate"}, cpu
+  assert "the loss runs as method='vmap'" in cpu.leaves[1].reason
+  assert gpu.rules == {"['w1']": "instantiate", "['w2']": "dot"}, gpu
+  assert "auto on gpu" in gpu.leaves[0].reason and "floats per example" in gpu.leaves[0].reason
+  _compare(loss, p, xs, method_="auto")  # both plans staged; this CPU runs vmap's program
+  fn = jax.jit(jaxclip.per_example_clipped_grad(loss, 1.0, method="auto", return_norms=True))
+  head = "tensor<6x4x5xf32>"  # the head's per-example gradients: vmap's program, not the rule's
+  texts = {k: jax.export.export(fn, platforms=(k,))(p, xs).mlir_module() for k in ("cpu", "cuda")}
+  assert head in texts["cpu"] and head not in texts["cuda"]
 
 
 def test_ghost_plan_names_each_leaf_rule_reason_and_floats():
@@ -747,7 +837,6 @@ def _check(out, ref):
 
 
 def md_ghost_in_shard_map():
-  _ghost._VMAP_RATIO = float("inf")  # the ghost pass on this small model too
   params, tokens, clip, ref = _reference(32, 1)
   mesh = jax.make_mesh((N_DEVICES,), ("data",))
   for microbatch_size in (None, 3):
@@ -777,7 +866,6 @@ def _remat_scan_loss(p, x):
 
 
 def md_ghost_scan_over_layers_in_shard_map():
-  _ghost._VMAP_RATIO = float("inf")
   ks = jax.random.split(jax.random.key(3), 3)
   params = {"w": 0.5 * jax.random.normal(ks[0], (3, 6, 6)), "b": jax.random.normal(ks[1], (3, 6))}
   xs = jax.random.normal(ks[2], (16, 4, 6))
@@ -818,7 +906,6 @@ def _spmd(axis_type, loss, params, batch, ref, clip):
 
 
 def md_ghost_under_spmd_axis_name_gathers_no_examples():
-  _ghost._VMAP_RATIO = float("inf")
   # On an Explicit mesh JAX cannot shard a batched embedding lookup without an
   # out_sharding (method="vmap" fails there too): the GPT runs on an Auto mesh,
   # the MLP on both.

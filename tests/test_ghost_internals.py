@@ -28,13 +28,6 @@ from tests.helpers import assert_tree_allclose
 FAKE = "fake_call_for_ghost_tests"
 
 
-@pytest.fixture(autouse=True)
-def always_ghost(monkeypatch):
-  """The ghost pass wherever the engine can read the loss, whatever it costs: a fallback to
-  vmap is then the unknown primitive's doing."""
-  monkeypatch.setattr(_ghost, "_VMAP_RATIO", float("inf"))
-
-
 # ----------------------------------------------------------------------------
 # A higher-order primitive unknown to the engine: a call under another name
 # ----------------------------------------------------------------------------
@@ -120,7 +113,10 @@ def test_unknown_higher_order_primitive_falls_back_to_vmap_and_is_named():
   plan = jaxclip.ghost_plan(_fake_loss, params, x, y)
   _assert_falls_back(plan, f"`{FAKE}`")
   traced = _ghost.trace(_fake_loss, params, [x, y], [0, 1], has_aux=False)
-  assert _ghost.falls_back(traced.plan) and not _ghost.vmap_cheaper(traced.plan)
+  for method in ("ghost", "auto"):  # either method takes vmap's program, and says why
+    for platform in ("cpu", None):
+      plan, why = _ghost.plan_for(traced.plan, method, platform)
+      assert plan is None and f"`{FAKE}`" in why, (method, platform, why)
   _compare_methods(_fake_loss, params, x, y)
 
 
@@ -183,34 +179,44 @@ def test_a_renamed_primitive_falls_back_to_vmap_and_is_named(monkeypatch, loss, 
 # ----------------------------------------------------------------------------
 
 
-def test_a_weight_a_scan_closes_over_is_reported_as_a_scan_constant():
-  ks = jax.random.split(jax.random.key(1), 4)
+def test_a_weight_a_scan_closes_over_gets_the_dot_rule_or_is_reported_as_a_scan_constant():
+  ks = jax.random.split(jax.random.key(1), 5)
   params = {
     "wx": jax.random.normal(ks[0], (3, 5)),
     "wh": 0.3 * jax.random.normal(ks[1], (5, 5)),  # an RNN's hidden-to-hidden matrix
     "wd": jax.random.normal(ks[2], (5, 5)),  # doubled before the scan: truly transformed
+    "table": jax.random.normal(ks[4], (4, 5)),  # looked up at each step: no rule over steps
     "out": jax.random.normal(ks[3], (5, 2)),
   }
 
   def loss(p, xs, y):
     wd = 2.0 * p["wd"]
 
-    def step(h, x):  # wh and wd are the scan's consts; xs carries the sequence
-      return jnp.tanh(x @ p["wx"] + h @ p["wh"].T + jnp.sin(h) @ wd), None
+    def step(h, x):  # wh, wd and table are the scan's consts; xs carries the sequence
+      rows = jnp.sum(p["table"][(x[:2] > 0).astype(jnp.int32)], 0)
+      return jnp.tanh(x @ p["wx"] + h @ p["wh"].T + jnp.sin(h) @ wd + rows), None
 
     h, _ = jax.lax.scan(step, jnp.zeros(5), xs)
     return jnp.sum((h @ p["out"] - y) ** 2)
 
-  xs, y = jnp.ones((4, 6, 3)), jnp.ones((4, 2))
+  xs, y = jax.random.normal(ks[0], (4, 6, 3)), jnp.ones((4, 2))
   plan = jaxclip.ghost_plan(loss, params, xs, y)
   reasons = {leaf.path: leaf.reason for leaf in plan.leaves}
-  for path in ("['wh']", "['wx']"):
-    assert plan.rules[path] == "instantiate"
-    assert "transformed" not in reasons[path]
-    assert "`lax.scan` constant" in reasons[path] and "every iteration" in reasons[path]
+  assert plan.rules == {
+    "['out']": "dot",
+    "['table']": "instantiate",
+    "['wd']": "instantiate",
+    "['wh']": "dot",  # every step's row together
+    "['wx']": "dot",
+  }, plan
+  assert "`lax.scan` constant" in reasons["['table']"] and "every iteration" in reasons["['table']"]
   assert reasons["['wd']"] == "transformed before `dot_general`"
-  assert plan.rules["['out']"] == "dot"
-  assert "transformed" not in str(plan).replace(reasons["['wd']"], "")
+  got = jax.jit(jaxclip.per_example_clipped_grad(loss, 1.0, method="ghost", return_norms=True))(
+    params, xs, y
+  )
+  ref = jax.jit(jaxclip.per_example_clipped_grad(loss, 1.0, return_norms=True))(params, xs, y)
+  assert_tree_allclose(got[0], ref[0], rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(np.asarray(got[2]), np.asarray(ref[2]), rtol=1e-5)
 
 
 # ----------------------------------------------------------------------------
@@ -222,7 +228,9 @@ def _mlp_loss(p, x, y):
   return jnp.sum((jnp.tanh(x @ p["w"] + p["b"]) @ p["v"] - y) ** 2)
 
 
-@pytest.mark.parametrize("method, microbatch_size", [("vmap", None), ("ghost", None), ("ghost", 2)])
+@pytest.mark.parametrize(
+  "method, microbatch_size", [("vmap", None), ("ghost", None), ("ghost", 2), ("auto", 2)]
+)
 def test_exports_with_a_symbolic_batch(method, microbatch_size):
   params, x, y = _problem(batch=7)
   grad_fn = jaxclip.per_example_clipped_grad(

@@ -3,33 +3,32 @@
 For each model (flax linen ``nn.scan(nn.remat(Block))`` GPT and Conv +
 GroupNorm ResNet, flax nnx stacked-and-scanned Llama, equinox ViT with a
 ``Conv2d`` patch embedding and ``filter_vmap``-stacked blocks under
-``lax.scan``, plain JAX stacked layers under ``lax.scan`` or a Python loop):
+``lax.scan``, plain JAX stacked layers under ``lax.scan`` or a Python loop,
+a flax linen ``nn.RNN(nn.LSTMCell)``, an ALBERT-style GPT whose one block
+``nn.scan`` applies at every layer, and a small CNN):
 
 * ``method="ghost"`` equals ``method="vmap"``: the clipped sums, the number of
   examples clipped and the per-example norms, at the median norm so that some
   examples are clipped and some are not;
 * every parameter leaf gets the rule issue #25 asks for, read from
   :func:`jaxclip.ghost_plan`: dense, attention and embedding weights a ghost
-  rule (``"dot"``, ``"lookup"``, ``"tied"``) also inside a scan, convolution
-  kernels ``"conv"``, only normalisation scales, biases and position tables
+  rule (``"dot"``, ``"lookup"``, ``"tied"``) also inside a scan (sliced per
+  iteration or read by every iteration), convolution kernels ``"conv"``, only
+  normalisation scales, biases and position tables added as a bias
   instantiated, and at most 10% of the floats at the benchmark size. A leaf
   that silently falls back fails here.
 
-Where the whole loss's ghost norms would cost more flops than its
-per-example gradients, the engine instantiates everything instead (issue #25,
-item 5; ``ghost_plan`` says "cheaper to instantiate"), which the tiny models
-and some benchmark-size ones trigger. So that the ghost rules themselves are
-checked on every model, both tests above run with that switch off
-(``_ghost._VMAP_RATIO`` set to infinity); a third checks that without it the
-plan is either the ghost plan or that whole-loss fallback, reported as such
-(whether the choice pays is measured by ``python -m benchmarks.ghost --zoo``).
+``method="ghost"`` applies every rule whatever it costs (issue #39). A third
+test reads ``method="auto"``'s plan on CPU: each leaf keeps the ghost plan's
+rule or is instantiated with the costs that chose it, or the whole loss takes
+``method="vmap"``'s program, reported as such (whether the choice pays is
+measured by ``python -m benchmarks.ghost --zoo``).
 
 The benchmark (``python -m benchmarks.ghost --zoo``) builds the same models.
 """
 
 from __future__ import annotations
 
-import math
 import os
 import re
 import subprocess
@@ -42,7 +41,6 @@ import pytest
 
 import jaxclip
 from benchmarks import _zoo
-from jaxclip.privacy import _ghost
 
 BATCH = 8
 # Path patterns (searched in ``jax.tree_util.keystr`` of each leaf) and the rule
@@ -77,16 +75,26 @@ EXPECTED = {
     (r"\['(w_in|w_out|head)'\]", "dot"),
   ],
 }
+EXPECTED["linen_lstm"] = [  # the cell's weights: the dot rule over every step
+  (r"\['Embed_0'\]\['embedding'\]", "lookup"),
+  _NORMS_AND_BIASES,
+  (r"\['kernel'\]", "dot"),
+]
+EXPECTED["linen_shared_gpt"] = [  # one block read by every layer: the dot rule over layers
+  (r"\['Embed_0'\]\['embedding'\]", "lookup"),
+  (r"\['pos'\]", "lookup"),  # pos[jnp.arange(T)]: fixed ids
+  _NORMS_AND_BIASES,
+  (r"\['kernel'\]", "dot"),
+]
+EXPECTED["linen_cnn"] = [
+  (r"Conv_\d\'\]\['kernel'\]", "conv"),
+  _NORMS_AND_BIASES,
+  (r"\['Dense_0'\]\['kernel'\]", "dot"),
+]
 # The models that rematerialise their layers: ghost takes two backward passes.
 REMATERIALISED = frozenset({"linen_scan_gpt"})
 EXPECTED["jax_loop_mlp"] = EXPECTED["jax_scan_mlp"]  # disjoint static slices: the rules add
 MAX_FALLBACK_SHARE = 0.10
-
-
-@pytest.fixture
-def ghost_rules_only(monkeypatch):
-  """Turns off the whole-loss fallback to per-example gradients (see the module docstring)."""
-  monkeypatch.setattr(_ghost, "_VMAP_RATIO", math.inf)
 
 
 def _expected_rules(name: str, params) -> dict[str, str]:
@@ -113,7 +121,7 @@ def _clipped_grad_fn(model: _zoo.Model, method: str):
 
 
 @pytest.mark.parametrize("name", list(_zoo.MODELS))
-def test_ghost_equals_vmap_on_the_zoo_model(name, ghost_rules_only):
+def test_ghost_equals_vmap_on_the_zoo_model(name):
   model = _zoo.build(name, "tiny")
   x, y = model.make_batch(BATCH, 1)
   vmap = _clipped_grad_fn(model, "vmap")
@@ -138,7 +146,7 @@ def test_ghost_equals_vmap_on_the_zoo_model(name, ghost_rules_only):
 
 @pytest.mark.parametrize("size", _zoo.SIZES)
 @pytest.mark.parametrize("name", list(_zoo.MODELS))
-def test_every_leaf_gets_the_rule_the_issue_asks_for(name, size, ghost_rules_only):
+def test_every_leaf_gets_the_rule_the_issue_asks_for(name, size):
   model = _zoo.build(name, size)
   x, y = model.make_batch(2, 0)
   plan = jaxclip.ghost_plan(model.loss_fn, model.params, x, y, batch_argnums=(1, 2))
@@ -165,16 +173,25 @@ def test_every_leaf_gets_the_rule_the_issue_asks_for(name, size, ghost_rules_onl
     assert plan.fallback_share <= MAX_FALLBACK_SHARE, f"{name}: {plan.fallback_share:.1%}\n{plan}"
 
 
+@pytest.mark.parametrize("platform", ["cpu", "gpu"])
 @pytest.mark.parametrize("name", list(_zoo.MODELS))
-def test_the_plan_is_the_ghost_plan_or_a_reported_whole_loss_fallback(name):
+def test_auto_keeps_or_instantiates_each_rule_or_takes_vmap_visibly(name, platform):
   model = _zoo.build(name, "bench")
   x, y = model.make_batch(2, 0)
-  plan = jaxclip.ghost_plan(model.loss_fn, model.params, x, y, batch_argnums=(1, 2))
+  plan = jaxclip.ghost_plan(
+    model.loss_fn, model.params, x, y, batch_argnums=(1, 2), method="auto", platform=platform
+  )
+  want = _expected_rules(name, model.params)
   if all(leaf.rule == "instantiate" for leaf in plan.leaves):
-    assert all(leaf.reason.startswith("cheaper to instantiate") for leaf in plan.leaves), plan
-  else:
-    assert plan.rules == _expected_rules(name, model.params), plan
-    assert plan.fallback_share <= MAX_FALLBACK_SHARE, plan
+    assert all(f"auto on {platform}" in leaf.reason for leaf in plan.leaves), plan
+    assert all("the loss runs as method='vmap'" in leaf.reason for leaf in plan.leaves), plan
+    return
+  for leaf in plan.leaves:  # on CPU ghost's plan; elsewhere a rule or a leaf's per-example gradient
+    if leaf.rule == "instantiate" and want[leaf.path] != "instantiate":
+      assert platform != "cpu", leaf
+      assert leaf.reason.startswith("auto on gpu:") and "floats per example" in leaf.reason, leaf
+    else:
+      assert leaf.rule == want[leaf.path], leaf
 
 
 def test_zoo_benchmark_quick_run_writes_its_table(tmp_path):
@@ -218,15 +235,16 @@ def test_zoo_benchmark_quick_run_writes_its_table(tmp_path):
     for line in lines[1:]
   ]
   assert [(r["model"], int(r["B"])) for r in rows] == [("jax_scan_mlp", 4)]
-  for c in header[3:12]:
+  for c in header[3:16]:
     assert float(rows[0][c]) > 0, (c, rows[0])
-  assert rows[0]["fallback share"].endswith("%")
-  clipped = re.findall(r"examples clipped: vmap (\d+), ghost (\d+) of 4", text)
-  assert len(clipped) == 1 and clipped[0][0] == clipped[0][1] and 0 < int(clipped[0][0]) < 4
+  assert rows[0]["fallback share"].endswith("%") and rows[0]["auto"] != "n/a"
+  clipped = re.findall(r"examples clipped: vmap (\d+), ghost (\d+), auto (\d+) of 4", text)
+  assert len(clipped) == 1 and len(set(clipped[0])) == 1 and 0 < int(clipped[0][0]) < 4
+  assert "## What auto chose" in text
   assert "`jax_scan_mlp` (" in text  # the model and the leaves that fall back are listed
 
 
-def test_ghost_equals_vmap_in_padded_microbatches_through_a_scan(ghost_rules_only):
+def test_ghost_equals_vmap_in_padded_microbatches_through_a_scan():
   # The per-iteration rules and the book-keeping inside the chunks' scan, with a
   # padded last chunk (8 examples in chunks of 3).
   model = _zoo.build("jax_scan_mlp", "tiny")

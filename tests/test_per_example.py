@@ -223,6 +223,40 @@ def md_has_aux_in_shard_map_and_under_spmd_axis_name():
     _assert_trees_close(aux, ref_aux, rtol=1e-6, atol=1e-6)
 
 
+def md_per_layer_clip_and_normalize_under_spmd_axis_name_and_in_shard_map():
+  """A clip norm per layer and automatic clipping, both methods: the batch sharded under jit
+  (``spmd_axis_name``) and split inside ``shard_map`` (``axis_name``), against the clip of
+  materialised per-example gradients (itself checked in NumPy in test_per_layer_clip.py)."""
+  params, x, y = mlp_problem(batch=64, seed=4)
+  clip = {"w1": 8.0, "b1": 3.0, "w2": 20.0}
+  grads = _per_example_grads(params, x, y)
+  mesh = jax.make_mesh((N_DEVICES,), ("data",))
+  with jax.set_mesh(mesh):
+    xs, ys = (jax.device_put(a, NamedSharding(mesh, P("data"))) for a in (x, y))
+    ps = jax.device_put(params, NamedSharding(mesh, P()))
+    # one compile per method and mode: normalize changes only the weights
+    for method, normalize in (("vmap", None), ("ghost", 0.01)):
+      ref_sum, ref_count = jaxclip.per_example_global_norm_clip(grads, clip, normalize=normalize)
+      assert normalize is not None or 0 < int(ref_count["w1"]) < 64
+      kwargs = dict(method=method, normalize=normalize, batch_argnums=(1, 2), return_norms=True)
+      spmd = jaxclip.per_example_clipped_grad(
+        mlp_loss, clip, microbatch_size=16, spmd_axis_name="data", **kwargs
+      )
+      local = jaxclip.per_example_clipped_grad(mlp_loss, clip, axis_name="data", **kwargs)
+      mapped = jax.shard_map(
+        local,
+        mesh=mesh,
+        in_specs=(P(), P("data"), P("data")),
+        out_specs=(P(), P(), P("data")),
+      )
+      for total, count, norms in (jax.jit(spmd)(ps, xs, ys), jax.jit(mapped)(params, xs, ys)):
+        _assert_trees_close(total, ref_sum, atol=1e-4)  # sums of 64 terms up to 40
+        assert jax.tree.map(int, count) == jax.tree.map(int, ref_count)
+        for k in clip:
+          expect = np.linalg.norm(np.asarray(grads[k]).reshape(64, -1), axis=1)
+          np.testing.assert_allclose(np.asarray(norms[k]), expect, rtol=1e-5)
+
+
 test_multi_device = multi_device_checks(
   globals(), N_DEVICES, setup=lambda: jax.config.update("jax_numpy_dtype_promotion", "strict")
 )

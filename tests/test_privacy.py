@@ -9,7 +9,6 @@ from __future__ import annotations
 import importlib.util
 import math
 import warnings
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -307,23 +306,12 @@ def test_poisson_batch_overflow_keeps_a_random_subset():
 
 
 # ----------------------------------------------------------------------------
-# the example's accountant against dp_accounting and jax_privacy
+# dp_epsilon and calibrate_noise against dp_accounting and jax_privacy
 # ----------------------------------------------------------------------------
 
 
-def _load_example():
-  path = Path(__file__).resolve().parents[1] / "examples" / "dp_sgd.py"
-  spec = importlib.util.spec_from_file_location("dp_sgd_example", path)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
-
-
-def test_example_epsilon_matches_dp_accounting_dp_sgd():
-  pytest.importorskip("matplotlib")
-  pytest.importorskip("tqdm")
+def test_dp_epsilon_matches_dp_accounting_and_jax_privacy_on_abadi_et_als_setting():
   dp_accounting = pytest.importorskip("dp_accounting")
-  example = _load_example()
   # Abadi et al.'s MNIST setting: batches of 256 of 60,000, σ = 1.1, 15 epochs, δ = 1e-5.
   q, z, delta = 256 / 60000, 1.1, 1e-5
   steps = 15 * 60000 // 256
@@ -333,14 +321,14 @@ def test_example_epsilon_matches_dp_accounting_dp_sgd():
   pld = dp_accounting.pld.PLDAccountant()
   pld.compose(event, steps)
   ref_rdp, ref_pld = rdp.get_epsilon(delta), pld.get_epsilon(delta)
-  got_rdp = example.epsilon(q, z, steps, delta, "rdp")
-  got_pld = example.epsilon(q, z, steps, delta, "pld")
+  got_rdp = jaxclip.dp_epsilon(z, q, steps, delta, accountant="rdp")
+  got_pld = jaxclip.dp_epsilon(z, q, steps, delta)
   assert got_rdp == pytest.approx(ref_rdp, rel=1e-9)
   assert got_pld == pytest.approx(ref_pld, rel=1e-6)
   assert 0.5 < got_pld < got_rdp < 3  # PLD is the tighter bound
-  # Calibrated the other way: dp_accounting's noise for ε = 1 gives ε = 1 back.
+  # Calibrated the other way: dp_accounting's own search and calibrate_noise agree within 1%.
   target = 1.0
-  sigma = dp_accounting.calibrate_dp_mechanism(
+  ref_sigma = dp_accounting.calibrate_dp_mechanism(
     dp_accounting.rdp.RdpAccountant,
     lambda s: dp_accounting.SelfComposedDpEvent(
       dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(s)), steps
@@ -348,16 +336,15 @@ def test_example_epsilon_matches_dp_accounting_dp_sgd():
     target,
     delta,
   )
-  assert example.epsilon(q, sigma, steps, delta, "rdp") == pytest.approx(target, abs=1e-3)
-  # Andrew et al.'s split: gradient σ and count σ_b (sensitivity 1/2) recombine to z.
-  sigma = example.gradient_noise_multiplier(z, 256 / 20)
-  assert sigma > z and (sigma**-2 + (2 * 256 / 20) ** -2) ** -0.5 == pytest.approx(z)
-  with pytest.raises(ValueError, match="too large"):
-    example.gradient_noise_multiplier(30.0, 256 / 20)
+  sigma = jaxclip.calibrate_noise(target, delta, q, steps, accountant="rdp")
+  assert ref_sigma / 1.001 <= sigma <= ref_sigma * 1.01
   # The same figure from jax_privacy's DP-SGD accountant, if it is installed.
   if importlib.util.find_spec("jax_privacy") is not None:
-    config = example.Config(train_size=60000, batch=256, noise_multiplier=z, steps=steps)
-    assert example.jax_privacy_epsilon(config) == pytest.approx(ref_rdp, rel=1e-3)
+    from jax_privacy.accounting import accountants, analysis
+
+    params = analysis.DpParams(noise_multipliers=z, num_samples=60000, delta=delta, batch_size=256)
+    accountant = analysis.DpsgdTrainingAccountant(accountants.RdpAccountantConfig())
+    assert float(accountant.compute_epsilon(steps, params)) == pytest.approx(ref_rdp, rel=1e-3)
   print(
     f"reference: q={q:.5g} z={z} steps={steps} delta={delta}: "
     f"RDP eps={ref_rdp:.4f} PLD eps={ref_pld:.4f}"

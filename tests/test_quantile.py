@@ -244,6 +244,41 @@ def test_edge_cases_of_the_docstring_table():
   np.testing.assert_allclose(float(got), 2.0, rtol=1e-6)
 
 
+def test_an_empty_batch_leaves_c_unchanged_without_expected_batch_size():
+  """Every row masked out: nothing is measured, so C stays, noise or not, eager or jitted.
+
+  (Before, the noise alone divided by 1 took C from 1.0 to 1.105 at q = 0.5.)
+  With ``expected_batch_size`` the centred count of an empty batch is ½ plus
+  noise over B: C moves by the noise only at q = ½, as the accounted mechanism says.
+  """
+  norms, none = jnp.asarray([0.5, 2.0, 3.0, 9.0]), jnp.zeros(4, jnp.bool_)
+  update = jax.jit(
+    lambda c, s, k, g, m: jaxclip.quantile_clip_norm_update(
+      c, norms, count_stddev=s, key=k, geometric=g, example_mask=m
+    )
+  )
+  for geometric in (True, False):
+    for stddev in (0.0, 3.0):
+      for seed in range(3):
+        key = jax.random.key(seed)
+        assert float(update(1.0, stddev, key, geometric, none)) == 1.0
+        eager = jaxclip.quantile_clip_norm_update(
+          1.0, norms, count_stddev=stddev, key=key, geometric=geometric, example_mask=none
+        )
+        assert float(eager) == 1.0
+    # One real example still moves it (norm 0.5 <= 1: a fraction of 1, so C shrinks).
+    one = jnp.asarray([True, False, False, False])
+    assert float(update(1.0, 0.0, jax.random.key(0), geometric, one)) < 1.0
+  # The centred form: no noise at q = 1/2 keeps C; with noise it moves by the noise alone.
+  for stddev, key in ((0.0, None), (4.0, jax.random.key(5))):
+    got = jaxclip.quantile_clip_norm_update(
+      1.0, norms, count_stddev=stddev, key=key, example_mask=none, expected_batch_size=8
+    )
+    noise = 0.0 if key is None else float(jax.random.normal(key, (), jnp.float32))
+    np.testing.assert_allclose(float(got), math.exp(-0.2 * stddev * noise / 8), rtol=1e-6)
+  assert stddev * abs(noise) > 0.1  # the noisy case did move C
+
+
 @pytest.mark.usefixtures("strict_promotion")
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32])
 def test_clip_norm_dtype_is_kept(dtype):

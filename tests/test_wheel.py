@@ -38,6 +38,7 @@ _OUTPUTS = {
     ".git",
     ".venv",
     ".venv-lowest",
+    ".venv-peers",
     "venv",
     "build",
     "dist",

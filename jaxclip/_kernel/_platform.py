@@ -354,3 +354,30 @@ def _indexed_rows_from(first: int) -> Callable[..., list[jax.Array]]:
     return out, [batched] * len(out)
 
   return indexed_rows
+
+
+# ----------------------------------------------------------------------------
+# Ghost norms: the cost model of per_example_clipped_grad(method="auto")
+# ----------------------------------------------------------------------------
+
+# On XLA:CPU the ghost rules pay (against method="vmap"'s program) where
+# their norms cost at most this share of the flops of every per-example
+# gradient: they also hold each layer's inputs and output gradients for a
+# book-keeping matmul that per-example gradients do not need. Measured on the
+# whole loss, ghost rules forced against method="vmap" (benchmarks/ghost_zoo.md,
+# ghost.md): at shares 0.79 and 0.81 ghost took 0.73-1.01x vmap's time; at 1.0,
+# 1.04-1.27x; at 1.06, 1.10-1.13x. Per layer, the rules' own switch between
+# the Gram form and the per-example gradient formed from a layer's inputs
+# and output gradients compares flops too.
+GHOST_FLOPS_SHARE_CPU = 0.9
+
+
+def ghost_cost_model(platform: str | None) -> str:
+  """How ``method="auto"`` weighs a layer's ghost rule against its per-example gradient.
+
+  ``"flops"`` where the program is lowered for CPU (the share above, measured
+  on XLA:CPU, for the whole loss); ``"memory"`` on any other platform
+  (``None``: any but CPU), where no cost was measured: per layer, the form
+  that holds fewer floats per example, which is why ghost norms are used.
+  """
+  return "flops" if platform == "cpu" else "memory"

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -24,38 +24,155 @@ def _check_batch_dim(grads: Any, fn_name: str) -> None:
     )
 
 
-def _per_example_clip(grads, l2_norm_clip, *, mask=None, accumulate=False, return_norms=False):
+class ClipGroups(NamedTuple):
+  """A per-example clip bound: one scalar, or one per group of leaves (a pytree prefix).
+
+  Attributes:
+    bounds: The thresholds, one per group (one for a scalar bound).
+    of_leaf: The group of each leaf of the clipped tree, in flattening order;
+      ``None`` for a scalar bound (one group, the whole tree).
+    treedef: The bound's tree structure (``None`` for a scalar): counts and
+      norms per group come back in it.
+  """
+
+  bounds: list[Any]
+  of_leaf: tuple[int, ...] | None
+  treedef: Any
+
+  @property
+  def per_group(self) -> bool:
+    return self.of_leaf is not None
+
+  def bound(self, dtype: Any) -> jax.Array:
+    """The thresholds as one array: a scalar, or ``(groups,)``."""
+    if not self.per_group:
+      return jnp.asarray(self.bounds[0], dtype)
+    return jnp.stack([jnp.asarray(c, dtype) for c in self.bounds])
+
+  def unflatten(self, x: jax.Array, axis: int) -> Any:
+    """A per-group array (groups on ``axis``) as a pytree like the bound; as is for a scalar."""
+    if not self.per_group:
+      return x
+    return jax.tree.unflatten(
+      self.treedef, [jnp.take(x, k, axis=axis) for k in range(len(self.bounds))]
+    )
+
+
+def clip_groups(l2_norm_clip: Any, tree: Any, name: str = "l2_norm_clip") -> ClipGroups:
+  """``l2_norm_clip`` (a scalar, or a pytree prefix of ``tree`` with a scalar per group) as
+  :class:`ClipGroups`, or a ``ValueError`` naming what does not fit."""
+  treedef = jax.tree.structure(l2_norm_clip)
+  if _is_number(l2_norm_clip):
+    return ClipGroups([l2_norm_clip], None, None)
+  bounds = jax.tree.leaves(l2_norm_clip)
+  if not bounds:
+    raise ValueError(f"{name} must be a number or a pytree of numbers, got {l2_norm_clip!r}.")
+  try:
+    subtrees = treedef.flatten_up_to(tree)
+  except (ValueError, TypeError) as exc:
+    raise ValueError(
+      f"{name} must be a number or a pytree prefix of the parameters (one threshold per "
+      f"group of leaves); its structure {treedef} does not match theirs "
+      f"{jax.tree.structure(tree)}: {exc}"
+    ) from None
+  of_leaf = tuple(k for k, sub in enumerate(subtrees) for _ in jax.tree.leaves(sub))
+  return ClipGroups(bounds, of_leaf, treedef)
+
+
+def _is_number(l2_norm_clip: Any) -> bool:
+  """Whether a bound is one leaf (a number or an array; ``None`` too, refused by its check)."""
+  treedef = jax.tree.structure(l2_norm_clip)
+  return l2_norm_clip is None or (
+    jax.tree_util.treedef_is_leaf(treedef) and treedef.num_leaves == 1
+  )
+
+
+def check_clip(l2_norm_clip: Any, name: str = "l2_norm_clip") -> None:
+  """Checks a clip bound: a number ``>= 0``, or a pytree of them (each 0-d)."""
+  if _is_number(l2_norm_clip):
+    _validation.check_hparam(l2_norm_clip, name, lo=0)
+    return
+  paths = jax.tree_util.tree_flatten_with_path(l2_norm_clip)[0]
+  if not paths:
+    raise ValueError(f"{name} must be a number or a pytree of numbers, got {l2_norm_clip!r}.")
+  for path, c in paths:
+    _validation.check_hparam(c, f"{name}{jax.tree_util.keystr(path)}", lo=0, scalar=True)
+
+
+def check_normalize(normalize: Any, l2_norm_clip: Any, name: str = "l2_norm_clip") -> None:
+  """``normalize`` is ``None`` or a concrete ``gamma >= 0``; with it, concrete bounds are finite."""
+  if normalize is None:
+    return
+  _validation.check_hparam(normalize, "normalize", lo=0, scalar=True, finite=True)
+  for c in jax.tree.leaves(l2_norm_clip):
+    _validation.check_hparam(c, f"{name} (with normalize)", lo=0, finite=True)
+
+
+def _group_sumsq(parts: list[jax.Array], groups: ClipGroups, n: Any, acc: Any) -> jax.Array:
+  """Per-leaf squared norms ``(n,)`` summed per group: ``(n, groups)``."""
+  sums = [
+    sum(p for p, k in zip(parts, groups.of_leaf, strict=True) if k == j)
+    for j in range(len(groups.bounds))
+  ]
+  # A group without leaves: zeros sharded as the others (under an Explicit mesh).
+  zeros = jnp.zeros_like(parts[0]) if parts else jnp.zeros((n,), acc)
+  return jnp.stack([zeros if isinstance(s, int) else s for s in sums], axis=1)
+
+
+def _per_example_clip(
+  grads, l2_norm_clip, *, mask=None, accumulate=False, return_norms=False, normalize=None
+):
   """Clipped sum over axis 0 and the number of clipped examples.
 
   ``mask`` (bool, one per example) drops padding examples from the sum (even
   non-finite ones) and from the count; ``accumulate=True`` returns the sums in
   float32 (or wider) instead of casting back to each leaf's dtype;
-  ``return_norms=True`` also returns each example's norm.
+  ``return_norms=True`` also returns each example's norm. ``l2_norm_clip`` is
+  a number or a :class:`ClipGroups`: per group, the count is one entry of a
+  ``(groups,)`` array and the norms are ``(batch, groups)``. ``normalize`` is
+  automatic clipping's ``gamma`` (:func:`scale_factors`).
   """
   leaves = jax.tree.leaves(grads)
   acc = _numerics.tree_accumulation_dtype(grads)
-  sumsq = sum(
-    jnp.sum(_numerics.abs_sq(g).reshape(g.shape[0], -1), axis=1).astype(acc) for g in leaves
+  groups = (
+    l2_norm_clip if isinstance(l2_norm_clip, ClipGroups) else ClipGroups([l2_norm_clip], None, None)
   )
+  parts = (jnp.sum(_numerics.abs_sq(g).reshape(g.shape[0], -1), axis=1).astype(acc) for g in leaves)
+  if groups.per_group:
+    n = leaves[0].shape[0] if leaves else 0
+    sumsq = _group_sumsq(list(parts), groups, n, acc)
+  else:
+    sumsq = sum(parts)
   norms = _numerics.safe_sqrt(sumsq)
-  bound = jnp.asarray(l2_norm_clip, acc)
-  multipliers, num_clipped = clip_multipliers(norms, bound, mask)
+  bound = groups.bound(acc)
+  multipliers, num_clipped = scale_factors(norms, bound, mask, normalize)
 
-  def weighted_sum(g):
+  def weighted_sum(g, k):
     g = jnp.asarray(g)
     dtype = _numerics.compute_dtype(g.dtype)
     # A broadcast product and a sum rather than a dot: under jit with the batch
     # axis sharded (explicit sharding), a dot contracting a sharded axis needs
     # an output sharding, while a sum reduces it with one all-reduce.
-    m = multipliers.astype(dtype).reshape((-1,) + (1,) * (g.ndim - 1))
+    m = multipliers if k is None else multipliers[:, k]
+    m = m.astype(dtype).reshape((-1,) + (1,) * (g.ndim - 1))
     terms = m * g.astype(dtype)
     if mask is not None:
       terms = jnp.where(mask.reshape(m.shape), terms, 0)
     out = jnp.sum(terms, axis=0)
     return out if accumulate else out.astype(g.dtype)
 
-  out = jax.tree.map(weighted_sum, grads), num_clipped
+  treedef = jax.tree.structure(grads)
+  of_leaf = groups.of_leaf or (None,) * len(leaves)
+  summed = jax.tree.unflatten(
+    treedef, [weighted_sum(g, k) for g, k in zip(leaves, of_leaf, strict=True)]
+  )
+  out = summed, num_clipped
   return out + (norms,) if return_norms else out
+
+
+def _count(clipped: jax.Array) -> jax.Array:
+  """How many are True: over everything, or per group (column) of ``(batch, groups)``."""
+  return jnp.sum(clipped, axis=0 if clipped.ndim > 1 else None)
 
 
 def clip_multipliers(norms, bound, mask=None):
@@ -63,18 +180,56 @@ def clip_multipliers(norms, bound, mask=None):
 
   A non-finite norm gets a NaN factor, so the sum shows it (optax's sum is NaN
   there too: NaN * 1 or inf * 0). ``mask`` drops padding examples from the
-  count.
+  count. With norms ``(batch, groups)`` and bounds ``(groups,)``, the count
+  is per group.
   """
   multipliers = _numerics.clip_scale(norms, bound)
   clipped = multipliers < 1.0
   if mask is not None:
-    clipped = clipped & mask
-  return multipliers, jnp.sum(clipped)
+    clipped = clipped & mask.reshape(mask.shape + (1,) * (norms.ndim - 1))
+  return multipliers, _count(clipped)
+
+
+def normalize_multipliers(norms, bound, gamma, mask=None):
+  """Automatic clipping's factor ``C / (norm + gamma)`` and how many are below 1.
+
+  ==============================  ===================================
+  case                            factor
+  ==============================  ===================================
+  ``norm + gamma > 0``            ``C / (norm + gamma)`` (at most
+                                  float32's largest number)
+  ``norm == gamma == 0``          ``0``: a zero gradient stays zero
+  ``C == 0``                      ``0``
+  ``norm`` is ``inf``/``nan``     ``nan`` (the sum shows it)
+  ==============================  ===================================
+
+  The count is of the examples with ``norm + gamma > C`` (scaled down);
+  ``mask`` drops padding examples from it.
+  """
+  norms = jnp.asarray(norms)
+  dtype = norms.dtype
+  bound = jnp.maximum(jnp.asarray(bound, dtype), 0)
+  den = norms + jnp.asarray(gamma, dtype)
+  tiny, big = jnp.finfo(dtype).tiny, jnp.finfo(dtype).max
+  positive = den > 0
+  factor = _numerics.safe_divide(bound, jnp.maximum(den, tiny), positive, otherwise=0)
+  factor = jnp.where(jnp.isfinite(norms), jnp.minimum(factor, big), jnp.nan).astype(dtype)
+  clipped = den > bound
+  if mask is not None:
+    clipped = clipped & mask.reshape(mask.shape + (1,) * (norms.ndim - 1))
+  return factor, _count(clipped)
+
+
+def scale_factors(norms, bound, mask=None, normalize=None):
+  """:func:`clip_multipliers`, or :func:`normalize_multipliers` with ``normalize=gamma``."""
+  if normalize is None:
+    return clip_multipliers(norms, bound, mask)
+  return normalize_multipliers(norms, bound, normalize, mask)
 
 
 def per_example_global_norm_clip(
-  grads: Any, l2_norm_clip: ArrayLike, *, axis_name: Any = None
-) -> tuple[Any, jax.Array]:
+  grads: Any, l2_norm_clip: Any, *, axis_name: Any = None, normalize: ArrayLike | None = None
+) -> tuple[Any, Any]:
   r"""Clips each example's gradient to global norm ``l2_norm_clip`` and sums them.
 
   .. math::
@@ -85,6 +240,13 @@ def per_example_global_norm_clip(
   clipping step of DP-SGD. A drop-in for ``optax.per_example_global_norm_clip``
   with float32 accumulation and a finite gradient at zero; integer gradients
   are promoted to floating point, as optax does.
+
+  ``l2_norm_clip`` may also be a pytree prefix of ``grads`` with a number per
+  group of leaves (per-layer clipping): each group ``k`` of each example is
+  clipped on its own, to ``C_k``, and the sum's sensitivity is
+  :math:`\sqrt{\sum_k C_k^2}`. ``normalize=gamma`` scales each example (each
+  group) by :math:`C / (\|g_b\| + \gamma)` instead (automatic clipping, as
+  :func:`jaxclip.per_example_clipped_grad`, whose edge-case table applies).
 
   Inside ``jax.shard_map`` (or ``pmap``) over the batch axis each device holds
   whole examples, so their norms are local; pass ``axis_name`` to ``psum``
@@ -97,15 +259,19 @@ def per_example_global_norm_clip(
 
   Args:
     grads: A pytree whose every leaf has the batch dimension on axis 0.
-    l2_norm_clip: The largest per-example global norm, ``>= 0``.
+    l2_norm_clip: The largest per-example global norm, ``>= 0``; or a pytree
+      prefix of ``grads``, one such number per group of leaves.
     axis_name: The mesh axis (or tuple of axes) the batch is split over
       inside ``shard_map``/``pmap``; ``None`` (default) sums the local batch
       only.
+    normalize: ``None`` (default) to clip; a number ``gamma >= 0`` for
+      automatic clipping, :math:`g_b \, C / (\|g_b\| + \gamma)`.
 
   Returns:
     ``(clipped_sum, num_clipped)``: the sum over the batch of the clipped
     per-example gradients (each leaf without its batch axis, in its dtype), and
-    how many examples were scaled down.
+    how many examples were scaled down (a pytree like ``l2_norm_clip``, a
+    count per group, for per-group bounds).
 
   Examples:
     >>> import jax.numpy as jnp
@@ -114,21 +280,46 @@ def per_example_global_norm_clip(
     >>> jaxclip.per_example_global_norm_clip(grads, 1.25)
     ([Array([1.75, 1.75, 1.75], dtype=float32)], Array(3, dtype=int32))
 
+    A bound per group of leaves, and automatic clipping (every nonzero
+    gradient scaled to norm ``C``, with ``gamma = 0``):
+
+    >>> grads = {"w": jnp.array([[3., 4.], [0., 1.]]), "b": jnp.array([2., 0.])}
+    >>> total, num_clipped = jaxclip.per_example_global_norm_clip(grads, {"w": 1.0, "b": 1.0})
+    >>> total["w"], total["b"]  # w: [3, 4] clipped to [0.6, 0.8]; b: 2 clipped to 1
+    (Array([0.6, 1.8], dtype=float32), Array(1., dtype=float32))
+    >>> num_clipped  # per group
+    {'b': Array(1, dtype=int32), 'w': Array(1, dtype=int32)}
+    >>> # each example scaled to norm 1: [3, 4, 2] / sqrt(29) + [0, 1, 0]
+    >>> jaxclip.per_example_global_norm_clip(grads, 1.0, normalize=0.0)[0]["w"]
+    Array([0.557086 , 1.7427814], dtype=float32)
+
   References:
     Abadi et al., `Deep Learning with Differential Privacy
     <https://arxiv.org/abs/1607.00133>`_, 2016
+
+    Bu et al., `Automatic Clipping: Differentially Private Deep Learning Made
+    Easier and Stronger <https://arxiv.org/abs/2206.07136>`_, 2023
   """
-  _validation.check_hparam(l2_norm_clip, "l2_norm_clip", lo=0)
+  check_clip(l2_norm_clip)
+  check_normalize(normalize, l2_norm_clip)
   grads = _validation.numeric_leaves(grads, "per_example_global_norm_clip", "grads")
   _check_batch_dim(grads, "per_example_global_norm_clip")
-  clipped_sum, num_clipped = _per_example_clip(grads, l2_norm_clip)
+  groups = clip_groups(l2_norm_clip, grads)
+  clipped_sum, num_clipped = _per_example_clip(
+    grads, groups if groups.per_group else l2_norm_clip, normalize=normalize
+  )
   if axis_name is not None:
     clipped_sum, num_clipped = jax.lax.psum((clipped_sum, num_clipped), axis_name)
-  return clipped_sum, num_clipped
+  return clipped_sum, groups.unflatten(num_clipped, 0)
 
 
 def per_example_layer_norm_clip(
-  grads: Any, global_l2_norm_clip: ArrayLike, uniform: bool = True, *, axis_name: Any = None
+  grads: Any,
+  global_l2_norm_clip: ArrayLike,
+  uniform: bool = True,
+  *,
+  axis_name: Any = None,
+  normalize: ArrayLike | None = None,
 ) -> tuple[Any, Any]:
   r"""Clips each example's gradient layer by layer, then sums over the batch.
 
@@ -136,6 +327,10 @@ def per_example_layer_norm_clip(
   ``uniform=True``, or ``C * sqrt(D_i / D)`` (its share of the ``D``
   parameters) with ``uniform=False``, so the per-example global norm stays at
   most ``C`` either way. A drop-in for ``optax.per_example_layer_norm_clip``.
+  With ``normalize=gamma`` each leaf ``i`` of each example is scaled by
+  :math:`C_i / (\|g_{b,i}\| + \gamma)` instead of clipped to ``C_i``
+  (automatic clipping; the edge cases of
+  :func:`jaxclip.per_example_clipped_grad`).
 
   With data parallelism, as :func:`per_example_global_norm_clip`: inside
   ``jax.shard_map`` (or ``pmap``) over the batch axis each device holds whole
@@ -153,10 +348,13 @@ def per_example_layer_norm_clip(
     axis_name: The mesh axis (or tuple of axes) the batch is split over
       inside ``shard_map``/``pmap``; ``None`` (default) sums the local batch
       only.
+    normalize: ``None`` (default) to clip; a number ``gamma >= 0`` for
+      automatic clipping of each leaf.
 
   Returns:
     ``(clipped_sum, num_clipped)``: two pytrees with ``grads``' structure, the
-    summed clipped gradients and, per leaf, how many examples were clipped.
+    summed clipped gradients and, per leaf, how many examples were clipped
+    (with ``normalize``: scaled down).
 
   Examples:
     >>> import jax.numpy as jnp
@@ -170,6 +368,7 @@ def per_example_layer_norm_clip(
     <https://arxiv.org/abs/1710.06963>`_, 2017
   """
   _validation.check_hparam(global_l2_norm_clip, "global_l2_norm_clip", lo=0)
+  check_normalize(normalize, global_l2_norm_clip, "global_l2_norm_clip")
   grads = _validation.numeric_leaves(grads, "per_example_layer_norm_clip", "grads")
   _check_batch_dim(grads, "per_example_layer_norm_clip")
   leaves = jax.tree.leaves(grads)
@@ -179,7 +378,7 @@ def per_example_layer_norm_clip(
     sizes = [g[0].size for g in leaves]
     shares = [s / sum(sizes) for s in sizes]
   results = [
-    _per_example_clip(g, global_l2_norm_clip * share**0.5)
+    _per_example_clip(g, global_l2_norm_clip * share**0.5, normalize=normalize)
     for g, share in zip(leaves, shares, strict=True)
   ]
   treedef = jax.tree.structure(grads)

@@ -50,7 +50,12 @@ Then, for each example:
 A rule applies per use when a parameter's uses read disjoint parts of it:
 static slices (a Python loop over ``W[l]``), and the iterations of a
 ``lax.scan`` over stacked layers, whose body is walked with its ``a`` and
-``g`` stacked over the iterations; the squared norms of the parts add.
+``g`` stacked over the iterations; the squared norms of the parts add. A
+weight the scan closes over (read by every iteration: an RNN's
+hidden-to-hidden matrix, a block shared by every layer) gets the
+``dot_general`` rule with every iteration's rows together. A lookup at ids
+that do not depend on the example (``wpe[jnp.arange(T)]``) is a site of its
+own and gets the lookup rule with those ids.
 
 The clipped sum is then book-kept: ``sum_b w_b g_{u,b}`` pulled back through
 each site (one matmul for a dense layer) and through ``h``, with no second
@@ -60,9 +65,11 @@ flax ``nn.remat``: the model asks for its activations to be recomputed, not
 kept), the plan takes two passes instead: each ghost site's norm is taken in
 the backward pass where its ``a`` and ``g`` meet (a probe whose gradient is
 the norm), and the clipped sum is the gradient of ``sum_b w_b loss_b``.
-Where the plan's norms cost more than a share ``_VMAP_RATIO`` of forming
-every per-example gradient (long sequences of narrow layers), the caller
-forms per-example gradients instead.
+``method="ghost"`` takes every rule the analysis finds; ``method="auto"``
+keeps each leaf's rule or instantiates the leaf, by the cost model of the
+platform the program is lowered for
+(:func:`jaxclip.privacy._ghost_rules.auto_plan`), and may take
+``method="vmap"``'s program for the whole loss (:func:`plan_for`).
 
 The engine is four modules, one per step:
 
@@ -70,7 +77,8 @@ The engine is four modules, one per step:
   and ``g`` (walkers over the jaxpr);
 * :mod:`~jaxclip.privacy._ghost_norms`: each rule's per-example squared
   norm, and the instantiated per-example gradients of the rest;
-* :mod:`~jaxclip.privacy._ghost_rules`: which rule each leaf gets;
+* :mod:`~jaxclip.privacy._ghost_rules`: which rule each leaf gets, and
+  ``"auto"``'s choice between a rule and a per-example gradient;
 * this module: tracing, the norms of a plan, and the book-kept clipped sum.
 """
 
@@ -94,61 +102,47 @@ __all__ = [
   "Traced",
   "analyze",
   "clipped_sum",
-  "falls_back",
   "input_infos",
+  "leaf_rules",
   "make_plan",
+  "plan_for",
   "trace",
 ]
 
-# The ghost pass is used when its norms cost at most this share of the flops
-# of every per-example gradient (it also pays a book-keeping pass that vmap
-# does not); above it, the per-example gradients are formed (method="vmap").
-# Measured on XLA:CPU (benchmarks/ghost_zoo.md and ghost.md, ghost forced
-# against vmap): at shares 0.79 (linen nn.scan(nn.remat) GPT, two passes) and
-# 0.81 (equinox ViT) ghost took 0.73-1.01x vmap's time; at 1.0 (linen ResNet)
-# 1.04-1.27x, and at 1.06 (the benchmark GPT at T=128) 1.10-1.13x.
-_VMAP_RATIO = 0.9
+METHODS = ("vmap", "ghost", "auto")
 
 
-def falls_back(plan: Plan) -> bool:
-  """Whether ``method="ghost"`` forms per-example gradients as ``method="vmap"`` does.
+def plan_for(plan: Plan, method: str, platform: str | None) -> tuple[Plan | None, str | None]:
+  """The plan ``method`` runs in a program lowered for ``platform``, or ``None`` (and why) for
+  ``method="vmap"``'s program.
 
-  Where the loss has a higher-order primitive the engine cannot read
-  (``plan.unknown``), or where per-example gradients cost less.
-  """
-  return bool(plan.unknown) or vmap_cheaper(plan)
-
-
-def vmap_cheaper(plan: Plan) -> bool:
-  """Whether per-example gradients (``method="vmap"``) cost less than ``plan``.
-
-  The ghost pass also pays a book-keeping pass about as costly as the
-  non-private gradient's weight gradients, which ``vmap`` does not, so it wins
-  only well below ``_VMAP_RATIO``.
-  """
-  ghost, per_example = plan.cost
-  return ghost > _VMAP_RATIO * per_example
-
-
-def leaf_rules(plan: Plan, num_leaves: int) -> list[tuple[str, str | None]]:
-  """``(rule, reason)`` of each parameter leaf, as :func:`jaxclip.ghost_plan` reports them.
-
-  With a higher-order primitive the engine cannot read, every leaf is
-  instantiated (as under ``method="vmap"``: what that primitive uses is not
-  known), the reason naming it.
+  ``"ghost"`` takes every rule the analyser found; ``"auto"`` chooses per
+  leaf by the platform's cost model (:func:`jaxclip.privacy._ghost_rules.auto_plan`).
+  Either takes ``"vmap"``'s program where the loss has a higher-order
+  primitive the engine cannot read (``plan.unknown``): what it uses is not
+  known.
   """
   if plan.unknown:
-    why = "falls back to method='vmap': " + "; ".join(plan.unknown)
-    return [("instantiate", why)] * num_leaves
-  if not vmap_cheaper(plan):
-    return _ghost_rules.leaf_rules(plan, num_leaves)
-  ghost, per_example = plan.cost
-  why = (
-    f"cheaper to instantiate: the ghost norms' {ghost:.3g} flops per example exceed "
-    f"{_VMAP_RATIO:g}x the per-example gradients' {per_example:.3g}"
-  )
+    return None, "falls back to method='vmap': " + "; ".join(plan.unknown)
+  if method == "ghost":
+    return plan, None
+  return _ghost_rules.auto_plan(plan, platform)
+
+
+def leaf_rules(plan: Plan, method: str, platform: str | None) -> list[tuple[str, str | None]]:
+  """``(rule, reason)`` of each parameter leaf, as :func:`jaxclip.ghost_plan` reports them.
+
+  Where ``vmap``'s program is taken, every leaf the loss uses is
+  instantiated, the reason saying why (with a higher-order primitive the
+  engine cannot read, every leaf: what that primitive uses is not known).
+  """
+  chosen, why = plan_for(plan, method, platform)
+  if chosen is not None:
+    return _ghost_rules.leaf_rules(chosen, plan.num_leaves)
+  if plan.unknown:
+    return [("instantiate", why)] * plan.num_leaves
   used = {i for s in plan.sites for info in s.infos for i in info.deps}
-  return [("instantiate", why) if i in used else ("unused", None) for i in range(num_leaves)]
+  return [("instantiate", why) if i in used else ("unused", None) for i in range(plan.num_leaves)]
 
 
 # ----------------------------------------------------------------------------
@@ -262,6 +256,8 @@ def clipped_sum(
   weights_fn: Callable[[jax.Array], tuple[jax.Array, Any]],
   *,
   spmd_axis_name: Any,
+  leaf_groups: Sequence[int] | None = None,
+  num_groups: int | None = None,
 ) -> tuple[list[jax.Array], jax.Array, Any, list[Any]]:
   """Per-example norms, then the weighted sum of per-example gradients.
 
@@ -275,6 +271,13 @@ def clipped_sum(
       examples on axis 0.
     weights_fn: Maps the per-example norms to ``(weights, extra)``.
     spmd_axis_name: Passed to ``vmap``.
+    leaf_groups: The clip group of each parameter leaf (per-layer clipping),
+      or ``None`` for one group. With groups, the norms are ``(examples,
+      groups)``, each example's norm over each group's leaves, and so are the
+      weights: leaf ``i`` of example ``b`` is weighted by
+      ``weights[b, leaf_groups[i]]`` (:func:`book_keep`).
+    num_groups: How many groups (some may hold no leaf); ``None``: those
+      ``leaf_groups`` names.
 
   Returns:
     ``(sum_b weights_b * grad_b leaves, norms, extra, aux leaves)``, the sums
@@ -294,30 +297,121 @@ def clipped_sum(
     probes,
   )
   cap = _ghost_capture.capture(inputs, plan.sites)
-  norms = _numerics.safe_sqrt(plan_sumsq(plan, cap))
+  norms = _numerics.safe_sqrt(plan_sumsq(plan, cap, leaf_groups, num_groups))
   weights, extra = weights_fn(norms)
   if plan.two_pass:
-    grads = [x.astype(jnp.promote_types(x.dtype, jnp.float32)) for x in cap.weighted(weights)]
+    grads = _two_pass(cap, weights, leaf_groups)
+    grads = [x.astype(jnp.promote_types(x.dtype, jnp.float32)) for x in grads]
   else:
-    grads = book_keep(cap, weights)
+    grads = book_keep(cap, weights, leaf_groups)
   return grads, norms, extra, cap.aux
 
 
-def plan_sumsq(plan: Plan, cap: Captured) -> jax.Array:
-  """Each example's squared gradient norm, by the plan's rules."""
+def _two_pass(cap: Captured, weights: jax.Array, leaf_groups: Sequence[int] | None) -> list[Any]:
+  """The second, weighted backward pass; with clip groups, one per group (each group's leaves
+  taken from the pass weighted by its weights)."""
+  half = any(_is_float16(x) for x in cap.leaves)
+
+  def weighted(w):
+    w, scale = _in_range(w, half)
+    return [_rescaled(x, scale) for x in cap.weighted(w)]
+
+  if leaf_groups is None:
+    return weighted(weights)
+  out = [None] * len(cap.leaves)
+  for k in sorted(set(leaf_groups)):
+    grads = weighted(weights[:, k])
+    for i, g in enumerate(leaf_groups):
+      if g == k:
+        out[i] = grads[i]
+  return out
+
+
+def _is_float16(x: Any) -> bool:
+  return jnp.result_type(x) == jnp.float16
+
+
+def _in_range(
+  weights: jax.Array, half: bool, gs: Sequence[jax.Array] = ()
+) -> tuple[jax.Array, jax.Array | None]:
+  """``(weights / s, s)`` for float16 book-keeping, ``s`` a power of two (at least 1);
+  ``(weights, None)`` otherwise.
+
+  Automatic clipping's weights exceed 1 (up to ``C / gamma``): multiplied into
+  float16 output gradients they could overflow float16's range (65504).
+  Scaled by a power of two, the pull-back stays in range and is scaled back
+  in float32 after (:func:`_rescaled`). With the output gradients ``gs``,
+  ``s`` brings the largest weighted entry to at most ``2**14`` (so the other
+  examples' weights keep float16's precision); without, the largest weight to
+  at most 1. For clipping's weights (at most 1) and output gradients below
+  ``2**14``, ``s`` is 1 and nothing changes.
+  """
+  if not half:
+    return weights, None
+  top = jnp.max(weights)
+  gs = [g for g in gs if all(d != 0 for d in g.shape[1:])]
+  if gs:
+    peak = [jnp.max(jnp.abs(g.astype(weights.dtype)).reshape(g.shape[0], -1), axis=1) for g in gs]
+    top = jnp.max(weights * jnp.max(jnp.stack(peak), axis=0)) / 2.0**14
+  exponent = jnp.minimum(jnp.ceil(jnp.log2(jnp.maximum(top, 1))), 127)
+  scale = jnp.exp2(exponent).astype(weights.dtype)
+  return weights / scale, scale
+
+
+def _rescaled(x: jax.Array, scale: jax.Array | None) -> jax.Array:
+  """``x * scale`` formed in float32 (or wider), in ``x``'s dtype; ``x`` for ``None``."""
+  if scale is None:
+    return x
+  acc = jnp.promote_types(x.dtype, jnp.float32)
+  return (x.astype(acc) * scale.astype(acc)).astype(x.dtype)
+
+
+def plan_sumsq(
+  plan: Plan,
+  cap: Captured,
+  leaf_groups: Sequence[int] | None = None,
+  num_groups: int | None = None,
+) -> jax.Array:
+  """Each example's squared gradient norm, by the plan's rules.
+
+  With ``leaf_groups`` (the clip group of each leaf), ``(examples, groups)``:
+  each example's squared norm over each group's leaves. A ghost rule's or a
+  tied table's term belongs to its one leaf's group; the instantiated leaves
+  are summed per group (:func:`jaxclip.privacy._ghost_norms.instantiated_sumsq`).
+  """
   acc = _numerics.tree_accumulation_dtype(cap.leaves)  # as method="vmap" sums squares
-  sumsq = jnp.zeros((cap.n,), acc)
+  num = 1 if leaf_groups is None else num_groups or max(leaf_groups, default=-1) + 1
+  zeros = [jnp.zeros((cap.n,), acc) for _ in range(num)]
+  parts = list(zeros)
+  group = lambda leaf: 0 if leaf_groups is None else leaf_groups[leaf]
   for u, k, rule in plan.ghost:
+    g = group(plan.sites[u].infos[k].view)
     if u in plan.probed:  # taken in the backward pass, per scan iteration
       part = cap.gs[u][0]
-      sumsq = sumsq + jnp.sum(part.reshape(cap.n, -1), axis=1).astype(acc)
+      parts[g] = parts[g] + jnp.sum(part.reshape(cap.n, -1), axis=1).astype(acc)
       continue
-    sumsq = sumsq + _rule_sumsq(cap, u, k, rule).astype(acc)
+    parts[g] = parts[g] + _rule_sumsq(cap, u, k, rule).astype(acc)
   for pair in plan.tied:
-    sumsq = sumsq + _tied_sumsq(cap, pair).astype(acc)
-  for group in plan.groups:
-    sumsq = sumsq + _ghost_norms.instantiated_sumsq(group, cap).astype(acc)
-  return sumsq
+    (gu, gk), _ = pair
+    g = group(plan.sites[gu].infos[gk].view)
+    parts[g] = parts[g] + _tied_sumsq(cap, pair).astype(acc)
+  for inst in plan.groups:
+    if leaf_groups is None:
+      parts[0] = parts[0] + _ghost_norms.instantiated_sumsq(inst, cap).astype(acc)
+      continue
+    per_group = _ghost_norms.instantiated_sumsq(inst, cap, leaf_groups, num).astype(acc)
+    parts = [p + per_group[:, j] for j, p in enumerate(parts)]
+  if leaf_groups is None:
+    return parts[0]
+  # A group no term reached: zeros sharded as the others (under an Explicit mesh).
+  reached = [p for p, z in zip(parts, zeros, strict=True) if p is not z]
+  return jnp.stack(
+    [
+      jnp.zeros_like(reached[0]) if p is z and reached else p
+      for p, z in zip(parts, zeros, strict=True)
+    ],
+    axis=1,
+  )
 
 
 def _site_rule(site: _ghost_capture.Site, k: int, rule: str) -> Callable[..., jax.Array]:
@@ -326,21 +420,31 @@ def _site_rule(site: _ghost_capture.Site, k: int, rule: str) -> Callable[..., ja
   ``kernel`` (the param input) is read by the ``conv`` rule only.
   """
   if rule == "dot":
-    pos = site.param_positions()[k]
-    return lambda w, a, g: _ghost_norms.dot_sumsq(site, pos, a, g)
+    pos, shared = site.param_positions()[k], len(site.infos[k].shared)
+    return lambda w, a, g: _ghost_norms.dot_sumsq(site, pos, a, g, shared)
   if rule == "conv":
     return lambda w, a, g: _ghost_norms.conv_sumsq(site, w, a, g)
   return lambda w, ids, g: _ghost_norms.gather_sumsq(site, ids, g)
 
 
 def _rule_sumsq(cap: Captured, u: int, k: int, rule: str) -> jax.Array:
-  """A ghost boundary's squared norms, summed over its scan iterations."""
-  site, a, g = cap.sites[u], cap.drecs[u][0], cap.gs[u][0]
+  """A ghost boundary's squared norms, summed over its scan iterations.
+
+  A lookup of fixed rows (``wpe[jnp.arange(T)]``) records no data: its ids are
+  its const input, the same for every example.
+  """
+  site, g = cap.sites[u], cap.gs[u][0]
+  a = cap.drecs[u][0] if cap.drecs[u] else _repeat(cap.cvals[u][0], cap.n)
   fn = _site_rule(site, k, rule)
   if rule == "conv":
-    kernel = jnp.broadcast_to(cap.pvals[u][k], (cap.n,) + jnp.shape(cap.pvals[u][k]))
+    kernel = _repeat(cap.pvals[u][k], cap.n)
     return _ghost_norms.per_iteration(site, fn, kernel, a, g)
-  return _ghost_norms.per_iteration(site, lambda a, g: fn(None, a, g), a, g)
+  shared = site.infos[k].shared
+  return _ghost_norms.per_iteration(site, lambda a, g: fn(None, a, g), a, g, shared=shared)
+
+
+def _repeat(x: jax.Array, n: int) -> jax.Array:
+  return jnp.broadcast_to(x, (n,) + jnp.shape(x))
 
 
 def _probe_sumsq(site: _ghost_capture.Site, k: int, rule: str) -> Callable[..., jax.Array]:
@@ -366,22 +470,132 @@ def _tied_sumsq(cap: Captured, pair: _ghost_rules.Tied) -> jax.Array:
   )
 
 
-def book_keep(cap: Captured, weights: jax.Array) -> list[jax.Array]:
-  """``sum_b w_b grad_b``: ``sum_b w_b g_b`` pulled back through each site, then through ``h``."""
+def book_keep(
+  cap: Captured, weights: jax.Array, leaf_groups: Sequence[int] | None = None
+) -> list[jax.Array]:
+  """``sum_b w_b grad_b``: ``sum_b w_b g_b`` pulled back through each site, then through ``h``.
+
+  With ``leaf_groups`` (per-layer clipping) ``weights`` is ``(examples,
+  groups)`` and leaf ``i`` takes ``weights[:, leaf_groups[i]]``
+  (:func:`_book_keep_groups`).
+  """
+  if leaf_groups is not None:
+    return _book_keep_groups(cap, weights, leaf_groups)
   cts = []
   for u, site in enumerate(cap.sites):  # every site has a float output
     if u in cap.tapped:  # the per-example gradients of its param inputs, weighted and summed
       pairs = zip(cap.gs[u], cap.pvals[u], strict=True)
       cts.append([_weighted_sum(g, weights, p) for g, p in pairs])
       continue
-    wg = [_weighted(g, weights) for g in cap.gs[u]]
+    ws, scale = _in_range(weights, any(_is_float16(g) for g in cap.gs[u]), cap.gs[u])
+    wg = [_weighted(g, ws) for g in cap.gs[u]]
     fn = lambda pv, site=site, c=cap.cvals[u], d=cap.drecs[u]: _batched_outputs(
       site, pv, c, d, cap.n, cap.spmd_axis_name
     )
     vjp = _ghost_norms.site_vjp(site, fn, cap.pvals[u])
-    cts.append(vjp(wg)[0])
+    cts.append([_rescaled(x, scale) for x in vjp(wg)[0]])
   (grads,) = cap.pull(cts)
   return [x.astype(jnp.promote_types(x.dtype, jnp.float32)) for x in grads]
+
+
+def mixed_boundaries(plan: Plan, leaf_groups: Sequence[int]) -> list[tuple[int, int]]:
+  """The boundaries ``(site, position)`` whose param input depends on leaves of several clip
+  groups (such as ``W1 + W2`` with ``W1`` and ``W2`` in different groups).
+
+  Book-keeping cannot weight such an input once per group: its cotangent is
+  pulled back to the leaves once per group, weighted by that group's weights,
+  each group keeping its own leaves' share (:func:`_book_keep_groups`). The
+  leaves themselves are always instantiated (they meet at a value), so their
+  per-group norms are exact.
+  """
+  return [
+    (u, k)
+    for u, s in enumerate(plan.sites)
+    for k, info in enumerate(s.infos)
+    if len({leaf_groups[i] for i in info.deps}) > 1
+  ]
+
+
+def _book_keep_groups(
+  cap: Captured, weights: jax.Array, leaf_groups: Sequence[int]
+) -> list[jax.Array]:
+  """:func:`book_keep` with a weight per example and clip group.
+
+  Each site's output gradients are weighted once per group among its param
+  inputs' leaves and pulled back through the site, each param input keeping
+  the cotangent of its own group. One pull-back to the leaves serves every
+  group that no param input mixes with another (its leaves receive
+  cotangents only from inputs of their own group); each group that one does
+  gets a pull-back of its own (:func:`pull_passes`).
+  """
+  sites = cap.sites
+  groups_of = [
+    [sorted({leaf_groups[i] for i in info.deps}) for info in site.infos] for site in sites
+  ]
+  # per site: {group: cotangents of every param input weighted by that group}
+  by_group: list[dict[int, list[Any]]] = []
+  for u, site in enumerate(sites):
+    needed = sorted({k for ks in groups_of[u] for k in ks})
+    if u in cap.tapped:
+      by_group.append(
+        {
+          k: [
+            _weighted_sum(g, weights[:, k], p) for g, p in zip(cap.gs[u], cap.pvals[u], strict=True)
+          ]
+          for k in needed
+        }
+      )
+      continue
+    fn = lambda pv, site=site, c=cap.cvals[u], d=cap.drecs[u]: _batched_outputs(
+      site, pv, c, d, cap.n, cap.spmd_axis_name
+    )
+    vjp = _ghost_norms.site_vjp(site, fn, cap.pvals[u])
+    half = any(_is_float16(g) for g in cap.gs[u])
+
+    def pulled(w, vjp=vjp, gs=cap.gs[u], half=half):
+      w, scale = _in_range(w, half, gs)
+      return [_rescaled(x, scale) for x in vjp([_weighted(g, w) for g in gs])[0]]
+
+    by_group.append({k: pulled(weights[:, k]) for k in needed})
+
+  def cotangents(k):
+    """Each param input's cotangent in the pull-back of group ``k`` (``None``: each input of
+    one group weighted by it; zeros for an input that mixes groups)."""
+    out = []
+    for u in range(len(sites)):
+      cts = []
+      for j, ks in enumerate(groups_of[u]):
+        own = k if k is not None else (ks[0] if len(ks) == 1 else None)
+        if own is not None and own in ks:
+          cts.append(by_group[u][own][j])
+        else:
+          cts.append(jnp.zeros_like(cap.pvals[u][j]))
+      out.append(cts)
+    return out
+
+  grads = [None] * len(cap.leaves)
+  for k, taken in pull_passes([ks for per_site in groups_of for ks in per_site], leaf_groups):
+    (pulled,) = cap.pull(cotangents(k))
+    for i, g in enumerate(leaf_groups):
+      if g in taken:
+        grads[i] = pulled[i]
+  return [x.astype(jnp.promote_types(x.dtype, jnp.float32)) for x in grads]
+
+
+def pull_passes(
+  input_groups: Sequence[Sequence[int]], leaf_groups: Sequence[int]
+) -> list[tuple[int | None, frozenset[int]]]:
+  """The pull-backs of a per-group book-keeping: ``(group, groups whose leaves it gives)``.
+
+  ``input_groups`` holds the clip groups of each param input's leaves. A
+  group none of whose leaves meets another group's at an input is served by
+  one shared pull-back (``None``: each input weighted by its own group);
+  each group that does meet another gets a pull-back of its own, every input
+  touching it weighted by its weights.
+  """
+  mixed = frozenset(k for ks in input_groups if len(ks) > 1 for k in ks)
+  rest = frozenset(leaf_groups) - mixed
+  return ([(None, rest)] if rest else []) + [(k, frozenset({k})) for k in sorted(mixed)]
 
 
 def _batched_outputs(

@@ -20,7 +20,10 @@ Three walkers share one traversal (:class:`_Walker`):
 
 Call primitives (``jit``, ``remat``) are walked into when a parameter goes in,
 and a ``lax.scan`` over stacked layers is walked per iteration, its records
-stacked over the iterations. Which primitives these are, and how their
+stacked over the iterations; a weight the scan closes over keeps its view of
+the leaf, marked ``shared`` over that scan's iterations. A lookup of a param
+table at ids that do not depend on the example (``wpe[jnp.arange(T)]``) is a
+site with no data input (:func:`is_fixed_lookup`). Which primitives these are, and how their
 parameters are read, is :mod:`jaxclip.privacy._jax_internals`'s; a
 higher-order primitive it cannot read that touches the parameters or the
 batch is recorded by :class:`Analyzer` (``unknown``), and the whole loss then
@@ -59,9 +62,12 @@ class _Info:
   # each sliced axis; ``()`` for the whole leaf.
   region: tuple[tuple[int, int, int], ...] = ()
   # Whether it is a view of a leaf that a ``lax.scan`` closes over (one of its
-  # consts): the same weight read by every iteration, which is why ``view``
-  # is ``None`` inside the scan's body.
+  # consts): the same weight read by every iteration.
   scan_const: bool = False
+  # For such a view, the levels of the enclosing scans (indices into a site's
+  # ``stack``) over whose iterations it is the same value: its gradient is the
+  # sum of those iterations' gradients, so a rule takes their rows together.
+  shared: frozenset[int] = frozenset()
 
 
 _CONST = _Info(CONST)
@@ -141,8 +147,8 @@ def _view_of(eqn: Any, infos: list[_Info]) -> _Info:
     return _Info(PARAM, deps, scan_const=info.scan_const and same_values)
   if _jax.is_slice(eqn):
     return _slice_of(eqn, info, deps)
-  if not same_values:
-    return _Info(PARAM, deps)  # broadcast_in_dim that repeats values
+  if not same_values:  # broadcast_in_dim that repeats values
+    return _Info(PARAM, deps, scan_const=info.scan_const)
   axes = info.axes
   perm, gone = _jax.transpose_permutation(eqn), _jax.squeeze_dimensions(eqn)
   if axes is not None and perm is not None:
@@ -152,7 +158,7 @@ def _view_of(eqn: Any, infos: list[_Info]) -> _Info:
     axes = tuple(a for j, a in enumerate(axes) if j not in gone)
   elif tuple(src.shape) != tuple(out.shape):
     axes = None  # still the leaf's values, but not axis by axis
-  return _Info(PARAM, deps, info.view, axes, info.region)
+  return dataclasses.replace(info, deps=deps, axes=axes)
 
 
 def _slice_of(eqn: Any, info: _Info, deps: frozenset[int]) -> _Info:
@@ -162,15 +168,15 @@ def _slice_of(eqn: Any, info: _Info, deps: frozenset[int]) -> _Info:
     return _Info(PARAM, deps)
   starts, limits, strides = bounds
   if info.axes is None or (strides is not None and any(s != 1 for s in strides)):
-    return _Info(PARAM, deps)
+    return _Info(PARAM, deps, scan_const=info.scan_const)
   region = dict((a, (lo, hi)) for a, lo, hi in info.region)
   shape = eqn.invars[0].aval.shape
   for j, (lo, hi) in enumerate(zip(starts, limits, strict=True)):
     if (lo, hi) != (0, shape[j]):
       base = region.get(info.axes[j], (0, None))[0]
       region[info.axes[j]] = (base + lo, base + hi)
-  return _Info(
-    PARAM, deps, info.view, info.axes, tuple(sorted((a, lo, hi) for a, (lo, hi) in region.items()))
+  return dataclasses.replace(
+    info, deps=deps, region=tuple(sorted((a, lo, hi) for a, (lo, hi) in region.items()))
   )
 
 
@@ -218,7 +224,7 @@ def _rule(eqn: Any, roles: tuple[str, ...], pos: int) -> str:
     return "generic"
   if _jax.dot_dimension_numbers(eqn) is not None and len(roles) == 2 and roles[1 - pos] == DATA:
     return "dot"
-  if pos == 0 and len(roles) == 2 and roles[1] == DATA and _gather_is_lookup(eqn):
+  if pos == 0 and len(roles) == 2 and roles[1] != PARAM and _gather_is_lookup(eqn):
     return "gather"
   if pos == 1 and len(roles) == 2 and roles[0] == DATA and _conv_is_ghostable(eqn):
     return "conv"
@@ -241,12 +247,26 @@ def _float_outs(eqn: Any, aval: Any) -> tuple[int, ...]:
 
 
 def _is_site(eqn: Any, infos: Sequence[_Info]) -> bool:
-  """Whether an equation takes a float param value and a data value, with a float output."""
+  """Whether an equation takes a float param value and a data value, with a float output, or
+  is a lookup of fixed rows (:func:`is_fixed_lookup`)."""
   return (
-    any(i.kind == DATA for i in infos)
-    and any(i.kind == PARAM and is_float(v.aval) for i, v in zip(infos, eqn.invars, strict=True))
+    any(i.kind == PARAM and is_float(v.aval) for i, v in zip(infos, eqn.invars, strict=True))
     and any(is_float(v.aval) for v in eqn.outvars)
+    and (any(i.kind == DATA for i in infos) or is_fixed_lookup(eqn, infos))
   )
+
+
+def is_fixed_lookup(eqn: Any, infos: Sequence[Any]) -> bool:
+  """Whether an equation looks up rows of a param table at ids that do not depend on the
+  example (``wpe[jnp.arange(T)]``, ``jnp.take(wpe, jnp.arange(T), axis=0)``).
+
+  ``infos`` are the inputs' classes (or, for a site, its ``roles``). Such a
+  lookup is a site of its own (with no data input): the lookup rule then
+  applies to the table, with the fixed ids, instead of the table's
+  per-example gradient being formed from the rows' gradients.
+  """
+  kinds = [getattr(i, "kind", i) for i in infos]
+  return kinds == [PARAM, CONST] and _gather_is_lookup(eqn)
 
 
 class _ScanShape(NamedTuple):
@@ -262,15 +282,17 @@ class _ScanShape(NamedTuple):
   unroll: Any
 
 
-def _scan_shape(eqn: Any, infos: Sequence[_Info]) -> _ScanShape | None:
+def _scan_shape(eqn: Any, infos: Sequence[_Info], depth: int) -> _ScanShape | None:
   """How a scan's body is walked, or ``None`` to treat the whole scan as one site.
 
   Parameters stacked over the scan (its ``xs``) are sliced per iteration:
   each iteration uses its own slice, so a rule applied per iteration, its
   squared norms summed, is exact. Parameters it closes over (``consts``) are
-  used by every iteration and lose their view of the leaf (they are
-  instantiated; ``scan_const`` says why). A carry that depends on the
-  parameters alone is not handled.
+  used by every iteration (an RNN's hidden-to-hidden matrix, a block shared
+  by every layer): they keep their view of the leaf, marked ``shared`` at
+  this scan's level ``depth`` (its index in the body's sites' ``stack``), so
+  that a rule takes every iteration's rows together. A carry that depends on
+  the parameters alone is not handled.
   """
   parts = _jax.scan_parts(eqn)
   if parts is None:
@@ -279,13 +301,17 @@ def _scan_shape(eqn: Any, infos: Sequence[_Info]) -> _ScanShape | None:
   if any(i.kind == PARAM for i in infos[nc : nc + nk]):
     return None
   c_infos = [
-    _Info(PARAM, i.deps, scan_const=i.scan_const or i.view is not None) if i.kind == PARAM else i
+    dataclasses.replace(
+      i,
+      scan_const=i.scan_const or i.view is not None,
+      shared=i.shared | {depth} if i.view is not None else frozenset(),
+    )
+    if i.kind == PARAM
+    else i
     for i in infos[:nc]
   ]
   x_infos = [
-    _Info(PARAM, i.deps, i.view, None if i.axes is None else i.axes[1:], i.region)
-    if i.kind == PARAM
-    else i
+    dataclasses.replace(i, axes=None if i.axes is None else i.axes[1:]) if i.kind == PARAM else i
     for i in infos[nc + nk :]
   ]
   k_infos = [_DATA if i.kind == DATA else _CONST for i in infos[nc : nc + nk]]
@@ -383,7 +409,7 @@ class _Walker:
     if why is not None and (kinds & {PARAM, DATA} or _jax.captures_tracer(eqn)):
       self.unreadable(eqn, why)
     if PARAM in kinds and _jax.is_scan(eqn):
-      shape = _scan_shape(eqn, infos)
+      shape = _scan_shape(eqn, infos, len(self.stack))
       if shape is not None:
         return self.scan(eqn, shape, ins)
     body = _jax.call_body(eqn) if PARAM in kinds else None
@@ -424,9 +450,17 @@ class _Walker:
       assert len(sub.records) == u1 - u0, (len(sub.records), u1 - u0)
       scans[0] = sub.scans
       outs = self.computed([x for x, _ in outs], shape.out_infos)
-      return outs[:nk], (outs[nk:], sub.records)
+      # One stacked output per value: sites that read the same value (the
+      # gates of an LSTM cell read one input) record it once.
+      leaves, tree = jax.tree.flatten(sub.records)
+      first: dict[int, int] = {}
+      index = [first.setdefault(id(v), len(first)) for v in leaves]
+      unique = list({id(v): v for v in leaves}.values())
+      layout[:] = [tree, index]
+      return outs[:nk], (outs[nk:], unique)
 
-    carry, (ys, records) = jax.lax.scan(
+    layout: list[Any] = []
+    carry, (ys, unique) = jax.lax.scan(
       step,
       vals[nc : nc + nk],
       (vals[nc + nk :], zs),
@@ -435,7 +469,8 @@ class _Walker:
       unroll=shape.unroll,
     )
     self.scans = scans[0]
-    self.records.extend(records)
+    tree, index = layout
+    self.records.extend(jax.tree.unflatten(tree, [unique[i] for i in index]))
     return list(zip(list(carry) + list(ys), shape.out_infos, strict=True))
 
   def unreadable(self, eqn: Any, why: str) -> None:

@@ -4,8 +4,9 @@ The rules (``dot``, ``conv``, ``lookup`` and a tied table's cross term) work
 from the data inputs ``a`` and output gradients ``g`` that
 :mod:`jaxclip.privacy._ghost_capture` records; :func:`instantiated_sumsq`
 forms the per-example gradients of the parameters no rule covers, through
-their sites only. :func:`site_cost` gives each rule's flops, from which
-:mod:`jaxclip.privacy._ghost_rules` picks.
+their sites only. :func:`site_cost` and :func:`site_memory` give each rule's
+flops and floats held per example, and those of the per-example gradient it
+replaces, from which :mod:`jaxclip.privacy._ghost_rules` picks.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxclip._kernel import _numerics
 from jaxclip.privacy import _ghost_capture
@@ -27,13 +29,21 @@ _CHUNK_ELEMENTS = 1 << 24
 _HIGHEST = jax.lax.Precision.HIGHEST
 
 
-def per_iteration(site: Site, fn: Callable[..., jax.Array], *xs: jax.Array) -> jax.Array:
+def per_iteration(
+  site: Site, fn: Callable[..., jax.Array], *xs: jax.Array, shared: frozenset[int] = frozenset()
+) -> jax.Array:
   """``fn(*xs)`` (each ``x`` with a leading batch axis), summed over the site's scan iterations.
 
   ``fn`` maps per-example records to a value per example; inside scans the
-  records have one more axis per scan after the batch axis.
+  records have one more axis per scan after the batch axis. The scan levels
+  in ``shared`` (a weight every iteration of those scans reads) are not
+  mapped over: ``fn`` gets their axes, after the batch axis, in order.
   """
-  for _ in site.stack:
+  levels = range(len(site.stack))
+  own = [j for j in levels if j not in shared]
+  order = [0] + [1 + j for j in own] + [1 + j for j in levels if j in shared]
+  xs = tuple(jnp.transpose(x, order + list(range(len(order), x.ndim))) for x in xs)
+  for _ in own:
     fn = jax.vmap(fn, in_axes=1, out_axes=1)
   out = fn(*xs)
   return jnp.sum(out.reshape(out.shape[0], -1), axis=1)
@@ -79,12 +89,21 @@ def _dot_operands(site: Site, pos: int, a: jax.Array, g: jax.Array) -> tuple[jax
   return a, jnp.swapaxes(g.reshape(n, nb, f, t), 2, 3)  # batch, param free, data free
 
 
-def dot_sumsq(site: Site, pos: int, a: jax.Array, g: jax.Array) -> jax.Array:
+def dot_sumsq(site: Site, pos: int, a: jax.Array, g: jax.Array, shared: int = 0) -> jax.Array:
   """Each example's ``||grad of the dot_general's param operand||^2``.
 
-  Args as :func:`_dot_operands`.
+  Args as :func:`_dot_operands`, but for ``shared``: the number of scan axes
+  (after the batch axis of ``a`` and ``g``) over whose iterations the
+  parameter is the same value. Its gradient is then the sum over those
+  iterations, ``[A_1; A_2; ...]^T [G_1; G_2; ...]``: one ``dot_general`` whose
+  rows are every iteration's rows.
   """
-  return _mixed_sumsq(*_dot_operands(site, pos, a, g))
+  operands = lambda a, g: _dot_operands(site, pos, a, g)
+  for _ in range(shared):
+    operands = jax.vmap(operands, in_axes=1, out_axes=2)
+  a, g = operands(a, g)  # (examples, n, iterations..., T, C or F)
+  n, nb = a.shape[0], a.shape[1]
+  return _mixed_sumsq(a.reshape(n, nb, -1, a.shape[-1]), g.reshape(n, nb, -1, g.shape[-1]))
 
 
 def gram_is_cheaper(t: int, c: int, f: int) -> bool:
@@ -244,11 +263,20 @@ def tied_cross(
   return jnp.sum(m * jnp.swapaxes(picked, 1, 2), axis=(1, 2))
 
 
+def _levels(site: Site, k: int) -> tuple[int, int]:
+  """The iterations of a boundary's scans that read their own parameter value, and those that
+  read one value (its ``shared`` levels)."""
+  shared = site.infos[k].shared
+  own = math.prod(n for j, (_, n) in enumerate(site.stack) if j not in shared)
+  return own, math.prod(n for j, (_, n) in enumerate(site.stack) if j in shared)
+
+
 def site_cost(site: Site, k: int, rule: str) -> tuple[int, int]:
   """Per example, the flops of a boundary's ghost rule and of its per-example gradient."""
-  reps = math.prod(length for _, length in site.stack)
-  if rule == "dot":
+  reps, rows = _levels(site, k)
+  if rule == "dot":  # the rows of every iteration that reads the same weight, together
     nb, t, c, f = dot_dims(site, site.param_positions()[k])[0]
+    t *= rows
     grad = nb * t * c * f
     ghost = nb * t * t * (c + f) if gram_is_cheaper(t, c, f) else grad
   elif rule == "gather":
@@ -265,8 +293,40 @@ def site_cost(site: Site, k: int, rule: str) -> tuple[int, int]:
       else grad
     )
   else:  # an elementwise or small operation: about its outputs' size
-    grad = ghost = sum(math.prod(a.shape) for a in site.out_avals)
+    grad = ghost = sum(math.prod(a.shape) for a in site.out_avals) * rows
   return ghost * reps, grad * reps
+
+
+def site_memory(site: Site, k: int, rule: str) -> tuple[int, int]:
+  """Per example, the floats a boundary holds under its ghost rule and instantiated.
+
+  Under the rule: the site's records (its data inputs and output gradients,
+  kept for the norms and the book-keeping) and the rule's own work (the two
+  Gram matrices, or the per-example gradient where that costs fewer flops).
+  Instantiated: the per-example gradient of its param input, taken in the
+  backward pass, where that is smaller than the records (a tapped site);
+  otherwise the records and the per-example gradient formed from them.
+  """
+  reps, rows = _levels(site, k)
+  stack = reps * rows
+  data = [v.aval for v, r in zip(site.eqn.invars, site.roles, strict=True) if r == "data"]
+  records = stack * sum(math.prod(a.shape) for a in [*data, *site.out_avals])
+  param = stack * math.prod(site.param_avals()[k].shape)
+  if rule == "dot":
+    nb, t, c, f = dot_dims(site, site.param_positions()[k])[0]
+    t *= rows
+    work = reps * nb * (2 * t * t if gram_is_cheaper(t, c, f) else c * f)
+  elif rule == "conv":
+    groups, positions, taps, outs = conv_dims(site)
+    cheap = gram_is_cheaper(positions, taps, outs)
+    work = stack * groups * (2 * positions * positions if cheap else taps * outs)
+  elif rule == "gather":
+    rows_, width = site.eqn.invars[0].aval.shape[0], math.prod(site.eqn.invars[0].aval.shape[1:])
+    t = math.prod(site.eqn.invars[1].aval.shape[:-1])
+    work = stack * (t * t if lookup_gram_is_cheaper(t, rows_) else min(t, rows_) * width)
+  else:
+    work = 0
+  return records + work, param if param <= records else records + param
 
 
 def tied_cross_cost(sites: Sequence[Site], pair: tuple[tuple[int, int], tuple[int, int]]) -> int:
@@ -295,7 +355,7 @@ def disjoint_views(sites: Sequence[Site], leaf: int, bounds: Sequence[Boundary])
   infos = [sites[u].infos[k] for u, k in bounds]
   return (
     bool(infos)
-    and all(i.view == leaf and i.deps == {leaf} for i in infos)
+    and all(i.view == leaf and i.deps == {leaf} and not i.shared for i in infos)
     and len({sites[u].stack for u, _ in bounds}) == 1
     and all(_ghost_capture.disjoint(a, b) for j, a in enumerate(infos) for b in infos[j + 1 :])
   )
@@ -337,8 +397,16 @@ def _sq(x: jax.Array) -> jax.Array:
   return jnp.sum(_numerics.abs_sq(_numerics.upcast_for_accumulation(x)))
 
 
-def instantiated_sumsq(group: Group, cap: Captured) -> jax.Array:
-  """Per-example squared norms of a group's gradients, instantiated in chunks of examples."""
+def instantiated_sumsq(
+  group: Group, cap: Captured, leaf_groups: Sequence[int] | None = None, num_groups: int = 1
+) -> jax.Array:
+  """Per-example squared norms of a group's gradients, instantiated in chunks of examples.
+
+  With ``leaf_groups`` (the clip group of each parameter leaf), ``(examples,
+  num_groups)``: each leaf's squared norm goes to its clip group's column
+  (a leaf used directly belongs to its boundaries, whose one dependency it
+  is; a pulled-back leaf's gradient is its own).
+  """
   sites = cap.sites
   lay = _layout(sites, group)
   pull = _boundary_pull(cap, lay) if lay.pulled else None
@@ -346,19 +414,29 @@ def instantiated_sumsq(group: Group, cap: Captured) -> jax.Array:
   def per_example(xs):
     ds, gg = xs
     cts, total = [], jnp.zeros((), jnp.float32)
+    if leaf_groups is not None:  # one-hot columns: under an Explicit mesh, one sharding
+      total = jnp.zeros((num_groups,), jnp.float32)
+      column = lambda i, x: jnp.where(np.arange(num_groups) == leaf_groups[i], x, 0)
     for u, ks in lay.by_site.items():
       if u in cap.tapped:  # taken in the backward pass
         grads = [gg[u][k] for k in ks]
       else:
         grads = _site_param_grads(sites[u], ks, cap.pvals[u], cap.cvals[u], ds[u], gg[u])
       for k, ct in zip(ks, grads, strict=True):
-        if sites[u].infos[k].deps <= lay.direct:
+        deps = sites[u].infos[k].deps
+        if deps <= lay.direct and leaf_groups is None:
           total = total + _sq(ct)
+        elif deps <= lay.direct:
+          total = total + column(min(deps), _sq(ct))
         else:
           cts.append(ct)
     if pull is not None:
       (grads,) = pull(cts)
-      total = total + sum(_sq(x) for x in grads)
+      if leaf_groups is None:
+        total = total + sum(_sq(x) for x in grads)
+      else:
+        for i, x in zip(lay.pulled, grads, strict=True):
+          total = total + column(i, _sq(x))
     return total
 
   xs = ({u: cap.drecs[u] for u in lay.by_site}, {u: cap.gs[u] for u in lay.by_site})

@@ -1,4 +1,4 @@
-"""What ``per_example_clipped_grad(method="ghost")`` does with each parameter."""
+"""What ``per_example_clipped_grad(method="ghost")`` (or ``"auto"``) does with each parameter."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxclip._kernel import _validation
-from jaxclip.privacy import _ghost
+from jaxclip.privacy import _clip_batch, _ghost
 
 
 @dataclasses.dataclass(frozen=True)
@@ -24,7 +24,9 @@ class GhostLeafPlan:
       output head, with their cross term), ``"conv"`` (ghost rule of a
       convolution's kernel), ``"instantiate"`` (the per-example gradient is
       formed exactly) or ``"unused"`` (the loss does not depend on it).
-    reason: Why the leaf is instantiated, or ``None`` for a ghost rule.
+    reason: Why the leaf is instantiated (no rule, or, under ``"auto"``, the
+      costs that chose its per-example gradient), or ``None`` for a ghost
+      rule.
     floats: The leaf's size.
     shape: The leaf's shape.
   """
@@ -38,7 +40,7 @@ class GhostLeafPlan:
 
 @dataclasses.dataclass(frozen=True)
 class GhostPlan:
-  """The rule each parameter leaf gets under ``method="ghost"``.
+  """The rule each parameter leaf gets under ``method="ghost"`` or ``"auto"``.
 
   Attributes:
     leaves: One :class:`GhostLeafPlan` per parameter leaf, in
@@ -48,10 +50,18 @@ class GhostPlan:
       (``jax.checkpoint``, flax ``nn.remat``): the norms are taken in one
       backward pass, which keeps nothing per layer, and the clipped sum is a
       second, weighted backward pass.
+    sum_passes: With a clip norm per group of leaves (``l2_norm_clip=``), how
+      many times the clipped sum is pulled back to the parameters: ``1``,
+      each site weighted by its own group; one more per group that a
+      parameter input mixes with another (the leaves say where); one per
+      group where the clipped sum is a second backward pass (``passes == 2``).
   """
 
   leaves: tuple[GhostLeafPlan, ...]
   passes: int = 1
+  sum_passes: int = 1
+  method: str = "ghost"
+  platform: str | None = None
 
   @property
   def rules(self) -> dict[str, str]:
@@ -75,9 +85,14 @@ class GhostPlan:
       "  ".join(c.ljust(w) for c, w in zip(r[:4], widths, strict=True)) + "  " + r[4] for r in rows
     ]
     lines = [line.rstrip() for line in lines]
-    lines.append(f"{len(self.leaves)} leaves; {self.fallback_share:.1%} of the floats instantiated")
+    where = f" (method='auto' on {self.platform})" if self.method == "auto" else ""
+    lines.append(
+      f"{len(self.leaves)} leaves; {self.fallback_share:.1%} of the floats instantiated{where}"
+    )
     if self.passes == 2:
       lines.append("two backward passes (rematerialised layers): the norms, then the clipped sum")
+    if self.sum_passes > 1:
+      lines.append(f"the clipped sum pulled back {self.sum_passes} times (per clip group)")
     return "\n".join(lines)
 
 
@@ -88,8 +103,11 @@ def ghost_plan(
   batch_argnums: int | Sequence[int] | None = None,
   keep_batch_dim: bool = False,
   has_aux: bool = False,
+  method: str = "ghost",
+  platform: str | None = None,
+  l2_norm_clip: Any = None,
 ) -> GhostPlan:
-  r"""The rule ``per_example_clipped_grad(method="ghost")`` gives each parameter.
+  r"""The rule ``per_example_clipped_grad(method="ghost")`` (or ``"auto"``) gives each parameter.
 
   Traces ``loss_fn`` on one example (nothing is compiled or run) and reports,
   for each parameter leaf, how its per-example gradient norm is computed:
@@ -108,24 +126,31 @@ def ghost_plan(
   ``unused``       zero: the loss does not depend on the leaf
   ===============  ==========================================================
 
-  The rules also apply per iteration of a ``lax.scan`` over stacked layers
-  and per static slice of a stacked weight. A large ``instantiate`` share
-  (:attr:`GhostPlan.fallback_share`) means ghost norms cost about what
-  ``method="vmap"`` costs. Where the rules together would cost more than
-  forming every per-example gradient (long sequences through narrow layers,
-  convolutions over many positions), ``method="ghost"`` forms them as
-  ``"vmap"`` does, and every leaf the loss uses reads ``instantiate``, with
-  the reason "cheaper to instantiate". Where the loss uses a higher-order
-  primitive (one that carries a sub-jaxpr: a call, a loop) that the engine
-  does not know, or cannot read, on the parameters or the batch, it takes
-  ``"vmap"``'s way too: every leaf reads ``instantiate``, the reason naming
-  that primitive. A weight a ``lax.scan`` closes over (not sliced from its
-  ``xs``) is read by every iteration: it is instantiated, the reason saying
-  it is a scan constant. Where a layer with a ghost rule is
-  rematerialised (``jax.checkpoint``, flax ``nn.remat``), the model asks for
-  memory over compute: :attr:`GhostPlan.passes` is then ``2`` (the norms in one
-  backward pass that keeps no layer's ``a`` and ``g``, the clipped sum in a
-  second).
+  The rules also apply per iteration of a ``lax.scan`` over stacked layers,
+  per static slice of a stacked weight, and, for the ``dot`` rule, to a
+  weight a ``lax.scan`` closes over (an RNN's hidden-to-hidden matrix, a
+  block shared by every layer), every iteration's rows taken together. A
+  lookup at ids that do not depend on the example (``wpe[jnp.arange(T)]``)
+  gets the ``lookup`` rule.
+
+  ``method="ghost"`` (the default here) applies a rule wherever there is
+  one. ``method="auto"`` follows the cost model of ``platform``: on
+  ``"cpu"`` (measured on XLA:CPU) the rules, each with its own switch
+  between the Gram form and the per-example gradient formed from ``a`` and
+  ``g`` by flops, unless they cost more than 0.9x the flops of every
+  per-example gradient; on any other platform (not measured), per leaf, the
+  rule or the leaf's per-example gradient, whichever holds fewer floats per
+  example (a leaf so instantiated reads ``instantiate``, the reason giving
+  both). Where the whole loss takes ``method="vmap"``'s program, every leaf
+  the loss uses reads ``instantiate``, the reason saying so. Where the loss
+  uses a higher-order primitive (one that carries a sub-jaxpr: a call, a
+  loop) that the engine does not know, or cannot read, on the parameters or
+  the batch, both methods take ``"vmap"``'s
+  program: every leaf reads ``instantiate``, the reason naming that
+  primitive. Where a layer with a ghost rule is rematerialised
+  (``jax.checkpoint``, flax ``nn.remat``), the model asks for memory over
+  compute: :attr:`GhostPlan.passes` is then ``2`` (the norms in one backward
+  pass that keeps no layer's ``a`` and ``g``, the clipped sum in a second).
 
   Args:
     loss_fn: As for :func:`jaxclip.per_example_clipped_grad`.
@@ -137,13 +162,24 @@ def ghost_plan(
       them.
     keep_batch_dim: As for :func:`jaxclip.per_example_clipped_grad`.
     has_aux: As for :func:`jaxclip.per_example_clipped_grad`.
+    method: ``"ghost"`` or ``"auto"``, as for
+      :func:`jaxclip.per_example_clipped_grad`.
+    platform: For ``"auto"``, the platform whose cost model to report
+      (``"cpu"``, ``"gpu"``, ``"tpu"``...); ``None`` for
+      ``jax.default_backend()``. ``per_example_clipped_grad`` chooses by the
+      platform the program is lowered for.
+    l2_norm_clip: A clip norm per group of leaves (a pytree prefix of
+      ``params``, as for :func:`jaxclip.per_example_clipped_grad`), to report
+      the leaves whose parameter input mixes groups and
+      :attr:`GhostPlan.sum_passes`; ``None`` (or a number) for one group.
 
   Returns:
     A :class:`GhostPlan`; ``print`` it for a table.
 
   Raises:
     ValueError: for ``batch_argnums`` naming ``params`` or missing arguments,
-      complex parameters, or a loss that is not a real scalar.
+      an unknown ``method``, complex parameters, or a loss that is not a real
+      scalar.
 
   Examples:
     >>> import jax.numpy as jnp
@@ -161,7 +197,17 @@ def ghost_plan(
     ['b']  (16,)     instantiate  16      used by `add`, not a dot/lookup/conv
     ['w']  (16, 16)  dot          256
     2 leaves; 5.9% of the floats instantiated
+
+    Each example is one row: the ``dot`` rule of ``w`` costs 32 flops where
+    its per-example gradient costs 256, so ``"auto"`` keeps it on CPU too:
+
+    >>> auto = jaxclip.ghost_plan(loss, params, jnp.ones((8, 16)), jnp.ones((8, 16)),
+    ...                           method="auto", platform="cpu")
+    >>> auto.rules
+    {"['b']": 'instantiate', "['w']": 'dot'}
   """
+  if method not in ("ghost", "auto"):
+    raise ValueError(f"ghost_plan takes method 'ghost' or 'auto', got {method!r}.")
   if batch_argnums is None:
     batch_argnums = tuple(range(1, len(args) + 1))
   batch_argnums = (batch_argnums,) if isinstance(batch_argnums, int) else tuple(batch_argnums)
@@ -182,12 +228,32 @@ def ghost_plan(
     return loss_fn(p, *xs)
 
   traced = _ghost.trace(example_loss, params, args, idx, has_aux=has_aux)
-  rules = _ghost.leaf_rules(traced.plan, len(traced.leaves))
+  if method == "auto" and platform is None:
+    platform = jax.default_backend()
+  rules = _ghost.leaf_rules(traced.plan, method, platform)
+  chosen = _ghost.plan_for(traced.plan, method, platform)[0]
+  sum_passes = 1
+  groups = None if l2_norm_clip is None else _clip_batch.clip_groups(l2_norm_clip, params)
+  if chosen is not None and groups is not None and groups.per_group:
+    mixed = _ghost.mixed_boundaries(chosen, groups.of_leaf)
+    for u, k in mixed:
+      for i in chosen.sites[u].infos[k].deps:
+        rule, reason = rules[i]
+        note = f"its input to `{chosen.sites[u].name}` mixes clip groups: pulled back per group"
+        rules[i] = (rule, note if not reason else f"{reason}; {note}")
+    if chosen.two_pass:
+      sum_passes = len(set(groups.of_leaf))
+    else:
+      inputs = [{groups.of_leaf[i] for i in info.deps} for s in chosen.sites for info in s.infos]
+      sum_passes = len(_ghost.pull_passes(inputs, groups.of_leaf))
   paths = [jax.tree_util.keystr(k) for k, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
   return GhostPlan(
     tuple(
       GhostLeafPlan(path, rule, reason, int(jnp.size(x)), tuple(jnp.shape(x)))
       for path, (rule, reason), x in zip(paths, rules, traced.leaves, strict=True)
     ),
-    passes=2 if traced.plan.two_pass and not _ghost.falls_back(traced.plan) else 1,
+    passes=2 if chosen is not None and chosen.two_pass else 1,
+    sum_passes=sum_passes,
+    method=method,
+    platform=platform if method == "auto" else None,
   )

@@ -3,19 +3,24 @@
 Leaves that meet at a site (a value that depends on two of them) form one
 unit. A unit of one leaf whose uses each have a ghost rule and read disjoint
 parts of it (one use, static slices, the iterations of a scan) gets those
-rules, its squared norm the sum of theirs; an embedding table also used,
-transposed, by an output head gets both rules and their cross term; every
-other leaf is instantiated, all of them in one per-example pass.
+rules, its squared norm the sum of theirs (a weight every iteration of a
+scan reads: the ``dot`` rule over all their rows); an embedding table also
+used, transposed, by an output head gets both rules and their cross term;
+every other leaf is instantiated, all of them in one per-example pass. That
+is :func:`make_plan`, the plan of ``method="ghost"``. :func:`auto_plan`
+turns it into ``method="auto"``'s, per leaf and per platform.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import NamedTuple
 
 import jax.numpy as jnp
 
+from jaxclip._kernel import _platform
 from jaxclip.privacy import _ghost_capture, _ghost_norms
 from jaxclip.privacy import _jax_internals as _jax
 from jaxclip.privacy._ghost_capture import Site
@@ -51,6 +56,9 @@ class Plan:
       not know that touches the parameters or the batch
       (:func:`jaxclip.privacy._jax_internals.unreadable`); if any, the whole
       loss takes ``method="vmap"`` whatever the rules.
+    num_leaves: The number of parameter leaves.
+    chosen: ``(leaf, reason)`` of each leaf that has a ghost rule but is
+      instantiated by choice (``method="auto"``, :func:`auto_plan`).
   """
 
   sites: tuple[Site, ...]
@@ -61,6 +69,8 @@ class Plan:
   tapped: frozenset[int] = frozenset()
   probed: frozenset[int] = frozenset()
   unknown: tuple[str, ...] = ()
+  num_leaves: int = 0
+  chosen: tuple[tuple[int, str], ...] = ()
 
   @property
   def two_pass(self) -> bool:
@@ -68,17 +78,28 @@ class Plan:
     return bool(self.probed)
 
 
-def make_plan(sites: Sequence[Site], num_leaves: int, unknown: Sequence[str] = ()) -> Plan:
+def make_plan(
+  sites: Sequence[Site],
+  num_leaves: int,
+  unknown: Sequence[str] = (),
+  instantiate: Mapping[int, str] | None = None,
+) -> Plan:
   """Groups the leaves by shared uses and picks each group's rule.
 
   Args:
     sites: From :func:`jaxclip.privacy._ghost_capture.analysis`.
     num_leaves: The number of parameter leaves.
     unknown: From the same: the higher-order equations the engine cannot read.
+    instantiate: Leaves to instantiate although they have a ghost rule, each
+      with the reason (:func:`auto_plan`).
   """
+  instantiate = dict(instantiate or {})
   boundaries = [(u, k) for u, s in enumerate(sites) if s.outs for k in range(len(s.infos))]
   ghost, tied, groups = [], [], []
   for leaves, bounds in _units(sites, boundaries, num_leaves):
+    if len(leaves) == 1 and leaves[0] in instantiate:
+      groups.append(Group(leaves, tuple(bounds)))
+      continue
     if len(leaves) == 1 and _disjoint_uses(sites, leaves[0], bounds):
       ghost.extend((u, k, sites[u].rules[k]) for u, k in bounds)
       continue
@@ -98,6 +119,8 @@ def make_plan(sites: Sequence[Site], num_leaves: int, unknown: Sequence[str] = (
     _tapped(sites, merged),
     _probed(sites, ghost),
     tuple(unknown),
+    num_leaves,
+    tuple(sorted(instantiate.items())),
   )
 
 
@@ -114,7 +137,11 @@ def _probed(sites: Sequence[Site], ghost: Sequence[Ghost]) -> frozenset[int]:
   """
   if not any(sites[u].remat for u, _, _ in ghost):
     return frozenset()
-  return frozenset(u for u, _, _ in ghost)
+  # A weight shared by a scan's iterations needs them all at once, and a
+  # lookup of fixed rows has no data input to probe: both keep their records.
+  return frozenset(
+    u for u, k, _ in ghost if not sites[u].infos[k].shared and _ghost_capture.DATA in sites[u].roles
+  )
 
 
 def _tapped(sites: Sequence[Site], groups: Sequence[Group]) -> frozenset[int]:
@@ -201,7 +228,7 @@ def _disjoint_uses(sites: Sequence[Site], leaf: int, bounds: Sequence[Boundary])
   """
   infos = [sites[u].infos[k] for u, k in bounds]
   if any(
-    i.view != leaf or sites[u].rules[k] == "generic"
+    i.view != leaf or sites[u].rules[k] == "generic" or (i.shared and sites[u].rules[k] != "dot")
     for i, (u, k) in zip(infos, bounds, strict=True)
   ):
     return False
@@ -218,6 +245,8 @@ def _tied_pair(sites: Sequence[Site], leaf: int, bounds: Sequence[Boundary]) -> 
   if set(by_rule) != {"gather", "dot"}:
     return None
   (gu, gk), (du, dk) = by_rule["gather"], by_rule["dot"]
+  if _ghost_capture.DATA not in sites[gu].roles:  # fixed rows (wpe[arange(T)]): no cross term
+    return None
   g_info, d_info = sites[gu].infos[gk], sites[du].infos[dk]
   if g_info.view != leaf or d_info.view != leaf or g_info.axes != (0, 1) or d_info.axes is None:
     return None
@@ -244,6 +273,95 @@ def _merge_groups(groups: Sequence[Group]) -> tuple[Group, ...]:
 _RULE_NAMES = {"dot": "dot", "gather": "lookup", "conv": "conv"}
 
 
+class _LeafCost(NamedTuple):
+  """Per example, what a leaf with a ghost rule costs under it and instantiated."""
+
+  rule: str  # as ghost_plan names it
+  flops: int  # of its norms under the rule
+  grad_flops: int  # of forming its per-example gradient
+  floats: int  # held under the rule (site_memory)
+  grad_floats: int  # held instantiated
+
+
+def _leaf_costs(plan: Plan) -> dict[int, _LeafCost]:
+  """The cost of each leaf the plan gives a ghost rule (or a tied pair)."""
+  parts: dict[int, list[tuple[str, int, int, int, int]]] = {}
+  for u, k, rule in plan.ghost:
+    site = plan.sites[u]
+    flops, grad = _ghost_norms.site_cost(site, k, rule)
+    mem, grad_mem = _ghost_norms.site_memory(site, k, rule)
+    parts.setdefault(site.infos[k].view, []).append((_RULE_NAMES[rule], flops, grad, mem, grad_mem))
+  for pair in plan.tied:
+    (gu, gk), (du, dk) = pair
+    look, head = plan.sites[gu], plan.sites[du]
+    (f1, g1), (f2, g2) = (
+      _ghost_norms.site_cost(look, gk, "gather"),
+      _ghost_norms.site_cost(head, dk, "dot"),
+    )
+    (m1, h1), (m2, h2) = (
+      _ghost_norms.site_memory(look, gk, "gather"),
+      _ghost_norms.site_memory(head, dk, "dot"),
+    )
+    cross = _ghost_norms.tied_cross_cost(plan.sites, pair)
+    parts[look.infos[gk].view] = [("tied", f1 + f2 + cross, g1 + g2, m1 + m2, h1 + h2)]
+  return {
+    leaf: _LeafCost(ps[0][0], *(sum(p[j] for p in ps) for j in range(1, 5)))
+    for leaf, ps in parts.items()
+  }
+
+
+def auto_plan(plan: Plan, platform: str | None) -> tuple[Plan | None, str | None]:
+  """The plan ``method="auto"`` takes in a program lowered for ``platform``.
+
+  By the platform's cost model
+  (:func:`jaxclip._kernel._platform.ghost_cost_model`):
+
+  * on CPU, by flops, as measured there: per layer, the rules' own switch
+    between the Gram form and the layer's per-example gradient formed from
+    its ``a`` and ``g`` (whichever costs fewer flops; instantiating the layer
+    through its own sites instead was measured slower on XLA:CPU: it makes
+    the forward pass's weight per-example);
+  * elsewhere (not measured), memory first: each leaf with a ghost rule
+    keeps it, or is instantiated (its per-example gradient formed through its
+    own sites) where that holds fewer floats per example.
+
+  On CPU, where the rules would cost more than ``GHOST_FLOPS_SHARE_CPU`` of
+  the flops of every per-example gradient, and elsewhere, where no leaf keeps
+  a rule, the whole loss takes ``method="vmap"``'s program: per-example
+  gradients with nothing held for book-keeping.
+
+  Returns:
+    ``(plan, None)``, or ``(None, reason)`` for ``method="vmap"``'s program.
+  """
+  where = f"auto on {platform or 'a platform other than CPU'}"
+  if _platform.ghost_cost_model(platform) == "flops":
+    ghost, per_example = plan.cost
+    share = _platform.GHOST_FLOPS_SHARE_CPU
+    if ghost > share * per_example:
+      return None, (
+        f"{where}: the norms' {ghost:.3g} flops per example exceed {share:g}x the per-example "
+        f"gradients' {per_example:.3g}: the loss runs as method='vmap'"
+      )
+    return plan, None
+  costs = _leaf_costs(plan)
+  chosen = {
+    leaf: (
+      f"{where}: its {c.rule} rule holds {c.floats:,} floats per example, its per-example "
+      f"gradient {c.grad_floats:,} (memory first: costs not measured there)"
+    )
+    for leaf, c in costs.items()
+    if c.floats > c.grad_floats
+  }
+  if len(chosen) == len(costs):
+    return None, (
+      f"{where}: no layer keeps a ghost rule (each is cheaper instantiated): "
+      "the loss runs as method='vmap'"
+    )
+  if not chosen:
+    return plan, None
+  return make_plan(plan.sites, plan.num_leaves, plan.unknown, chosen), None
+
+
 def leaf_rules(plan: Plan, num_leaves: int) -> list[tuple[str, str | None]]:
   """``(rule, reason)`` of each parameter leaf, as :func:`jaxclip.ghost_plan` reports them."""
   out: list[tuple[str, str | None]] = [("unused", None)] * num_leaves
@@ -251,9 +369,10 @@ def leaf_rules(plan: Plan, num_leaves: int) -> list[tuple[str, str | None]]:
     out[plan.sites[u].infos[k].view] = (_RULE_NAMES[rule], None)
   for (gu, gk), _ in plan.tied:
     out[plan.sites[gu].infos[gk].view] = ("tied", None)
+  chosen = dict(plan.chosen)
   for leaves, bounds in plan.groups:
     for i in leaves:
-      out[i] = ("instantiate", _fallback_reason(plan.sites, i, bounds))
+      out[i] = ("instantiate", chosen.get(i) or _fallback_reason(plan.sites, i, bounds))
   return out
 
 
@@ -266,10 +385,10 @@ def _fallback_reason(sites: Sequence[Site], leaf: int, bounds: Sequence[Boundary
   site, info = sites[u], sites[u].infos[k]
   if len(info.deps) > 1:
     return f"combined with another parameter before `{site.name}`"
-  if info.view != leaf and info.scan_const:
+  if info.scan_const and (info.view != leaf or site.rules[k] != "generic"):
     return (
       f"a `lax.scan` constant: the same weight is read by `{site.name}` in every iteration "
-      "(closed over, not sliced from xs)"
+      "(closed over, not sliced from xs), and only the dot rule takes iterations together"
     )
   if info.view != leaf:
     return f"transformed before `{site.name}`"

@@ -17,7 +17,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jaxclip._kernel import _numerics, _sharding, _validation
+from jaxclip._kernel import _numerics, _platform, _sharding, _validation
 from jaxclip.privacy import _clip_batch, _ghost
 from jaxclip.privacy import _jax_internals as _jax
 
@@ -65,6 +65,11 @@ def _check_mask(example_mask: Any, size: int) -> jax.Array | None:
       f"({size},), True for a real example; got {jax.typeof(example_mask)}."
     )
   return jnp.asarray(example_mask)
+
+
+def _rows(mask: jax.Array, like: jax.Array) -> jax.Array:
+  """A ``(rows,)`` mask shaped to broadcast against ``like`` (``(rows,)`` or ``(rows, groups)``)."""
+  return mask.reshape(mask.shape + (1,) * (like.ndim - 1))
 
 
 def _first_real_row(x: jax.Array, onehot: jax.Array) -> jax.Array:
@@ -133,6 +138,7 @@ def per_example_clipped_grad(
   method: str = "vmap",
   return_norms: bool = False,
   group_size: int = 1,
+  normalize: float | None = None,
 ) -> Callable[..., tuple[Any, ...]]:
   r"""Makes a function returning the sum of per-example gradients, each clipped.
 
@@ -172,6 +178,42 @@ def per_example_clipped_grad(
   ``C``. Both methods treat a group's loss as the loss of one example, so
   ghost norms apply unchanged.
 
+  **Per-layer clipping.** ``l2_norm_clip`` may be a pytree prefix of
+  ``params`` (one threshold per layer, or per group of layers: each of its
+  leaves covers the parameter leaves under it). Each example's gradient
+  :math:`g_b` is then clipped group by group,
+
+  .. math::
+
+    \sum_{b=1}^{B} \sum_{k} g_{b,k} \cdot
+    \min\!\Big(1, \frac{C_k}{\|g_{b,k}\|_2}\Big),
+
+  :math:`g_{b,k}` its part in group ``k``, so the sum's sensitivity is
+  :math:`\sqrt{\sum_k C_k^2}` (what :func:`jaxclip.dp_noise` takes from the
+  same pytree). ``num_clipped`` and ``norms`` then come per group, as
+  pytrees like ``l2_norm_clip`` (below). Under ``method="ghost"`` each
+  group's norm adds its leaves' rules, and the book-keeping weights each
+  site by its own group; where one parameter input mixes leaves of two
+  groups (``W1 + W2``, ``W1`` and ``W2`` clipped apart), those leaves are
+  already instantiated for their norms, and the clipped sum pulls that
+  input back once per group it touches (in a two-pass plan, the weighted
+  backward pass runs once per group).
+
+  **Automatic clipping.** With ``normalize=gamma`` (``None``: clip) every
+  example (every group) is scaled instead of clipped,
+
+  .. math::
+
+    \sum_{b=1}^{B} g_b \cdot \frac{C}{\|g_b\|_2 + \gamma},
+
+  so that its norm, :math:`C \|g_b\| / (\|g_b\| + \gamma)`, is below ``C``
+  (close to it unless the gradient is small): no threshold to tune against
+  the gradients' size (the learning rate absorbs ``C``), and the
+  sensitivity is still ``C`` (per group, :math:`\sqrt{\sum_k C_k^2}`).
+  ``gamma = 0`` is normalised SGD; a small ``gamma`` (Bu et al. use 0.01)
+  keeps small gradients from being scaled up to ``C``. ``num_clipped``
+  counts the examples scaled down (:math:`\|g_b\| + \gamma > C`).
+
   On many devices:
 
   * under ``jax.jit`` with the batch sharded over a mesh axis (data
@@ -188,12 +230,27 @@ def per_example_clipped_grad(
     so that JAX does not sum gradients across devices before they are
     clipped.
 
-  ==========================  ===============================================
-  case                        result
-  ==========================  ===============================================
-  ``l2_norm_clip == 0``       zeros; every example counts as clipped
-  a non-finite gradient       ``nan`` in the sum (the failure is visible)
-  ==========================  ===============================================
+  ==============================  ===========================================
+  case                            result
+  ==============================  ===========================================
+  ``l2_norm_clip == 0``           zeros; every example counts as clipped
+                                  (with ``normalize``: every one with
+                                  :math:`\|g\| + \gamma > 0`)
+  a non-finite gradient           ``nan`` in the sum (the failure is visible)
+  ``normalize=0``, zero gradient  contributes zeros, factor 0 (not 0/0),
+                                  not counted; so does a gradient whose
+                                  float32 squared norm underflows to 0
+  ``normalize=0``, tiny gradient  scaled to norm ``C``; the factor
+                                  :math:`C / \|g\|` is capped at float32's
+                                  largest number
+  ``normalize``, infinite ``C``   refused (``ValueError``): no finite
+                                  sensitivity
+  ``normalize``, float16, ghost   factors above 1 meet float16 output
+                                  gradients: the book-keeping is scaled by
+                                  a power of two into float16's range, and
+                                  back in float32
+  a group with no leaves          norm 0, as a zero gradient
+  ==============================  ===========================================
 
   With ``method="ghost"`` no per-example gradient of a dense layer or an
   embedding table is formed (*ghost norms*): the function works from the
@@ -219,15 +276,29 @@ def per_example_clipped_grad(
 
   The rules apply per iteration of a ``lax.scan`` over stacked layers (flax
   ``nn.scan``, ``nnx.scan``, equinox) and per static slice of a stacked
-  weight, the squared norms added. The clipped sum is then book-kept from the
+  weight, the squared norms added; a weight every iteration of a scan reads
+  (an RNN's cell, a block shared by every layer) gets the first rule over
+  iterations x rows, and a lookup at ids that do not depend on the example
+  (``wpe[jnp.arange(T)]``) the second. The clipped sum is then book-kept from the
   same ``a`` and ``g`` (one matmul per dense layer), with no second pass over
   the model; where a layer with a ghost rule is rematerialised
   (``jax.checkpoint``, flax ``nn.remat``), the norms are taken inside the
   backward pass, keeping no ``a`` and ``g``, and the clipped sum is a second,
-  weighted backward pass (:attr:`jaxclip.GhostPlan.passes` is 2). Where these
-  norms would cost more than per-example gradients (long sequences through
-  narrow layers), or where the loss uses a higher-order primitive the engine
-  does not know, ``"vmap"``'s way is taken;
+  weighted backward pass (:attr:`jaxclip.GhostPlan.passes` is 2).
+  ``"ghost"`` applies every rule it finds, whatever it costs; only where the
+  loss uses a higher-order primitive the engine does not know is
+  ``"vmap"``'s way taken (and named by :func:`jaxclip.ghost_plan`).
+
+  With ``method="auto"`` each layer gets its rule or its own per-example
+  gradient by the cost model of the platform the program is lowered for: on
+  CPU by flops, as measured on XLA:CPU (per layer, the rules' own switch
+  between the Gram form and the per-example gradient formed from ``a`` and
+  ``g``; for the whole loss, ``"vmap"``'s program where the rules would cost
+  more than 0.9x the flops of every per-example gradient); elsewhere by
+  memory, not measured (per layer, the rule or the layer's per-example
+  gradient, whichever holds fewer floats per example; ``"vmap"``'s program
+  where no layer keeps a rule). Where the two models disagree both plans are staged under
+  :func:`jax.lax.platform_dependent`, and the lowering keeps its platform's.
   :func:`jaxclip.ghost_plan` shows the rule of each parameter. Results equal
   ``method="vmap"`` up to float rounding; memory stays close to the
   non-private gradient's (see the benchmark in docs/privacy.md). Under bfloat16
@@ -245,7 +316,9 @@ def per_example_clipped_grad(
   Args:
     loss_fn: ``loss_fn(params, *args) -> scalar`` for one example (or, with
       ``keep_batch_dim=True``, for a batch of one).
-    l2_norm_clip: The largest L2 norm of one example's gradient, ``>= 0``.
+    l2_norm_clip: The largest L2 norm of one example's gradient, ``>= 0``;
+      or a pytree prefix of ``params`` with one such number per group of
+      leaves (per-layer clipping, above). Each may be traced.
     microbatch_size: How many examples' gradients to hold at once; ``None``
       for the whole batch in one ``vmap``.
     batch_argnums: Which positional arguments of ``loss_fn`` after ``params``
@@ -264,14 +337,19 @@ def per_example_clipped_grad(
     has_aux: Whether ``loss_fn`` returns ``(loss, aux)``, as in ``jax.grad``:
       ``aux`` (any pytree, e.g. logits or a per-example loss) is then returned
       for every example.
-    method: ``"vmap"`` (per-example gradients with ``jax.vmap``) or
-      ``"ghost"`` (per-example norms without per-example gradients, above).
+    method: ``"vmap"`` (per-example gradients with ``jax.vmap``),
+      ``"ghost"`` (per-example norms without per-example gradients, above)
+      or ``"auto"`` (per layer, whichever the platform's cost model finds
+      cheaper, above).
     return_norms: Also return each example's gradient norm before clipping
       (for :func:`jaxclip.quantile_clip_norm_update`, or to monitor).
     group_size: Clip groups of this many consecutive examples as one unit
       (user-level clipping, above); ``1`` (default) clips each example. It
       must divide the batch, and ``microbatch_size`` (which counts examples)
       must be a multiple of it.
+    normalize: ``None`` (default) to clip, or ``gamma >= 0`` (a number, may
+      be traced) to scale each example by :math:`C / (\|g\| + \gamma)`
+      (automatic clipping, above).
 
   Returns:
     A function ``(params, *args, example_mask=None) -> (clipped_grad_sum,
@@ -284,6 +362,15 @@ def per_example_clipped_grad(
     the batch; 0 where ``example_mask`` is False) come next:
     ``(clipped_grad_sum, num_clipped, norms)``. With ``group_size=k``,
     ``num_clipped`` counts groups and ``norms`` has one entry per group.
+
+    With a pytree ``l2_norm_clip`` (per-layer clipping), ``num_clipped`` is a
+    pytree like it: for each group of leaves, how many examples had that
+    part of their gradient scaled down (an example may count in several
+    groups); and ``norms`` is a pytree like it of ``(batch,)`` arrays, each
+    example's norm over that group's leaves (the global norm is the
+    root-sum-square of the groups'), ready for
+    :func:`jaxclip.quantile_clip_norm_update` per group (``jax.tree.map``
+    over ``l2_norm_clip``, ``norms`` and one key per group).
 
     An empty batch gives zeros, a count of 0 and an empty ``norms``; empty
     ``params`` give an empty sum and norms of 0.
@@ -370,6 +457,22 @@ def per_example_clipped_grad(
     ...     jnp.zeros(2), pairs)
     (Array([2.2, 1.6], dtype=float32), Array(1, dtype=int32), Array([5., 1.], dtype=float32))
 
+    A clip norm per layer: counts and norms per layer; and automatic
+    clipping, each example scaled to norm ``C`` (here ``gamma = 0``):
+
+    >>> params = {"w": jnp.zeros(2), "b": jnp.zeros(())}
+    >>> affine = lambda p, x: jnp.dot(p["w"], x) + 3.0 * p["b"]  # gradients x and 3
+    >>> grad_fn = jaxclip.per_example_clipped_grad(
+    ...     affine, {"w": 2.0, "b": 1.0}, return_norms=True)
+    >>> total, num_clipped, norms = grad_fn(params, xs)
+    >>> total["w"], num_clipped  # w: as above; b: each 3 clipped to 1
+    (Array([2.4, 4.2], dtype=float32), {'b': Array(3, dtype=int32), 'w': Array(2, dtype=int32)})
+    >>> norms["b"]
+    Array([3., 3., 3.], dtype=float32)
+    >>> grad_fn = jaxclip.per_example_clipped_grad(loss, 2.0, normalize=0.0)
+    >>> grad_fn(jnp.zeros(2), xs)[0]  # [1.2, 1.6] + [0, 2] + [1.2, 1.6]
+    Array([2.4, 5.2], dtype=float32)
+
   References:
     Abadi et al., `Deep Learning with Differential Privacy
     <https://arxiv.org/abs/1607.00133>`_, 2016
@@ -383,6 +486,17 @@ def per_example_clipped_grad(
     Bu et al., `Differentially Private Optimization on Large Model at Small
     Cost <https://arxiv.org/abs/2210.00038>`_, 2023 (book-keeping, mixed
     ghost norm)
+
+    Bu et al., `Scalable and Efficient Training of Large Convolutional Neural
+    Networks with Differential Privacy <https://arxiv.org/abs/2205.10683>`_,
+    2022 (mixed ghost clipping, per layer: ``method="auto"``)
+
+    Bu et al., `Automatic Clipping: Differentially Private Deep Learning Made
+    Easier and Stronger <https://arxiv.org/abs/2206.07136>`_, 2023
+    (``normalize``)
+
+    McMahan et al., `Learning Differentially Private Recurrent Language Models
+    <https://arxiv.org/abs/1710.06963>`_, 2017 (per-layer clipping)
   """
   opts = _Options.checked(
     loss_fn,
@@ -396,12 +510,14 @@ def per_example_clipped_grad(
     method=method,
     return_norms=return_norms,
     group_size=group_size,
+    normalize=normalize,
   )
   warned = []  # the shared-argument warning is given once per function
 
   def clipped_grad(params, *args, example_mask=None):
     batch = _batch_of(opts, params, args, example_mask, warned)
-    out = _clipped_units(opts, _unit_loss(opts, batch.idx), params, _grouped(opts, batch))
+    call = dataclasses.replace(opts, groups=_clip_batch.clip_groups(opts.l2_norm_clip, params))
+    out = _clipped_units(call, _unit_loss(opts, batch.idx), params, _grouped(opts, batch))
     if opts.group_size > 1 and opts.has_aux:  # each example's aux, in the batch's order
       size = batch.size
       out = out[:-1] + (jax.tree.map(lambda a: a.reshape((size,) + a.shape[2:]), out[-1]),)
@@ -435,13 +551,34 @@ class _Options:
   method: str
   return_norms: bool
   group_size: int
+  normalize: Any = None
+  # Per call: the clip bound's groups of parameter leaves (_clip_batch.clip_groups).
+  groups: _clip_batch.ClipGroups | None = None
+
+  @property
+  def per_group(self) -> bool:
+    """Whether ``l2_norm_clip`` is a pytree: counts and norms per group of leaves."""
+    return self.groups is not None and self.groups.per_group
+
+  def group_shape(self) -> tuple[int, ...]:
+    """The trailing shape of per-group counts and norms: ``(groups,)``, or ``()``."""
+    return (len(self.groups.bounds),) if self.per_group else ()
+
+  def factors(self, norms: jax.Array, mask: jax.Array | None) -> tuple[jax.Array, jax.Array]:
+    """Each unit's (and group's) weight, 0 where masked, and the count scaled down."""
+    bound = self.groups.bound(norms.dtype)
+    weights, count = _clip_batch.scale_factors(norms, bound, mask, self.normalize)
+    if mask is not None:
+      weights = jnp.where(_rows(mask, weights), weights, 0)
+    return weights, count
 
   @classmethod
   def checked(
     cls, loss_fn: Callable[..., Any], l2_norm_clip: jax.typing.ArrayLike, **kwargs: Any
   ) -> _Options:
     """The options, or a ``ValueError`` naming the first bad one."""
-    _validation.check_hparam(l2_norm_clip, "l2_norm_clip", lo=0)
+    _clip_batch.check_clip(l2_norm_clip)
+    _clip_batch.check_normalize(kwargs["normalize"], l2_norm_clip)
     micro, group = kwargs["microbatch_size"], kwargs["group_size"]
     if micro is not None:
       _positive_int(micro, "microbatch_size")
@@ -460,8 +597,10 @@ class _Options:
           f"batch_argnums must name arguments after params (1, 2, ...), got {nums!r}."
         )
       kwargs["batch_argnums"] = nums
-    if kwargs["method"] not in ("vmap", "ghost"):
-      raise ValueError(f"method must be 'vmap' or 'ghost', got {kwargs['method']!r}.")
+    if kwargs["method"] not in _ghost.METHODS:
+      raise ValueError(
+        f"method must be one of {', '.join(map(repr, _ghost.METHODS))}, got {kwargs['method']!r}."
+      )
     return cls(loss_fn, l2_norm_clip, **kwargs)
 
 
@@ -671,7 +810,7 @@ def _clipped_units(
   elif isinstance(chunks.num, int) and chunks.num == 1:
     out = clip_chunk(batch, full_mask)
   else:
-    out = _scan_chunks(clip_chunk, chunks, params, units, batch, full_mask)
+    out = _scan_chunks(clip_chunk, chunks, params, units, batch, full_mask, opts.group_shape())
   return _finish(opts, params, units.mask, *out)
 
 
@@ -687,8 +826,8 @@ def _empty_batch(
   ]
   shapes = jax.eval_shape(loss, params, *example)
   total = jax.tree.map(jnp.zeros_like, params)
-  num_clipped = jnp.zeros((), jax.dtypes.canonicalize_dtype(jnp.int_))
-  norms = jnp.zeros((0,), _numerics.tree_accumulation_dtype(params))
+  num_clipped = jnp.zeros(opts.group_shape(), jax.dtypes.canonicalize_dtype(jnp.int_))
+  norms = jnp.zeros((0,) + opts.group_shape(), _numerics.tree_accumulation_dtype(params))
   aux = (
     jax.tree.map(lambda s: jnp.zeros((0,) + s.shape, s.dtype), shapes[1]) if opts.has_aux else None
   )
@@ -702,6 +841,7 @@ def _scan_chunks(
   units: _Units,
   batch: list[Any],
   full_mask: jax.Array | None,
+  count_shape: tuple[int, ...] = (),
 ) -> tuple[Any, jax.Array, jax.Array, Any]:
   """The chunks one after the other under ``lax.scan``, their sums in float32 (or wider)."""
   xs = [jax.tree.map(chunks.split, b) for b in batch]
@@ -711,7 +851,7 @@ def _scan_chunks(
     jax.tree.map(
       lambda p: jnp.zeros_like(p, jnp.promote_types(jnp.result_type(p), jnp.float32)), params
     ),
-    jnp.zeros((), jax.dtypes.canonicalize_dtype(jnp.int_)),
+    jnp.zeros(count_shape, jax.dtypes.canonicalize_dtype(jnp.int_)),
   )
 
   def body(carry, chunk_in):
@@ -740,13 +880,14 @@ def _finish(
 ) -> tuple[Any, ...]:
   """Masked norms, sums in the parameters' dtypes and summed over devices, as returned."""
   if mask is not None:
-    norms = jnp.where(mask, norms, jnp.zeros((), norms.dtype))
+    norms = jnp.where(_rows(mask, norms), norms, jnp.zeros((), norms.dtype))
     # With no real example the stand-in is a masked row itself: drop it whatever it gave.
     any_real = jnp.any(mask)
     total = jax.tree.map(lambda t: jnp.where(any_real, t, jnp.zeros((), t.dtype)), total)
   total = jax.tree.map(lambda t, p: t.astype(jnp.result_type(p)), total, params)
   if opts.axis_name is not None:
     total, num_clipped = jax.lax.psum((total, num_clipped), _sharding.axis_names(opts.axis_name))
+  num_clipped, norms = opts.groups.unflatten(num_clipped, 0), opts.groups.unflatten(norms, 1)
   out = (total, num_clipped) + ((norms,) if opts.return_norms else ())
   return out + (aux,) if opts.has_aux else out
 
@@ -764,12 +905,30 @@ def _clip_chunk(
   idx: Sequence[int],
   mask: jax.Array | None,
 ) -> tuple[Any, jax.Array, jax.Array, Any]:
-  """One chunk's clipped sum (float32 or wider), count, norms and aux."""
-  if opts.method == "ghost":
-    out = _ghost_chunk(opts, loss, params, args, idx, mask)
-    if out is not None:  # None: per-example gradients cost less than ghost norms
-      return out
-  return _vmap_chunk(opts, loss, params, args, idx, mask)
+  """One chunk's clipped sum (float32 or wider), count, norms and aux.
+
+  Under ``"ghost"`` and ``"auto"`` the plan is chosen when tracing, for each
+  platform the program may be lowered for: ``"auto"``'s cost model differs
+  between CPU and the others, so where its plans differ both are staged under
+  :func:`jaxclip._kernel._platform.on_cpu` and the lowering keeps one.
+  """
+  if opts.method == "vmap":
+    return _vmap_chunk(opts, loss, params, args, idx, mask)
+  traced = _ghost.trace(loss, params, args, idx, has_aux=opts.has_aux)
+  cpu = _ghost.plan_for(traced.plan, opts.method, "cpu")[0]
+  other = _ghost.plan_for(traced.plan, opts.method, None)[0]
+
+  def run(plan):
+    if plan is None:  # method="vmap"'s program
+      out = _vmap_chunk(opts, loss, params, args, idx, mask)
+    else:
+      out = _ghost_chunk(opts, dataclasses.replace(traced, plan=plan), mask)
+    acc = lambda t, p: t.astype(jnp.promote_types(jnp.result_type(p), jnp.float32))
+    return (jax.tree.map(acc, out[0], params), *out[1:])
+
+  if cpu == other:
+    return run(cpu)
+  return _platform.on_cpu(lambda: run(cpu), lambda: run(other))
 
 
 def _vmap_chunk(
@@ -786,41 +945,27 @@ def _vmap_chunk(
     jax.grad(loss, has_aux=opts.has_aux), in_axes=in_axes, spmd_axis_name=opts.spmd_axis_name
   )
   grads, aux = vgrad(params, *args) if opts.has_aux else (vgrad(params, *args), None)
+  bound = opts.groups if opts.per_group else opts.l2_norm_clip
   total, count, norms = _clip_batch._per_example_clip(
-    grads, opts.l2_norm_clip, mask=mask, accumulate=True, return_norms=True
+    grads, bound, mask=mask, accumulate=True, return_norms=True, normalize=opts.normalize
   )
   if not jax.tree.leaves(grads):  # no parameters: every norm is 0, as under ghost
     n = jax.tree.leaves([args[i] for i in idx])[0].shape[0]
-    norms = jnp.zeros((n,), _numerics.tree_accumulation_dtype(params))
-    bound = jnp.asarray(opts.l2_norm_clip, norms.dtype)
-    count = _clip_batch.clip_multipliers(norms, bound, mask)[1]
+    norms = jnp.zeros((n,) + opts.group_shape(), _numerics.tree_accumulation_dtype(params))
+    count = opts.factors(norms, mask)[1]
   return total, count, norms, aux
 
 
 def _ghost_chunk(
-  opts: _Options,
-  loss: Callable[..., Any],
-  params: Any,
-  args: list[Any],
-  idx: Sequence[int],
-  mask: jax.Array | None,
-) -> tuple[Any, jax.Array, jax.Array, Any] | None:
-  """``method="ghost"``: the clipped sum from ghost norms and book-keeping.
-
-  ``None`` where the plan costs more than forming per-example gradients, or where
-  the loss has a higher-order primitive the engine cannot read.
-  """
-  traced = _ghost.trace(loss, params, args, idx, has_aux=opts.has_aux)
-  if _ghost.falls_back(traced.plan):
-    return None
-  bound = jnp.asarray(opts.l2_norm_clip, _numerics.tree_accumulation_dtype(traced.leaves))
-
-  def weights_fn(norms):
-    multipliers, count = _clip_batch.clip_multipliers(norms, bound, mask)
-    return (multipliers if mask is None else jnp.where(mask, multipliers, 0)), count
-
+  opts: _Options, traced: _ghost.Traced, mask: jax.Array | None
+) -> tuple[Any, jax.Array, jax.Array, Any]:
+  """The clipped sum from ghost norms and book-keeping, by ``traced.plan``."""
   grads, norms, count, aux_leaves = _ghost.clipped_sum(
-    traced, weights_fn, spmd_axis_name=opts.spmd_axis_name
+    traced,
+    lambda norms: opts.factors(norms, mask),
+    spmd_axis_name=opts.spmd_axis_name,
+    leaf_groups=opts.groups.of_leaf,
+    num_groups=len(opts.groups.bounds),
   )
   aux = None
   if opts.has_aux:

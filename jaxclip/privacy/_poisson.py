@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import operator
 from typing import Any, NamedTuple
 
@@ -10,6 +11,12 @@ import jax.numpy as jnp
 
 from jaxclip._kernel import _validation
 from jaxclip.privacy import _quantile
+
+_TWO_32 = 2**32
+# float32 bit patterns, ordered as the floats they encode: the smallest normal
+# number, and one above every drawn example's (theirs run from 2**-126 to below 4).
+_SMALLEST_NORMAL = 0x00800000
+_NOT_DRAWN = 0x7F000000
 
 
 class PoissonBatch(NamedTuple):
@@ -59,11 +66,25 @@ def poisson_batch(
   :func:`jaxclip.per_example_clipped_grad` and
   :func:`jaxclip.quantile_clip_norm_update`.
 
-  One uniform :math:`u_i` per example decides: example :math:`i` is drawn iff
-  :math:`u_i < q`, and the rows hold the drawn examples in increasing order
-  of :math:`u_i` (a random order). If more than ``max_batch_size`` are drawn,
-  ``overflow`` is True and the rows keep the ``max_batch_size`` with the
-  smallest :math:`u_i`, a uniformly random subset of the drawn ones.
+  **Exact inclusion.** Example :math:`i` is drawn iff a uniform 32-bit word
+  :math:`b_i` (``jax.random.bits`` of the first key of
+  ``jax.random.split(key)``) is below :math:`t = \lfloor q \cdot
+  2^{32} \rfloor`, so it joins with probability :math:`t / 2^{32} \in (q -
+  2^{-32}, q]`: exact up to :math:`2^{-32}` at any rate, and never above
+  :math:`q`, so an accountant run with :math:`q` does not under-report
+  :math:`\varepsilon`. (Comparing a float32 uniform with :math:`q` instead
+  includes with probability :math:`\lceil q \cdot 2^{23} \rceil / 2^{23}`:
+  twice :math:`q` at :math:`q = 2^{-24}`.) A concrete ``sampling_rate`` is
+  read as a Python float (float64), so :math:`t` is exact; a traced one is
+  used at its own precision (float32 unless it is float64), then
+  :math:`t` is exact for that value. :math:`q = 1` draws every example.
+
+  The rows hold the drawn examples first, in a random order (by a second,
+  independent 32-bit word per example; the 30 bits of it that are compared
+  tie with probability :math:`2^{-30}` per pair, and a tie goes to the lower
+  index). If more than ``max_batch_size`` are drawn, ``overflow`` is True
+  and the rows keep the first ``max_batch_size`` of that order: a uniformly
+  random subset of the drawn ones.
 
   **Truncation and the guarantee.** The Poisson analysis holds for the
   untruncated batch. Truncating to a random subset of size
@@ -131,15 +152,47 @@ def poisson_batch(
   n = _static_int(num_examples, "num_examples", 0)
   rows = _static_int(max_batch_size, "max_batch_size", 1)
   _validation.check_hparam(sampling_rate, "sampling_rate", lo=0.0, hi=1.0, scalar=True)
-  q = jnp.asarray(sampling_rate, jnp.float32)
-  u = jax.random.uniform(key, (n,), jnp.float32)
-  drawn = u < q
+  every, threshold = _inclusion_threshold(sampling_rate)
+  k_draw, k_order = jax.random.split(key)
+  drawn = (jax.random.bits(k_draw, (n,), jnp.uint32) < threshold) | every
+  # The order: 30 random bits as a positive normal float32 for the drawn
+  # examples (float32, for XLA's fast top_k; normal, so that no flush of
+  # denormals to zero makes ties), a larger constant for the others.
+  order = jax.random.bits(k_order, (n,), jnp.uint32) >> 2
+  pattern = jnp.where(drawn, order + jnp.uint32(_SMALLEST_NORMAL), jnp.uint32(_NOT_DRAWN))
+  priority = jax.lax.bitcast_convert_type(pattern, jnp.float32)
   k = min(rows, n)
-  # The k smallest u: the drawn examples first (u < q), in a random order.
-  neg_u, indices = jax.lax.top_k(-u, k) if k else (jnp.zeros((0,)), jnp.zeros((0,), jnp.int32))
-  mask = -neg_u < q
+  # The k smallest priorities: the drawn examples first, in a random order.
+  if k:
+    _, indices = jax.lax.top_k(-priority, k)
+    mask = drawn[indices]
+  else:
+    indices, mask = jnp.zeros((0,), jnp.int32), jnp.zeros((0,), jnp.bool_)
   if k < rows:  # fewer examples than rows: pad with masked copies of index 0
     indices = jnp.pad(indices, (0, rows - k))
     mask = jnp.pad(mask, (0, rows - k))
   overflow = jnp.sum(drawn.astype(jnp.int32)) > rows
   return PoissonBatch(indices.astype(jnp.int32), mask, overflow)
+
+
+def _inclusion_threshold(sampling_rate: Any) -> tuple[Any, jax.Array]:
+  """``(every, t)``: draw example ``i`` iff ``bits_i < t`` (uint32) or ``every``.
+
+  ``t = floor(q * 2**32)`` for ``q < 1``; ``every`` is ``q >= 1``. A concrete
+  ``q`` is read in float64, where ``q * 2**32`` and its floor are exact; a
+  traced one at its own precision (float32 unless float64), where they are
+  exact too (``q * 2**32`` only moves the exponent, and ``q < 1`` keeps it
+  below ``2**32``). A traced NaN or negative ``q`` draws nothing.
+  """
+  value = _validation.concrete_value(sampling_rate)
+  if value is not None:
+    t = math.floor(float(value) * _TWO_32)
+    if t >= _TWO_32:
+      return True, jnp.zeros((), jnp.uint32)
+    return False, jnp.asarray(max(t, 0), jnp.uint32)
+  q = jnp.asarray(sampling_rate)
+  q = q.astype(jnp.float64 if q.dtype == jnp.float64 else jnp.float32)
+  every = q >= 1
+  inside = (q > 0) & ~every  # False for NaN
+  scaled = jnp.floor(jnp.where(inside, q, jnp.zeros((), q.dtype)) * jnp.asarray(_TWO_32, q.dtype))
+  return every, scaled.astype(jnp.uint32)

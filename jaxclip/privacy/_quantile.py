@@ -114,9 +114,9 @@ def quantile_clip_norm_update(
   paper sets ``count_stddev`` to about :math:`B/20`, raising the gradient
   noise slightly so that the total budget is unchanged. With
   ``count_stddev=0`` the update reads the exact count and is not private.
-  Account for it with Google's
-  `dp_accounting <https://github.com/google/differential-privacy/tree/main/python/dp_accounting>`_
-  package (``pip install jaxclip[dp]``), as ``examples/dp_sgd.py`` does.
+  Account for it with :func:`jaxclip.dp_epsilon` or choose the gradient
+  noise with :func:`jaxclip.calibrate_noise`, both given ``count_stddev``
+  (``pip install jaxclip[dp]``), as ``examples/dp_sgd.py`` does.
   :math:`B` is the number of real examples (the length of ``norms``, or the
   ``True`` entries of ``example_mask``).
 
@@ -137,7 +137,19 @@ def quantile_clip_norm_update(
   gradient noise of multiplier :math:`\sigma` the step is one Gaussian
   mechanism of multiplier :math:`z = (\sigma^{-2} + (2\sigma_b)^{-2})^{-1/2}`
   (the paper's Theorem 1). Without ``expected_batch_size`` the count is
-  uncentred, its sensitivity is 1, and the multiplier is :math:`\sigma_b`.
+  uncentred, its sensitivity is 1, and the multiplier is :math:`\sigma_b`;
+  it is divided by the number of real examples, itself private under
+  Poisson sampling, so pass ``expected_batch_size`` there.
+
+  **An empty batch.** Without ``expected_batch_size``, a batch with no real
+  example (every entry of ``example_mask`` False, which a small Poisson
+  batch can be) has no fraction to measure: ``clip_norm`` comes back
+  unchanged, noise or not (dividing the noise alone by 1 would move
+  :math:`C` by a factor up to :math:`e^{\eta q}` each time, upward at
+  :math:`q = 0.5`). With ``expected_batch_size`` the centred count of an
+  empty batch is :math:`\tfrac12 + \mathcal{N}(0, \sigma_b^2) / \bar B`,
+  and :math:`C` moves by :math:`\eta (\tfrac12 - q)` plus the noise's part,
+  as the mechanism that is accounted for requires.
 
   ======================================  ===============================
   case                                    result
@@ -149,6 +161,8 @@ def quantile_clip_norm_update(
                                           positive clip norm
   ``clip_norm = inf``                     stays ``inf``
   ``learning_rate = 0``                   ``clip_norm`` is returned
+  every ``example_mask`` entry False      without ``expected_batch_size``:
+                                          ``clip_norm`` is returned
   a traced negative ``clip_norm``         acts as ``0``
   ======================================  ===============================
 
@@ -180,7 +194,8 @@ def quantile_clip_norm_update(
       only those are counted. ``None``: all are.
     expected_batch_size: The expected batch size :math:`\bar B` of Poisson
       sampling, ``> 0``: divide by it and centre the count (above). May be
-      traced. ``None``: divide by the number of real examples (at least 1).
+      traced. ``None``: divide by the number of real examples; with none,
+      ``clip_norm`` is returned unchanged.
 
   Returns:
     The new clip norm, a scalar of ``clip_norm``'s dtype.
@@ -301,4 +316,6 @@ def quantile_clip_norm_update(
   geometric_c = c * jnp.exp(-step)
   linear_c = jnp.maximum(c - step, jnp.zeros((), dtype))
   new = jnp.where(jnp.asarray(geometric).astype(jnp.bool_), geometric_c, linear_c)
+  if expected_batch_size is None and example_mask is not None:
+    new = jnp.where(jnp.any(real), new, c)  # no real example: nothing measured
   return new.astype(out_dtype)

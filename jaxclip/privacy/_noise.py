@@ -1,0 +1,226 @@
+"""DP-SGD's Gaussian noise on the clipped sum, as an optax transform."""
+
+from __future__ import annotations
+
+import operator
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from jaxclip._kernel import _numerics, _validation
+
+
+class DPNoiseState(NamedTuple):
+  """State of :func:`dp_noise`.
+
+  Attributes:
+    dp_noise_key: The raw data (``jax.random.key_data``, uint32) of the key
+      the next step's noise comes from; each step splits it, uses one half
+      and keeps the other.
+  """
+
+  dp_noise_key: jax.Array
+
+
+def _check_seed(seed: Any) -> None:
+  value = _validation.concrete_value(seed)
+  if value is None:
+    if not jnp.issubdtype(jnp.result_type(seed), jnp.integer):
+      raise TypeError(f"seed must be an integer, got a traced {jnp.result_type(seed)}.")
+    return
+  if value.shape != () or value.dtype == np.bool_ or not jnp.issubdtype(value.dtype, jnp.integer):
+    raise TypeError(f"seed must be an int (the noise's jax.random seed), got {seed!r:.100}.")
+  operator.index(value)
+
+
+def _check_clip(l2_norm_clip: Any) -> None:
+  paths = jax.tree_util.tree_flatten_with_path(l2_norm_clip)[0]
+  if not paths:
+    raise ValueError(
+      f"l2_norm_clip must be a number or a pytree of numbers (one per layer or group), got "
+      f"{l2_norm_clip!r:.100}, which holds none."
+    )
+  for path, leaf in paths:
+    where = jax.tree_util.keystr(path)
+    _validation.check_hparam(leaf, f"l2_norm_clip{where}", lo=0, scalar=True, finite=True)
+
+
+def _sensitivity(l2_norm_clip: Any) -> jax.Array:
+  """``S``: the root-sum-square of the clip norms (float32), one per leaf of ``l2_norm_clip``."""
+  leaves = [_numerics.hparam_float32(c) for c in jax.tree.leaves(l2_norm_clip)]
+  return jnp.sqrt(sum(c * c for c in leaves))
+
+
+def _check_prefix(l2_norm_clip: Any, updates: Any) -> None:
+  """Raises ``ValueError`` unless a pytree ``l2_norm_clip`` is a prefix of ``updates``."""
+  if not jax.tree.leaves(l2_norm_clip) or jax.tree.structure(l2_norm_clip).num_nodes == 1:
+    return  # one number: the whole tree's clip
+  try:
+    jax.tree.map(lambda c, sub: None, l2_norm_clip, updates)
+  except ValueError as e:
+    raise ValueError(
+      "dp_noise's l2_norm_clip must be a pytree prefix of the updates (one clip norm per "
+      f"layer or group, as given to per_example_clipped_grad): {e}"
+    ) from None
+
+
+def dp_noise(
+  l2_norm_clip: Any,
+  noise_multiplier: jax.typing.ArrayLike,
+  *,
+  seed: int = 0,
+  expected_batch_size: jax.typing.ArrayLike | None = None,
+) -> optax.GradientTransformationExtraArgs:
+  r"""Adds DP-SGD's Gaussian noise to a clipped sum of per-example gradients.
+
+  Its input is the sum of the batch's per-example gradients, each clipped to
+  L2 norm :math:`C` (as :func:`jaxclip.per_example_clipped_grad` returns
+  it). One example then moves the sum by at most the sensitivity :math:`S =
+  C`, and every entry gets independent Gaussian noise of standard deviation
+  :math:`z S`, :math:`z` the noise multiplier (Abadi et al.):
+
+  .. math::
+
+    \tilde g = \frac{1}{\bar B}\Big(\sum_{i} \mathrm{clip}_C(g_i)
+    + \mathcal{N}\big(0, (z S)^2 I\big)\Big).
+
+  With ``expected_batch_size`` :math:`\bar B` the result is divided by it
+  (public, unlike the drawn size of a Poisson batch), so the optimizer sees
+  a mean gradient; without it (``None``) the noisy sum comes out.
+
+  **Per-layer clip norms.** ``l2_norm_clip`` may be a pytree prefix of the
+  params, one clip norm :math:`C_l` per layer or group, as given to
+  ``per_example_clipped_grad``: each group of an example's gradient is then
+  at most :math:`C_l`, the whole at most :math:`S = (\sum_l C_l^2)^{1/2}`,
+  and every entry gets noise of standard deviation :math:`z S`.
+
+  **The noise.** It comes from a key in the state: each step splits it into
+  the next step's key and this step's, which is split once more, one key per
+  leaf. So the noise is fresh each step, independent across leaves, and the
+  same ``seed`` gives the same noise. It is drawn in float32 for bfloat16
+  and float16 leaves (at the leaf's own precision otherwise), added in that
+  dtype, and the result cast back to the leaf's dtype. Under ``jax.jit`` with
+  sharded leaves the noise is a function of the key and of the leaf's shape
+  alone (JAX's partitionable threefry, the default), so a replicated leaf
+  gets the same noise on every device and a sharded one the noise of the
+  whole array, whatever the mesh. Inside ``shard_map`` each device would
+  draw noise for its own shard from the same key: a sharded leaf's shards
+  would repeat it, so add the noise outside ``shard_map``.
+
+  ==========================================  ==============================
+  case                                        result
+  ==========================================  ==============================
+  ``noise_multiplier = 0``                    the sum (divided by
+                                              :math:`\bar B`), no noise
+  ``l2_norm_clip = 0``                        no noise: nothing is released
+                                              of any example
+  a ``None`` leaf                             stays ``None``
+  ==========================================  ==============================
+
+  Account for :math:`z` (and the sampling rate, steps and :math:`\delta`)
+  with :func:`jaxclip.dp_epsilon`, or choose it for a target
+  :math:`\varepsilon` with :func:`jaxclip.calibrate_noise`.
+
+  Args:
+    l2_norm_clip: The clip norm :math:`C` of the per-example gradients in
+      the sum, ``>= 0`` and finite, or a pytree prefix of the params with one
+      per layer or group. May be traced (a number).
+    noise_multiplier: :math:`z`, ``>= 0`` and finite: the noise's standard
+      deviation in units of the sensitivity. May be traced.
+    seed: The seed of the noise's key (an int).
+    expected_batch_size: :math:`\bar B > 0`, the expected batch size to
+      divide by; ``None`` (default): no division. May be traced.
+
+  Returns:
+    An :class:`optax.GradientTransformationExtraArgs` whose state is a
+    :class:`DPNoiseState`.
+
+  Raises:
+    ValueError: for a concrete negative, NaN or infinite clip norm or
+      ``noise_multiplier``, a non-positive ``expected_batch_size``, a
+      hyperparameter that is not a scalar, or an ``l2_norm_clip`` pytree
+      that is no prefix of the updates.
+    TypeError: for a hyperparameter that is no real number, a ``seed`` that
+      is no int, or an updates leaf that holds no real number (its path is
+      named).
+
+  Examples:
+    >>> import jax, jax.numpy as jnp
+    >>> import optax, jaxclip
+    >>> params = {"w": jnp.zeros((3, 2)), "b": jnp.zeros(2)}
+    >>> loss = lambda p, x: jnp.sum((x @ p["w"] + p["b"] - 1.0) ** 2)
+    >>> x = jax.random.normal(jax.random.key(0), (16, 3))
+    >>> clipped_sum, _ = jaxclip.per_example_clipped_grad(loss, 1.0)(params, x)
+    >>> tx = optax.chain(
+    ...     jaxclip.dp_noise(1.0, noise_multiplier=1.1, seed=0, expected_batch_size=16),
+    ...     optax.sgd(0.1))
+    >>> state = tx.init(params)
+    >>> updates, state = tx.update(clipped_sum, state, params)
+    >>> jax.tree.map(jnp.shape, updates)
+    {'b': (2,), 'w': (3, 2)}
+
+    Without noise it is the sum divided by the expected batch size:
+
+    >>> tx = jaxclip.dp_noise(1.0, 0.0, expected_batch_size=4)
+    >>> tx.update({"w": jnp.array([2.0, 6.0])}, tx.init(None))[0]
+    {'w': Array([0.5, 1.5], dtype=float32)}
+
+    Per-layer clip norms 3 and 4 give a sensitivity of 5:
+
+    >>> tx = jaxclip.dp_noise({"w": 3.0, "b": 4.0}, 1.0)
+    >>> zeros = {"w": jnp.zeros(20_000), "b": jnp.zeros(20_000)}
+    >>> noisy, _ = tx.update(zeros, tx.init(zeros))
+    >>> bool(4.9 < jnp.std(noisy["w"]) < 5.1)
+    True
+
+  References:
+    Abadi et al., `Deep Learning with Differential Privacy
+    <https://arxiv.org/abs/1607.00133>`_, 2016
+  """
+  _check_clip(l2_norm_clip)
+  _validation.check_hparam(noise_multiplier, "noise_multiplier", lo=0, scalar=True, finite=True)
+  if expected_batch_size is not None:
+    _validation.check_hparam(
+      expected_batch_size, "expected_batch_size", lo=0, lo_open=True, scalar=True, finite=True
+    )
+  _check_seed(seed)
+
+  def init_fn(params):
+    del params
+    return DPNoiseState(dp_noise_key=jax.random.key_data(jax.random.key(seed)))
+
+  def update_fn(updates, state, params=None, **extra_args):
+    del params, extra_args
+    _validation.check_state(state, DPNoiseState, "dp_noise")
+    numbers = _validation.numeric_leaves(updates, "dp_noise")
+    _check_real(numbers)
+    _check_prefix(l2_norm_clip, numbers)
+    key, noise_key = jax.random.split(jax.random.wrap_key_data(state.dp_noise_key))
+    stddev = _numerics.hparam_float32(noise_multiplier) * _sensitivity(l2_norm_clip)
+    leaves, treedef = jax.tree.flatten(numbers)
+    keys = jax.random.split(noise_key, len(leaves)) if leaves else []
+    out = []
+    for leaf, k in zip(leaves, keys, strict=True):
+      leaf = _numerics.as_array(leaf)
+      dtype = _numerics.compute_dtype(leaf.dtype)
+      noisy = leaf.astype(dtype) + stddev.astype(dtype) * jax.random.normal(k, leaf.shape, dtype)
+      if expected_batch_size is not None:
+        noisy = noisy / jnp.asarray(expected_batch_size).astype(dtype)
+      out.append(noisy.astype(leaf.dtype))
+    return treedef.unflatten(out), DPNoiseState(dp_noise_key=jax.random.key_data(key))
+
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _check_real(tree: Any) -> None:
+  """Raises ``TypeError`` naming the path of a complex leaf (Gaussian noise is real)."""
+  for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+    dtype = jnp.result_type(leaf)
+    if jnp.issubdtype(dtype, jnp.complexfloating):
+      raise TypeError(
+        f"dp_noise adds real Gaussian noise, but the leaf of updates at "
+        f"{jax.tree_util.keystr(path) or '<root>'} is complex ({dtype})."
+      )

@@ -1,0 +1,227 @@
+"""dp_noise: its documented draws and statistics, per-layer sensitivity, dtypes, optax wrappers.
+
+Sharded leaves (``md_*``) run in a subprocess on 8 virtual CPU devices.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jaxclip
+from tests.helpers import assert_tree_allclose, multi_device_checks
+
+N_DEVICES = 8
+
+
+def _tree(dtype=jnp.float32):
+  k = jax.random.split(jax.random.key(7), 3)
+  return {
+    "w": jax.random.normal(k[0], (16, 8)).astype(dtype),
+    "b": jax.random.normal(k[1], (8,)).astype(dtype),
+    "layer": {"v": jax.random.normal(k[2], (5,)).astype(dtype)},
+  }
+
+
+def _expected(tree, key, stddev, batch):
+  """The documented draws: split the state's key, then one key per leaf, float32 for halves."""
+  _, noise_key = jax.random.split(key)
+  leaves, treedef = jax.tree.flatten(tree)
+  keys = jax.random.split(noise_key, len(leaves))
+  out = []
+  for leaf, k in zip(leaves, keys, strict=True):
+    dtype = jnp.float32 if leaf.dtype in (jnp.bfloat16, jnp.float16) else leaf.dtype
+    noisy = leaf.astype(dtype) + jnp.asarray(stddev, dtype) * jax.random.normal(
+      k, leaf.shape, dtype
+    )
+    out.append((noisy / jnp.asarray(batch, dtype)).astype(leaf.dtype))
+  return treedef.unflatten(out)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+def test_each_step_adds_the_keys_normal_draws_times_z_s_over_b(dtype):
+  tree = _tree(dtype)
+  tx = jaxclip.dp_noise(2.0, 1.5, seed=3, expected_batch_size=4)
+  state = tx.init(tree)
+  key = jax.random.key(3)
+  for _ in range(2):  # a fresh key each step: the second step's draws come from the split
+    out, state = tx.update(tree, state)
+    want = _expected(tree, key, 1.5 * 2.0, 4)
+    jax.tree.map(
+      lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), out, want
+    )
+    assert jax.tree.map(lambda a: a.dtype, out) == jax.tree.map(lambda a: a.dtype, tree)
+    key = jax.random.split(key)[0]
+  # Without expected_batch_size the noisy sum comes out; with z = 0 the sum itself.
+  tx = jaxclip.dp_noise(2.0, 1.5, seed=3)
+  out, _ = tx.update(tree, tx.init(tree))
+  assert_tree_allclose(out, _expected(tree, jax.random.key(3), 3.0, 1), rtol=0)
+  tx = jaxclip.dp_noise(2.0, 0.0, expected_batch_size=4)
+  out, _ = tx.update(tree, tx.init(tree))
+  assert_tree_allclose(out, jax.tree.map(lambda g: g / jnp.asarray(4, g.dtype), tree), rtol=0)
+
+
+def test_noise_statistics_fresh_each_step_independent_across_leaves_and_seeded():
+  zeros = {"a": jnp.zeros(40_000), "b": jnp.zeros(40_000)}
+  tx = jaxclip.dp_noise({"a": 3.0, "b": 4.0}, 0.5, seed=11, expected_batch_size=2.0)
+  step = jax.jit(tx.update)
+  first, state = step(zeros, tx.init(zeros))
+  second, _ = step(zeros, state)
+  # Per-layer clip norms 3 and 4: S = 5, so each entry ~ N(0, (0.5 * 5 / 2)^2).
+  for leaf in (*first.values(), *second.values()):
+    x = np.asarray(leaf)
+    assert abs(x.std() / 1.25 - 1) < 0.02 and abs(x.mean()) < 0.03  # 40,000 draws: 5 sd
+  corr = lambda u, v: float(np.corrcoef(np.asarray(u), np.asarray(v))[0, 1])
+  assert abs(corr(first["a"], first["b"])) < 0.025  # independent leaves (5 sd of 1/200)
+  assert abs(corr(first["a"], second["a"])) < 0.025  # fresh each step
+  again, _ = step(zeros, jaxclip.dp_noise({"a": 3.0, "b": 4.0}, 0.5, seed=11).init(zeros))
+  assert_tree_allclose(again, first, rtol=0)  # the seed reproduces it
+  other, _ = step(zeros, jaxclip.dp_noise(1.0, 1.0, seed=12).init(zeros))
+  assert abs(corr(other["a"], first["a"])) < 0.025
+
+
+def test_per_layer_clip_norms_are_a_prefix_of_the_updates():
+  tree = _tree()
+  clip = {"w": 1.0, "b": 2.0, "layer": 2.0}  # S = 3
+  tx = jaxclip.dp_noise(clip, 1.0)
+  out, _ = tx.update(tree, tx.init(tree))
+  assert_tree_allclose(out, _expected(tree, jax.random.key(0), 3.0, 1), rtol=1e-6)
+  with pytest.raises(ValueError, match="prefix"):
+    tx.update({"w": tree["w"], "c": tree["b"]}, tx.init(tree))
+  with pytest.raises(ValueError, match=r"l2_norm_clip\['b'\]"):
+    jaxclip.dp_noise({"w": 1.0, "b": -1.0}, 1.0)
+  with pytest.raises(ValueError, match="l2_norm_clip"):
+    jaxclip.dp_noise({}, 1.0)
+
+
+@pytest.mark.parametrize(
+  "kwargs, error, name",
+  [
+    (dict(l2_norm_clip=-1.0), ValueError, "l2_norm_clip"),
+    (dict(l2_norm_clip=float("inf")), ValueError, "l2_norm_clip"),
+    (dict(l2_norm_clip=float("nan")), ValueError, "l2_norm_clip"),
+    (dict(l2_norm_clip="1"), TypeError, "l2_norm_clip"),
+    (dict(noise_multiplier=-0.1), ValueError, "noise_multiplier"),
+    (dict(noise_multiplier=float("inf")), ValueError, "noise_multiplier"),
+    (dict(noise_multiplier=jnp.ones(2)), ValueError, "noise_multiplier"),
+    (dict(expected_batch_size=0), ValueError, "expected_batch_size"),
+    (dict(expected_batch_size=-3.0), ValueError, "expected_batch_size"),
+    (dict(seed=1.5), TypeError, "seed"),
+    (dict(seed=True), TypeError, "seed"),
+    (dict(seed="0"), TypeError, "seed"),
+  ],
+)
+def test_bad_hyperparameters_are_refused_at_build_naming_them(kwargs, error, name):
+  args = {"l2_norm_clip": 1.0, "noise_multiplier": 1.0, **kwargs}
+  with pytest.raises(error, match=name):
+    jaxclip.dp_noise(**args)
+
+
+def test_bad_updates_and_state_are_refused():
+  tx = jaxclip.dp_noise(1.0, 1.0)
+  with pytest.raises(TypeError, match=r"\['z'\].*complex"):
+    tx.update({"z": jnp.ones(2, jnp.complex64)}, tx.init(None))
+  with pytest.raises(TypeError, match="dp_noise.*state"):
+    tx.update({"w": jnp.ones(2)}, optax.EmptyState())
+  # Integer leaves are numbers, promoted as optax does; None leaves stay None.
+  out, _ = tx.update({"n": jnp.arange(3), "none": None}, tx.init(None))
+  assert out["none"] is None and jnp.issubdtype(out["n"].dtype, jnp.floating)
+
+
+@functools.cache
+def _traced_step():
+  def step(clip, z, batch, grads, state):
+    return jaxclip.dp_noise(clip, z, expected_batch_size=batch).update(grads, state)
+
+  return jax.jit(step)
+
+
+def test_traced_hyperparameters_and_inject_hyperparams_match_the_concrete_transform():
+  tree = _tree()
+  tx = jaxclip.dp_noise(2.0, 0.7, expected_batch_size=8)
+  want, want_state = tx.update(tree, tx.init(tree))
+  got, got_state = _traced_step()(
+    jnp.float32(2.0), jnp.float32(0.7), jnp.float32(8), tree, tx.init(tree)
+  )
+  assert_tree_allclose(got, want, rtol=1e-6, atol=1e-7)
+  assert_tree_allclose(got_state, want_state, rtol=0)
+  # A schedule of the noise multiplier: the third step adds the third key's draws at z(2).
+  sched = optax.linear_schedule(1.0, 2.0, 10)
+  injected = optax.inject_hyperparams(jaxclip.dp_noise)(
+    l2_norm_clip=1.0, noise_multiplier=sched, expected_batch_size=4.0
+  )
+  state = injected.init(tree)
+  plain_state = jaxclip.dp_noise(1.0, 1.0).init(tree)
+  for _ in range(3):
+    out, state = jax.jit(injected.update)(tree, state)
+    want, plain_state = jaxclip.dp_noise(1.0, float(sched(2)), expected_batch_size=4.0).update(
+      tree, plain_state
+    )
+  assert_tree_allclose(out, want, rtol=1e-5, atol=1e-7)
+
+
+def test_in_optax_chain_multisteps_masked_and_scan():
+  tree = _tree()
+  noise = jaxclip.dp_noise(1.0, 0.5, expected_batch_size=2)
+  # MultiSteps: the inner transform runs once per k microbatches, on their mean.
+  ms = optax.MultiSteps(optax.chain(noise, optax.sgd(1.0)), every_k_schedule=2)
+  state = ms.init(tree)
+  u1, state = ms.update(tree, state, tree)
+  u2, state = ms.update(tree, state, tree)
+  assert all(bool(jnp.all(x == 0)) for x in jax.tree.leaves(u1))
+  want, _ = optax.chain(noise, optax.sgd(1.0)).update(
+    tree, optax.chain(noise, optax.sgd(1.0)).init(tree)
+  )
+  assert_tree_allclose(u2, want, rtol=1e-6)
+  # masked: the left-out leaves pass unchanged.
+  mask = {"w": True, "b": False, "layer": {"v": False}}
+  out, _ = optax.masked(noise, mask).update(tree, optax.masked(noise, mask).init(tree))
+  np.testing.assert_array_equal(out["b"], tree["b"])
+  assert not np.allclose(out["w"], tree["w"] / 2)
+
+  # lax.scan over steps equals the Python loop.
+  def body(state, _):
+    out, state = noise.update(tree, state)
+    return state, out["b"]
+
+  _, scanned = jax.lax.scan(body, noise.init(tree), None, length=3)
+  state = noise.init(tree)
+  for i in range(3):
+    out, state = noise.update(tree, state)
+    np.testing.assert_allclose(scanned[i], out["b"], rtol=1e-6)
+
+
+# ----------------------------------------------------------------------------
+# sharded leaves, 8 devices (run in the subprocess)
+# ----------------------------------------------------------------------------
+
+
+def md_sharded_leaves_get_the_single_device_noise_the_same_on_every_replica():
+  host = {"w": np.ones((16, 8), np.float32), "b": np.full((8,), 2.0, np.float32)}
+  specs = {"w": P("data", "model"), "b": P()}
+  tx = jaxclip.dp_noise(1.0, 1.0, seed=5, expected_batch_size=4)
+  single = jax.tree.map(jnp.asarray, host)
+  want, want_state = jax.jit(tx.update)(single, tx.init(single))
+  for axis_types in (jax.sharding.AxisType.Auto, jax.sharding.AxisType.Explicit):
+    mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(axis_types,) * 2)
+    with jax.set_mesh(mesh):
+      put = lambda x, s, mesh=mesh: jax.device_put(x, NamedSharding(mesh, s))
+      tree = jax.tree.map(put, host, specs)
+      got, state = jax.jit(tx.update)(tree, tx.init(tree))
+    assert_tree_allclose(got, want, rtol=1e-6, atol=1e-7)
+    assert_tree_allclose(state, want_state, rtol=0)
+    for leaf, x in zip(jax.tree.leaves(got), jax.tree.leaves(tree), strict=True):
+      assert leaf.sharding.is_equivalent_to(x.sharding, leaf.ndim), (leaf.sharding, x.sharding)
+    # The replicated leaf holds the same noise on every device.
+    shards = [np.asarray(s.data) for s in got["b"].addressable_shards]
+    assert len(shards) == N_DEVICES and all(np.array_equal(s, shards[0]) for s in shards)
+
+
+test_multi_device = multi_device_checks(globals(), N_DEVICES)
