@@ -1,9 +1,8 @@
-"""A clipping study: every jaxclip clip on three small tasks, many seeds each.
+"""A clipping study: every jaxclip clip on four tasks, many seeds each.
 
-It grounds the threshold advice of the README and docs/which_clip.md (issue #16). Three tasks, each
-trained on ``--seeds`` seeds per method (``jax.vmap`` over seeds in one
-``jax.jit``, as ``exploding_gradients.py``, whose training loop, methods and
-table this reuses):
+It grounds the threshold advice of the README and docs/which_clip.md (issues #16 and #40).
+Each task trains ``--seeds`` seeds per method (``jax.vmap`` over seeds in one ``jax.jit``, as
+``exploding_gradients.py``, whose training loop, methods and table this reuses):
 
 * ``adding``: the tanh RNN on the adding problem of ``exploding_gradients.py``
   (T=20, hidden 32, SGD with momentum 0.9 at learning rate 0.05).
@@ -14,6 +13,13 @@ table this reuses):
   MLP from targets with Student-t noise (1.5 degrees of freedom: infinite
   variance), SGD with momentum; the loss recorded is the error on the
   noise-free targets.
+* ``text``: a byte-level causal transformer (flax linen layers; d_model 64, 2 layers, context
+  64) on the source of Python's own standard library, scored in validation bits per byte on
+  held-out files, with loss spikes counted (``examples/_study_text.py``). AdamW at a stable
+  and a high peak learning rate, each with and without warm-up, and Muon
+  (``optax.contrib.muon`` on the hidden matrices, AdamW on the rest) with the clip before the
+  optimizer, inside each of its groups, or after it. It also tests the threshold recipe: the
+  threshold from 50, 100 or 300 recorded steps at each percentile, with and without warm-up.
 
 Fixed thresholds come from a short unclipped run of each task on a seed no
 method trains on (``RECORD_SEED``): its pre-clip global norms go to
@@ -26,17 +32,18 @@ largest tenth of steps.
 
 Run::
 
-  python examples/clipping_study.py            # about 11 minutes on 2 shared CPU cores
+  python examples/clipping_study.py            # all four tasks (see the page for its time)
+  python examples/clipping_study.py --tasks text
   python examples/clipping_study.py --tiny     # a minute or two, for tests
 
-``--tiny`` is compile-bound (33 training loops);
+``--tiny`` is compile-bound (36 training loops);
 ``XLA_FLAGS=--xla_backend_optimization_level=0`` about halves its time.
 
 It prints one table per task and writes ``docs/clipping_study.md`` (settings,
-thresholds, table), ``docs/clipping_study.png`` (median final loss with
-interquartile bars per task and method) and ``docs/clipping_study.json`` (the
-rows and thresholds; ``--replot`` redraws the page and figure from it), or
-into ``--out``.
+thresholds, tables), one figure per task ``docs/clipping_study_<task>.png`` (median final
+loss, or validation bits/byte, with interquartile bars per method) and
+``docs/clipping_study.json`` (the rows and thresholds; ``--replot`` redraws the page and
+figures from it), or into ``--out``.
 """
 
 from __future__ import annotations
@@ -53,6 +60,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NamedTuple
 
+import flax
 import jax
 import jax.numpy as jnp
 import matplotlib as mpl
@@ -63,6 +71,7 @@ from matplotlib.figure import Figure
 from tqdm.auto import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _study_text as st  # noqa: E402
 import exploding_gradients as eg  # noqa: E402
 
 import jaxclip  # noqa: E402
@@ -328,15 +337,21 @@ def record_thresholds(task: Task, steps: int) -> Thresholds:
     return jax.lax.scan(step, (params, task.optimizer.init(params)), data)[1]
 
   norms, biggest = (np.asarray(a) for a in go(params, data))
-  k = len(jax.tree.leaves(params))
-  suggestions = {p: jaxclip.suggest_threshold(norms, p, num_tensors=k) for p in PERCENTILES}
+  return thresholds_from(norms, biggest, len(jax.tree.leaves(params)))
+
+
+def thresholds_from(norms: Any, biggest: np.ndarray, num_tensors: int) -> Thresholds:
+  """Every fixed threshold from recorded norms (or ``record_norms`` states) and max |entries|."""
+  suggestions = {
+    p: jaxclip.suggest_threshold(norms, p, num_tensors=num_tensors) for p in PERCENTILES
+  }
   finite = biggest[np.isfinite(biggest)]
   return Thresholds(
     global_norm={p: s.max_norm for p, s in suggestions.items()},
     per_tensor=float(suggestions[90].per_tensor_max_norm),
     value=float(np.percentile(finite, 90)),
-    num_tensors=k,
-    recorded_steps=steps,
+    num_tensors=num_tensors,
+    recorded_steps=int(biggest.size),
     nonfinite=suggestions[90].num_nonfinite,
     explanation=suggestions[90].explanation.replace("\n", " "),
   )
@@ -375,6 +390,191 @@ def threshold_of(name: str, t: Thresholds) -> str:
     if name == f"clip_by_global_norm(p{p})":
       return f"{t.global_norm[p]:.3g}"
   return "adaptive" if name != "no clipping" else "–"
+
+
+# --- task (d): a byte-level language model on Python's standard library --------
+
+TEXT_WINDOWS = (50, 100, 300)  # recording windows of the recipe test (steps)
+TEXT_WINDOWS_TINY = (5, 10, 20)
+# Which of the study's methods run in which AdamW setting (all 11 at the high learning rate
+# without warm-up; the full matrix would not fit the study's 30 minutes on 2 cores).
+TEXT_CORE = ("no clipping", "clip_by_global_norm(p50)", "autoclip(percentile=10)", "adagc()")
+TEXT_STABLE = ("no clipping", "clip_by_global_norm(p50)", "autoclip(percentile=10)")
+TEXT_STABLE_WARM = ("no clipping", "clip_by_global_norm(p50)")
+TEXT_MUON = (
+  "no clipping",
+  "clip gradient before (global p50)",
+  "clip gradient before, per group (p50 each)",
+  "clip update after (global p50)",
+)
+TEXT_MUON_TINY = ("clip update after (global p50)",)
+
+
+def text_config(tiny: bool) -> st.TextConfig:
+  return st.TINY if tiny else st.TextConfig()
+
+
+def text_plan(config: st.TextConfig, tiny: bool) -> dict[str, tuple[str, ...] | None]:
+  """Setting name -> the methods it runs (``None``: all 11); ``--tiny`` runs two settings."""
+  stable, stable_warm, high, high_warm, muon = list(st.settings(config))
+  if tiny:
+    return {high: ("no clipping", "clip_by_global_norm(p50)"), muon: TEXT_MUON_TINY}
+  return {
+    stable: TEXT_STABLE,
+    stable_warm: TEXT_STABLE_WARM,
+    high: None,
+    high_warm: TEXT_CORE,
+    muon: TEXT_MUON,
+  }
+
+
+def window_name(window: int) -> str:
+  return f"clip_by_global_norm(p50 of {window} steps)"
+
+
+def muon_methods(rec: st.Recorded, window: int) -> dict[str, tuple[eg.Method, bool, str]]:
+  """Muon's runs: name -> (method, clip after the optimizer?, threshold text)."""
+  grad = jaxclip.suggest_threshold(rec.grad_norm[:window], 50).max_norm
+  update = jaxclip.suggest_threshold(rec.update_norm[:window], 50).max_norm
+  group = {g: jaxclip.suggest_threshold(n[:window], 50).max_norm for g, n in rec.group_norm.items()}
+  per_group = optax.multi_transform(
+    {g: jaxclip.clip_by_global_norm(c) for g, c in group.items()}, st.muon_labels
+  )
+  return {
+    "no clipping": (eg.Method(optax.identity()), False, "–"),
+    "clip gradient before (global p50)": (
+      eg.Method(jaxclip.clip_by_global_norm(grad)),
+      False,
+      f"{grad:.3g}",
+    ),
+    "clip gradient before, per group (p50 each)": (
+      eg.Method(per_group),
+      False,
+      f"muon {group['muon']:.3g}, adam {group['adam']:.3g}",
+    ),
+    "clip update after (global p50)": (
+      eg.Method(jaxclip.clip_by_global_norm(update)),
+      True,
+      f"{update:.3g}",
+    ),
+  }
+
+
+def text_row(setting: str, name: str, threshold: str, h: st.TextHistory) -> dict[str, Any]:
+  bpb = np.where(np.isfinite(h.validation_bpb), h.validation_bpb, np.inf)
+  q25, median, q75 = np.percentile(bpb, [25, 50, 75], method="lower")
+  count = st.spikes(h.loss)
+  return {
+    "setting": setting,
+    "method": name,
+    "threshold": threshold,
+    "seeds": len(bpb),
+    "median": float(median),
+    "q25": float(q25),
+    "q75": float(q75),
+    "best": float(bpb.min()),
+    "worst": float(bpb.max()),
+    "spikes": int(count.sum()),
+    "seeds with spikes": int(np.sum(count > 0)),
+    "non-finite": int(np.sum(~np.isfinite(h.loss))),
+    "clipped": float(np.mean(h.clipped)),
+    "max post-clip norm": float(np.max(h.post_clip_norm)),
+    "seconds": h.seconds,
+  }
+
+
+def run_text(
+  tiny: bool, seeds: list[int], record_steps: int, progress: bool = True
+) -> dict[str, Any]:
+  """The text task: every setting, its methods, the recipe test; a JSON-ready dict."""
+  start = time.perf_counter()
+  config = text_config(tiny)
+  text = st.Text(config)
+  windows = TEXT_WINDOWS_TINY if tiny else TEXT_WINDOWS
+  window = min(record_steps, windows[1]) if tiny else record_steps
+  chunk = 20 if tiny else 100
+  all_settings = st.settings(config)
+  rows: list[dict[str, Any]] = []
+  recipe: list[dict[str, Any]] = []
+  thresholds: dict[str, dict[str, Any]] = {}
+  plan = text_plan(config, tiny)
+  for sname, setting in all_settings.items():
+    if sname not in plan:
+      continue
+    rec = st.record(text, setting.optimizer, RECORD_SEED, max(*windows, window))
+    if setting.muon:
+      runs = muon_methods(rec, window)
+      thresholds[sname] = {
+        "gradient p50": runs["clip gradient before (global p50)"][2],
+        "per group p50": runs["clip gradient before, per group (p50 each)"][2],
+        "update p50": runs["clip update after (global p50)"][2],
+      }
+      runs = {n: runs[n] for n in plan[sname]}
+    else:
+      # suggest_threshold reads record_norms' states, stacked over the recorded steps.
+      head = jax.tree.map(lambda a: a[:window], rec.states)
+      th = thresholds_from(head, rec.grad_max[:window], rec.num_tensors)
+      thresholds[sname] = th._asdict()
+      methods = study_methods(th)
+      plan = plan or text_plan(config, list(methods))
+      runs = {n: (methods[n], False, threshold_of(n, th)) for n in plan[sname] or methods}
+      if not tiny and sname in list(all_settings)[2:4]:  # the high learning rate: other windows
+        for w in (windows[0], windows[2]):
+          c = jaxclip.suggest_threshold(rec.grad_norm[:w], 50).max_norm
+          runs[window_name(w)] = (eg.Method(jaxclip.clip_by_global_norm(c)), False, f"{c:.3g}")
+    histories = {}
+    for name, (method, after, threshold) in runs.items():
+      with tqdm(
+        total=config.steps, desc=f"text {sname:>14} {name[:30]:>30}", unit="step",
+        disable=not progress,
+      ) as bar:  # fmt: skip
+        h = st.train(
+          text, setting.optimizer, seeds, method.clip, method.wrap, after, chunk, bar.update
+        )
+      histories[name] = h
+      rows.append(text_row(sname, name, threshold, h))
+      r = rows[-1]
+      print(
+        f"  {sname}: {name}: validation {r['median']:.3f} bits/byte "
+        f"({r['q25']:.3f}-{r['q75']:.3f}), {r['spikes']} spikes, clipped {r['clipped']:.1%}"
+      )
+    if not setting.muon and "no clipping" in histories:
+      pre = histories["no clipping"].pre_clip_norm
+      for w in windows:
+        for p in PERCENTILES:
+          c = jaxclip.suggest_threshold(rec.grad_norm[:w], p).max_norm
+          recipe.append(
+            {
+              "setting": sname,
+              "window": w,
+              "percentile": p,
+              "threshold": c,
+              "clipped": float(np.mean(pre > c)),
+              "clipped after window": float(np.mean(pre[:, max(windows) :] > c)),
+            }
+          )
+  corpus = text.corpus
+  return {
+    "config": config._asdict(),
+    "corpus": {
+      "root": corpus.root,
+      "python": platform.python_version(),
+      "files": corpus.num_files,
+      "validation files": corpus.num_validation_files,
+      "train bytes": int(corpus.train.size),
+      "validation bytes": int(corpus.validation.size),
+      "files_sha256": corpus.files_sha256,
+      "bytes_sha256": corpus.bytes_sha256,
+    },
+    "parameters": int(sum(a.size for a in jax.tree.leaves(text.init([0])))),
+    "settings": {n: s.text for n, s in all_settings.items()},
+    "record window": window,
+    "windows": list(windows),
+    "thresholds": thresholds,
+    "rows": rows,
+    "recipe": recipe,
+    "seconds": time.perf_counter() - start,
+  }
 
 
 # --- reporting -----------------------------------------------------------------
@@ -449,6 +649,156 @@ def plot(rows: list[dict[str, Any]], all_tasks: dict[str, Task], out: Path) -> N
   fig.savefig(out, dpi=100)
 
 
+def plot_text(text: dict[str, Any], out: Path) -> None:
+  """The text task: per setting, median validation bits/byte and interquartile bar per method."""
+  rows = text["rows"]
+  settings = list(text["settings"])
+  names = list(dict.fromkeys(r["method"] for r in rows))
+  fig = Figure(figsize=(3.3 * len(settings), 0.34 * len(names) + 1.8), layout="constrained")
+  axes = fig.subplots(1, len(settings), sharey=True, squeeze=False)[0]
+  colors = mpl.colormaps["tab20"].colors
+  for ax, setting in zip(axes, settings, strict=True):
+    mine = {r["method"]: r for r in rows if r["setting"] == setting}
+    finite = [v for r in mine.values() for v in (r["q25"], r["q75"]) if np.isfinite(v)]
+    lo, hi = (min(finite) - 0.05, max(finite) + 0.1) if finite else (0.0, 8.0)
+    for y, name in enumerate(names):
+      r = mine.get(name)
+      if r is None:
+        continue
+      color = colors[y % 20]
+      left, mid, right = (min(v, hi) for v in (r["q25"], r["median"], r["q75"]))
+      ax.plot([left, right], [y, y], color=color, lw=3, alpha=0.5, solid_capstyle="butt")
+      ax.plot([mid], [y], "o" if np.isfinite(r["median"]) else "x", color=color, ms=6)
+      ax.text(
+        0.99, y, f"{r['spikes']}", transform=ax.get_yaxis_transform(), va="center",
+        ha="right", fontsize=7,
+      )  # fmt: skip
+    if "no clipping" in mine:
+      ax.axvline(mine["no clipping"]["median"], color="gray", ls=":", lw=1)
+    ax.set_xlim(lo, hi)
+    ax.set_title(setting, fontsize=9)
+    ax.set_xlabel("validation bits/byte", fontsize=8)
+    ax.tick_params(labelsize=7)
+  axes[0].set_yticks(range(len(names)), names, fontsize=7)
+  axes[0].invert_yaxis()
+  seeds = rows[0]["seeds"]
+  fig.suptitle(
+    f"Byte-level transformer on Python's standard library: median validation bits/byte over "
+    f"{seeds} seeds, bar: interquartile range; number: loss spikes (all seeds); "
+    "··· no clipping",
+    fontsize=9,
+  )
+  out.parent.mkdir(parents=True, exist_ok=True)
+  fig.savefig(out, dpi=100)
+
+
+def text_table(rows: list[dict[str, Any]]) -> str:
+  lines = [
+    "| setting | method | threshold | median bits/byte | IQR | best–worst | spikes (seeds) "
+    "| non-finite steps | clipped |",
+    "|---|---|---|---:|---:|---:|---:|---:|---:|",
+  ]
+  for r in rows:
+    lines.append(
+      f"| {r['setting']} | {r['method']} | {r['threshold']} | {r['median']:.3f} "
+      f"| {r['q25']:.3f}–{r['q75']:.3f} | {r['best']:.3f}–{r['worst']:.3f} "
+      f"| {r['spikes']} ({r['seeds with spikes']}) | {r['non-finite']} | {r['clipped']:.1%} |"
+    )
+  return "\n".join(lines)
+
+
+def recipe_table(recipe: list[dict[str, Any]]) -> str:
+  lines = [
+    "| setting | window (steps) | percentile | threshold | clipped (all steps) "
+    "| clipped (after the longest window) |",
+    "|---|---:|---:|---:|---:|---:|",
+  ]
+  for r in recipe:
+    lines.append(
+      f"| {r['setting']} | {r['window']} | {r['percentile']} | {r['threshold']:.3g} "
+      f"| {r['clipped']:.1%} | {r['clipped after window']:.1%} |"
+    )
+  return "\n".join(lines)
+
+
+def text_section(text: dict[str, Any], figure_name: str) -> str:
+  c, cfg, corpus = text["config"], text["config"], text["corpus"]
+  settings = "\n".join(f"| {n} | {t} |" for n, t in text["settings"].items())
+  th_rows = []
+  for n, t in text["thresholds"].items():
+    if "global_norm" in t:
+      g = {int(p): v for p, v in t["global_norm"].items()}
+      th_rows.append(
+        f"| {n} | p50 {g[50]:.3g}, p90 {g[90]:.3g}, p99 {g[99]:.3g}; p90/√k "
+        f"{t['per_tensor']:.3g} (k = {t['num_tensors']}); value ±{t['value']:.3g} |"
+      )
+    else:
+      th_rows.append(
+        f"| {n} | gradient p50 {t['gradient p50']}; per group p50 {t['per group p50']}; "
+        f"update p50 {t['update p50']} |"
+      )
+  thresholds = "\n".join(th_rows)
+  w = text["windows"]
+  return f"""## Text task: a byte-level language model
+
+![Median validation bits/byte per setting and method]({figure_name})
+
+**Data.** The bytes of Python's own standard library: the sorted `*.py` files at the top of
+`sysconfig.get_paths()["stdlib"]` (here `{corpus["root"]}`, Python {corpus["python"]},
+{corpus["files"]} files); every tenth file of the sorted list ({corpus["validation files"]} files,
+{corpus["validation bytes"]:,} bytes) is held out, the rest ({corpus["train bytes"]:,} bytes)
+trains. SHA-256 of the file list (`name<TAB>size` lines): `{corpus["files_sha256"]}`; of the
+bytes: `{corpus["bytes_sha256"]}`. Another Python version has other files and other numbers.
+
+**Model.** A pre-LayerNorm causal transformer from flax linen layers (`nn.Embed`, `nn.Dense`,
+`nn.LayerNorm`, `nn.dot_product_attention`): d_model {c["d_model"]}, layers {c["layers"]},
+{c["heads"]} heads, MLP width {4 * c["d_model"]}, context {c["context"]} bytes, byte embedding
+tied to the unembedding, {text["parameters"]:,} parameters. Each seed trains on
+{cfg["batch"]} random windows per step for {cfg["steps"]} steps (seed `s` draws step `i`'s windows
+from `fold_in(key(s + 10000), i)`), then is scored on {cfg["validation_windows"]} fixed windows
+spread over the held-out files: **validation bits per byte** (next-byte cross-entropy / ln 2;
+a model that learned nothing scores 8).
+
+**Loss spikes.** A step spikes when its training loss is not finite or above
+{st.SPIKE_FACTOR:g} times the median of the {st.SPIKE_WINDOW} steps before it; consecutive
+spiking steps count as one spike. The table gives spikes summed over the seeds and, in
+brackets, the number of seeds with at least one.
+
+| setting | optimizer |
+|---|---|
+{settings}
+
+**Thresholds.** As for the other tasks, from seed {RECORD_SEED} trained without clipping in
+each setting, its first {text["record window"]} steps (`suggest_threshold` reads the
+`record_norms` states of that run, stacked over the steps). For Muon the run also records the
+global norm of the optimizer's update (for a clip after it) and of the gradient within each
+group (`muon`: the hidden weight matrices; `adam`: embeddings, norms, biases).
+
+| setting | fixed thresholds |
+|---|---|
+{thresholds}
+
+### Results
+
+Median, quartiles, best and worst are over seeds (`method="lower"`); "clipped" is the share
+of steps on which the clip changed what it saw (for Muon's clip after the optimizer: the
+update).
+
+{text_table(text["rows"])}
+
+### The recipe: recording window, percentile, warm-up
+
+The threshold `suggest_threshold` gives after recording the first {w[0]}, {w[1]} or {w[2]}
+steps of the unclipped run of seed {RECORD_SEED}, and the share of the steps of the
+{text["rows"][0]["seeds"]} seeds trained without clipping (all {cfg["steps"]} steps; only those
+after step {w[2]}) whose gradient norm is above it: about the share such a clip would act on.
+
+{recipe_table(text["recipe"])}
+
+The text task took {text["seconds"]:.0f} s of the study's wall time.
+"""
+
+
 def load_average() -> str:
   try:
     return ", ".join(f"{x:.2f}" for x in os.getloadavg())
@@ -465,8 +815,9 @@ def write_page(
   wall,
   load_start,
   load_end,
-  figure_name: str,
   command: str,
+  text: dict[str, Any] | None = None,
+  task_seconds: dict[str, float] | None = None,
 ) -> None:
   settings = "\n".join(
     f"| {t.name} | {t.description} | {t.optimizer_text} | {t.steps} | {t.loss_text} "
@@ -479,16 +830,23 @@ def write_page(
     + f" | {th.per_tensor:.3g} | ±{th.value:.3g} | {th.nonfinite} |"
     for name, th in thresholds.items()
   )
-  text = f"""# Clipping study
+  figures = "\n\n".join(
+    f"![{name}: median final loss per method]({figure_name(name)})" for name in all_tasks
+  )
+  timing = ""
+  if task_seconds:
+    timing = " Per task: " + ", ".join(f"{n} {v:.0f} s" for n, v in task_seconds.items()) + "."
+  page = f"""# Clipping study
 
-Which clip, and which threshold, on three small tasks, {seeds} seeds per method.
-What it means for choosing a clip and a threshold is summarised in
+Which clip, and which threshold, on three small tasks and a byte-level language model,
+{seeds} seeds per method. What it means for choosing a clip and a threshold is summarised in
 [Which clip?](which_clip.md). Generated by `{command}`
-(`examples/clipping_study.py`; the numbers below are from that run).
+(`examples/clipping_study.py` and `examples/_study_text.py`; the numbers below are from that
+run).
 
-![Median final loss per task and method]({figure_name})
+{figures}
 
-## Tasks
+## The synthetic tasks
 
 Every method trains the same {seeds} seeds (seed `s` initialises from `key(s)` and draws
 batch `i` from `fold_in(key(s + 10000), i)`), all seeds at once (`jax.vmap` inside one
@@ -499,10 +857,10 @@ steps (`inf` if any of them is not finite); a seed succeeds if it is below the t
 |---|---|---|---:|---|---|---:|
 {settings}
 
-## Thresholds
+### Thresholds
 
 Each task first trains seed {RECORD_SEED} (no method trains it) for
-{next(iter(thresholds.values())).recorded_steps} steps without clipping and records the
+{next((t.recorded_steps for t in thresholds.values()), 0)} steps without clipping and records the
 pre-clip global norm and the largest absolute gradient entry of every step. Then:
 
 * `clip_by_global_norm(pP)`: `jaxclip.suggest_threshold(norms, percentile=P).max_norm`
@@ -518,7 +876,7 @@ pre-clip global norm and the largest absolute gradient entry of every step. Then
 |---|---:|---:|---:|---:|---:|---:|---:|
 {recorded}
 
-## Results
+### Results
 
 "clipped" is the share of steps on which the method changed the gradient (a norm clip:
 the pre-clip norm was above its threshold) or, for skip_on_spike, skipped the step.
@@ -526,11 +884,30 @@ Median and quartiles are over seeds (`method="lower"`: always one seed's value).
 
 {markdown_table(rows)}
 
+{text_section(text, figure_name("text")) if text else ""}
 Wall time {wall:.0f} s on {platform.machine()} CPU ({os.cpu_count()} cores, shared), load
 average (1, 5, 15 min) {load_start} at the start and {load_end} at the end; jax
-{jax.__version__}, optax {optax.__version__}.
+{jax.__version__}, optax {optax.__version__}, flax {flax.__version__}.{timing}
 """
-  path.write_text(text)
+  path.write_text(page)
+
+
+def figure_name(task: str) -> str:
+  return f"clipping_study_{task}.png"
+
+
+def draw(rows, all_tasks, text, out: Path, inputs: list, command: str) -> list[Path]:
+  """One figure per task, each with its provenance record."""
+  paths = []
+  for name, task in all_tasks.items():
+    paths.append(out / figure_name(name))
+    plot([r for r in rows if r["task"] == name], {name: task}, paths[-1])
+  if text is not None:
+    paths.append(out / figure_name("text"))
+    plot_text(text, paths[-1])
+  for path in paths:
+    write_record(path, inputs, command)
+  return paths
 
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
@@ -543,28 +920,31 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     default=100,
     help="steps of the unclipped run that sets the fixed thresholds",
   )
-  parser.add_argument("--tasks", nargs="+", default=None, help="a subset of adding copy heavy-tail")
+  parser.add_argument(
+    "--tasks", nargs="+", default=None, help="a subset of adding copy heavy-tail text"
+  )
   parser.add_argument(
     "--out",
     type=Path,
     default=DOCS,
-    help="folder for clipping_study.md and clipping_study.png (default docs/)",
+    help="folder for clipping_study.md, .json and the figures (default docs/)",
   )
   parser.add_argument("--tiny", action="store_true", help="a seconds-long run (smoke tests)")
   parser.add_argument(
     "--replot",
     type=Path,
     default=None,
-    help="redraw the page and figure from a saved clipping_study.json",
+    help="redraw the page and figures from a saved clipping_study.json",
   )
   args = parser.parse_args(argv)
   if args.seeds < 1:
     parser.error("--seeds must be at least 1")
   record_steps = min(args.record_steps, 20) if args.tiny else args.record_steps
   all_tasks = tasks(args.tiny)
-  if args.tasks:
-    all_tasks = {n: all_tasks[n] for n in args.tasks}
+  names = args.tasks or [*all_tasks, "text"]
+  all_tasks = {n: all_tasks[n] for n in names if n != "text"}
   seeds = [args.seed + i for i in range(args.seeds)]
+  inputs = [__file__, st.__file__, eg.__file__]
   if args.replot is not None:
     saved = json.loads(args.replot.read_text())
     all_tasks = {n: all_tasks[n] for n in saved["thresholds"]}
@@ -572,29 +952,30 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
       n: Thresholds(**{**t, "global_norm": {int(p): v for p, v in t["global_norm"].items()}})
       for n, t in saved["thresholds"].items()
     }
-    plot(saved["rows"], all_tasks, args.out / "clipping_study.png")
-    write_record(
-      args.out / "clipping_study.png",
-      [__file__, eg.__file__, args.replot],
-      " ".join(["python examples/clipping_study.py", *(sys.argv[1:] if argv is None else argv)]),
+    command = " ".join(
+      ["python examples/clipping_study.py", *(sys.argv[1:] if argv is None else argv)]
     )
+    text = saved.get("text")
+    draw(saved["rows"], all_tasks, text, args.out, [*inputs, args.replot], command)
     write_page(
       args.out / "clipping_study.md",
       saved["rows"],
       all_tasks,
       thresholds,
-      saved["rows"][0]["seeds"],
+      saved["seeds"],
       saved["wall"],
       saved["load_start"],
       saved["load_end"],
-      "clipping_study.png",
       saved["command"],
+      text,
+      saved.get("task_seconds"),
     )
     return saved["rows"]
   load_start = load_average()
   start = time.perf_counter()
-  rows, thresholds, histories = [], {}, {}
+  rows, thresholds, histories, task_seconds = [], {}, {}, {}
   for tname, task in all_tasks.items():
+    task_start = time.perf_counter()
     thresholds[tname] = th = record_thresholds(task, record_steps)
     print(f"\n{tname}: {task.description}; {task.optimizer_text}\n  thresholds: {th.explanation}")
     histories[tname] = {}
@@ -612,26 +993,35 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
       )
     print(f"\n{tname}: success = final loss < {task.target:.3g} on k of {len(seeds)} seeds")
     print(eg.format_table([eg.summary_row(n, h, task.target) for n, h in histories[tname].items()]))
+    task_seconds[tname] = time.perf_counter() - task_start
+  text = None
+  if "text" in names:
+    print("\ntext: byte-level transformer on Python's standard library")
+    text = run_text(args.tiny, seeds, record_steps)
+    task_seconds["text"] = text["seconds"]
   wall = time.perf_counter() - start
   args.out.mkdir(parents=True, exist_ok=True)
-  plot(rows, all_tasks, args.out / "clipping_study.png")
   command = "python examples/clipping_study.py" + (" " + " ".join(argv) if argv else "")
   load_end = load_average()
   (args.out / "clipping_study.json").write_text(
     json.dumps(
       {
         "rows": rows,
+        "seeds": len(seeds),
         "wall": wall,
+        "task_seconds": task_seconds,
         "load_start": load_start,
         "load_end": load_end,
         "command": command,
         "thresholds": {n: t._asdict() for n, t in thresholds.items()},
+        "text": text,
       },
       indent=1,
     )
   )
-  figure_inputs = [__file__, eg.__file__, args.out / "clipping_study.json"]
-  write_record(args.out / "clipping_study.png", figure_inputs, command)
+  paths = draw(
+    rows, all_tasks, text, args.out, [*inputs, args.out / "clipping_study.json"], command
+  )
   write_page(
     args.out / "clipping_study.md",
     rows,
@@ -641,11 +1031,12 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     wall,
     load_start,
     load_end,
-    "clipping_study.png",
     command,
+    text,
+    task_seconds,
   )
   print(f"\nwall time {wall:.0f} s; load average {load_start} -> {load_average()}")
-  print(f"wrote {args.out / 'clipping_study.md'} and {args.out / 'clipping_study.png'}")
+  print(f"wrote {args.out / 'clipping_study.md'} and {', '.join(p.name for p in paths)}")
   return rows
 
 

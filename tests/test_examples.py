@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -164,7 +165,7 @@ def test_equinox_example_runs(capsys):
 
 
 def test_clipping_study_tiny_run(tmp_path):
-  # In a fresh process: the tiny study is compile-bound (33 training loops), and XLA
+  # In a fresh process: the tiny study is compile-bound (36 training loops), and XLA
   # compiles about twice as fast without its backend optimisations.
   path = [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]
   env = {
@@ -195,6 +196,7 @@ def test_clipping_study_tiny_run(tmp_path):
   rows, thresholds = saved["rows"], saved["thresholds"]
   task_names = list(study.tasks(tiny=True))
   assert task_names == ["adding", "copy", "heavy-tail"] == list(thresholds)
+  check_study_text(study, saved["text"])
   method_names = [r["method"] for r in rows if r["task"] == "adding"]
   assert len(method_names) == 11 and method_names[0] == "no clipping"
   # One row per task and method, in order, with sane values.
@@ -223,20 +225,77 @@ def test_clipping_study_tiny_run(tmp_path):
   page = (tmp_path / "clipping_study.md").read_text()
   for r in rows:
     assert f"| {r['task']} | {r['method']} | {r['threshold']} | {r['success']}/2 |" in page
-  assert (tmp_path / "clipping_study.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+  for name in [*task_names, "text"]:  # one figure per task, each linked from the page
+    figure = f"clipping_study_{name}.png"
+    assert (tmp_path / figure).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert f"]({figure})" in page
+  for r in saved["text"]["rows"]:
+    assert f"| {r['setting']} | {r['method']} | {r['threshold']} | {r['median']:.3f} |" in page
   again = tmp_path / "again"
   study.main(["--tiny", "--replot", str(tmp_path / "clipping_study.json"), "--out", str(again)])
   assert (again / "clipping_study.md").read_text() == page
-  record = json.loads((again / "clipping_study.png.json").read_text())
+  record = json.loads((again / "clipping_study_text.png.json").read_text())
   assert set(record["inputs"]) == {
     "examples/clipping_study.py",
+    "examples/_study_text.py",  # the text task
     "examples/exploding_gradients.py",  # its training loop made the data
     str((tmp_path / "clipping_study.json").resolve()),  # the data it drew
   }
 
 
+def check_study_text(study, text):
+  """The tiny study's text task: its corpus, scores, spikes, Muon placements and recipe table."""
+  corpus = study.st.load_corpus(max_files=20)
+  assert text["corpus"]["files"] == 20 and text["corpus"]["validation files"] == 2
+  assert text["corpus"]["files_sha256"] == corpus.files_sha256
+  assert text["corpus"]["bytes_sha256"] == corpus.bytes_sha256
+  assert text["corpus"]["train bytes"] == corpus.train.size > 0
+  settings = list(text["settings"])
+  assert [s.split()[0] for s in settings] == ["AdamW"] * 4 + ["Muon"]
+  rows = {(r["setting"], r["method"]): r for r in text["rows"]}
+  high, muon = settings[2], settings[4]
+  assert list(rows) == [
+    (high, "no clipping"),
+    (high, "clip_by_global_norm(p50)"),
+    *((muon, m) for m in study.TEXT_MUON_TINY),
+  ]
+  for r in text["rows"]:
+    # Bits per byte: below the 8 of a model that learned nothing, on every seed.
+    assert 0 < r["best"] <= r["q25"] <= r["median"] <= r["q75"] <= r["worst"] < 8, r
+    assert r["seeds"] == 2 and 0 <= r["seeds with spikes"] <= 2 and r["spikes"] >= 0, r
+  assert rows[high, "no clipping"]["clipped"] == 0.0
+  p50 = text["thresholds"][high]["global_norm"]["50"]
+  assert rows[high, "clip_by_global_norm(p50)"]["max post-clip norm"] <= p50 * (1 + 1e-5)
+  # Muon: the clip after the optimizer bounds the update's norm by its threshold.
+  after = rows[muon, "clip update after (global p50)"]
+  assert after["max post-clip norm"] <= float(after["threshold"]) * (1 + 1e-3)
+  assert 0 < after["clipped"] < 1
+  # The recipe table: every window and percentile; a higher percentile, a higher threshold.
+  recipe = text["recipe"]
+  assert [(r["window"], r["percentile"]) for r in recipe] == [
+    (w, p) for w in text["windows"] for p in (50, 90, 99)
+  ]
+  for w in text["windows"]:
+    mine = [r for r in recipe if r["window"] == w]
+    assert mine[0]["threshold"] <= mine[1]["threshold"] <= mine[2]["threshold"], w
+    assert mine[0]["clipped"] >= mine[1]["clipped"] >= mine[2]["clipped"], w
+
+
+def test_study_spikes_count_each_run_of_high_losses_once():
+  study = load("clipping_study")
+  loss = np.full((2, 120), 2.0)
+  loss[0, 60:63] = 3.0  # one spike of three steps
+  loss[0, 90] = 2.4  # under 1.25 times the median: not a spike
+  loss[1, 70] = np.nan  # a non-finite loss is a spike
+  loss[1, 100] = 2.6
+  loss[1, 10] = 9.0  # before a full window of history: not counted
+  np.testing.assert_array_equal(study.st.spikes(loss), [1, 2])
+
+
 def test_dp_sgd_tiny_run(tmp_path, capsys):
   pytest.importorskip("dp_accounting")
+  import jaxclip
+
   example = load("dp_sgd")
   out = tmp_path / "dp.png"
   results = example.main(["--tiny", "--out", str(out)])
@@ -250,54 +309,57 @@ def test_dp_sgd_tiny_run(tmp_path, capsys):
   printed = capsys.readouterr().out
   assert f"plot written to {out}" in printed
   assert "Poisson batches, sampling rate q=0.0625" in printed
-  # The printed ε is dp_accounting's for the run's (q, z, steps, δ).
+  # The noise comes from calibrate_noise for the target ε = 2: the printed ε (dp_epsilon,
+  # PLD) of both multipliers is at most 2, and 1% less noise would miss it.
   q, steps = 64 / 1024, 60
-  for name in ("pld", "rdp"):
-    value = example.epsilon(q, 1.0, steps, 1e-5, name)
-    assert f"ε={value:.3f} ({name.upper()})" in printed, name
-  assert list(results) == ["non-private", "DP-SGD"]
-  plain, dp = results["non-private"], results["DP-SGD"]
+  sigmas = [float(s) for s in re.findall(r"σ=(\d+\.\d{4})", printed)]
+  epsilons = [float(e) for e in re.findall(r"ε=(\d+\.\d{3}) \(PLD\)", printed)]
+  assert len(sigmas) == 2 and sigmas[1] > sigmas[0] and len(epsilons) == 2
+  assert all(1.9 < e <= 2.0 for e in epsilons), epsilons
+  for sigma, count in zip(sigmas, (None, 64 / 20), strict=True):
+    assert jaxclip.dp_epsilon(sigma / 1.01, q, steps, 1e-5, count_stddev=count) > 2.0
+  assert list(results) == ["non-private", "fixed C", "adaptive C", "normalized"]
+  plain = results["non-private"]
   for name, h in results.items():
     assert h.loss.shape == h.clip_norm.shape == h.median_norm.shape == (60,), name
     assert np.all(np.isfinite(h.loss)), name
-    assert 0.0 <= h.test_accuracy <= 1.0 and 0.0 <= h.train_accuracy <= 1.0, name
+    assert 0.0 <= h.test_accuracy <= 1.0, name
     assert f"\n{name} " in printed, name  # a table row
     assert list(h.eval_steps) == [30, 60] and h.eval_accuracy[-1] == h.test_accuracy, name
+    # Poisson batches: every run draws the same ones, around the expected 64.
+    np.testing.assert_array_equal(h.batch_size, plain.batch_size)
+    assert not h.overflow.any(), name
   assert np.all(np.isnan(plain.clip_norm))
-  # Poisson batches: sizes vary around the expected 64, both runs draw the same ones.
-  np.testing.assert_array_equal(plain.batch_size, dp.batch_size)
-  assert len(set(dp.batch_size.tolist())) > 5 and 50 < dp.batch_size.mean() < 78
-  assert not dp.overflow.any()
-  # C starts at --initial-clip, far below the per-example norms, and moves up to them:
+  assert len(set(plain.batch_size.tolist())) > 5 and 50 < plain.batch_size.mean() < 78
+  # The fixed C is the public median norm, the same in the fixed and normalized runs.
+  fixed, adaptive, normalized = (results[n] for n in ("fixed C", "adaptive C", "normalized"))
+  assert np.all(fixed.clip_norm == fixed.clip_norm[0]) and fixed.clip_norm[0] > 0.1
+  np.testing.assert_array_equal(normalized.clip_norm, fixed.clip_norm)
+  assert f"fixed C = {fixed.clip_norm[0]:.4g}" in printed
+  # The adaptive C starts at --initial-clip, far below the norms, and moves up to them:
   # it ends within a factor 3 of the median norm, from a factor of over 10 below.
-  assert dp.clip_norm[0] == pytest.approx(0.1)
-  assert np.all(np.isfinite(dp.clip_norm)) and np.all(dp.clip_norm > 0)
-  assert dp.median_norm[0] > 10 * dp.clip_norm[0]
-  late_norm = np.median(dp.median_norm[-10:])
-  assert late_norm / 3 < dp.clip_norm[-1] < 3 * late_norm
-  assert np.all((dp.clipped >= 0) & (dp.clipped <= 1))
-  assert dp.clipped[0] == 1.0  # C = 0.1 clips every example of the first batch
-  # Both runs learn, the private one too.
-  for name, h in results.items():
-    assert np.mean(h.loss[-10:]) < 0.8 * np.mean(h.loss[:10]), name
+  assert adaptive.clip_norm[0] == pytest.approx(0.1)
+  assert np.all(np.isfinite(adaptive.clip_norm)) and np.all(adaptive.clip_norm > 0)
+  assert adaptive.median_norm[0] > 10 * adaptive.clip_norm[0]
+  late_norm = np.median(adaptive.median_norm[-10:])
+  assert late_norm / 3 < adaptive.clip_norm[-1] < 3 * late_norm
+  assert adaptive.clipped[0] == 1.0  # C = 0.1 clips every example of the first batch
+  for h in (fixed, adaptive, normalized):
+    assert np.all((h.clipped >= 0) & (h.clipped <= 1))
+  # The non-private run learns.
+  assert np.mean(plain.loss[-10:]) < 0.8 * np.mean(plain.loss[:10])
 
 
 def test_dp_sgd_without_noise_or_clipping_is_the_plain_run():
-  # No noise and a C far above every norm: DP-SGD's step is the mean gradient,
+  # No noise and a C far above every norm: the private step is the mean gradient,
   # so with the same initialisation, batches and optimizer it retraces the plain run.
   example = load("dp_sgd")
   pytest.importorskip("scipy")
-  config = example.Config(
-    steps=20,
-    train_size=256,
-    test_size=64,
-    hidden=8,
-    batch=32,
-    chunk=20,
-    noise_multiplier=0.0,
-    initial_clip=1e6,
+  config = example.Config(steps=20, train_size=256, test_size=64, hidden=8, batch=32, chunk=20)
+  privacy = example.Privacy(
+    sigma=0.0, sigma_adaptive=0.0, count_stddev=1.6, fixed_clip=1e6, rows=64, p_overflow=0.0
   )
-  plain, _ = example.train(config, private=False)
-  dp, _ = example.train(config, private=True)
-  assert np.all(dp.clipped == 0) and np.all(dp.clip_norm > 1e5)
+  plain, _ = example.train(config, "non-private", privacy)
+  dp, _ = example.train(config, "fixed C", privacy)
+  assert np.all(dp.clipped == 0) and np.all(dp.clip_norm == 1e6)
   np.testing.assert_allclose(dp.loss, plain.loss, rtol=1e-4)
