@@ -63,7 +63,42 @@ def _seconds(item: pytest.Item) -> float:
 
 # Test files whose tests share a module-scoped fixture (a build, a job of
 # several processes): one unit. test_one_unit_per_shared_fixture checks the list.
-SHARED_FIXTURE_FILES = ("tests/test_docs.py", "tests/test_multihost.py", "tests/test_wheel.py")
+SHARED_FIXTURE_FILES = (
+  "tests/test_docs.py",
+  "tests/test_multihost.py",
+  "tests/test_muon_clip.py",
+  "tests/test_threshold_state.py",
+  "tests/test_wheel.py",
+)
+
+# Whole-program checks, marked ``slow``: they run the examples, notebooks and
+# benchmarks, build the docs and the wheel, run the linters, or start
+# subprocesses of 8 virtual devices or of several hosts. The README's test
+# command leaves them out (``-m "not slow"``, the library's own tests, in a
+# few minutes); ``.ci/run`` then runs them (``-m slow``), so every test runs in
+# CI. test_slow_marker_covers_the_whole_program_checks checks the lists.
+SLOW_FILES = (
+  "tests/test_benchmarks.py",
+  "tests/test_docs.py",
+  "tests/test_examples.py",
+  "tests/test_figures.py",
+  "tests/test_lint.py",
+  "tests/test_multihost.py",
+  "tests/test_notebooks.py",
+  "tests/test_wheel.py",
+)
+SLOW_TESTS = (
+  "test_multi_device[",  # the 8-device subprocess of a file's md_* checks
+  "test_collectives",
+  "test_fsdp_example_runs",
+  "test_zoo_benchmark_quick_run",
+)
+
+
+def is_slow(nodeid: str) -> bool:
+  """Whether a test is a whole-program check (``-m slow``)."""
+  path, _, name = nodeid.partition("::")
+  return path in SLOW_FILES or name.startswith(SLOW_TESTS)
 
 
 def work_unit(nodeid: str) -> str:
@@ -92,6 +127,9 @@ def pytest_xdist_make_scheduler(config, log):
 
 
 def pytest_collection_modifyitems(config, items):
+  for item in items:
+    if is_slow(item.nodeid):
+      item.add_marker(pytest.mark.slow)
   items.sort(key=lambda item: -_seconds(item))  # stable: the rest keep their order
 
 

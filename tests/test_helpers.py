@@ -96,3 +96,19 @@ def test_one_unit_per_shared_fixture():
   units.add(conftest.work_unit("tests/test_x.py::test_collectives"))
   assert len(units) == 1
   assert conftest.work_unit("tests/test_x.py::test_y[1]") == "tests/test_x.py::test_y[1]"
+
+
+def test_slow_marker_covers_the_whole_program_checks():
+  # Every listed file exists, and every file's subprocess of devices (its md_* checks) is
+  # the test the name rule marks: `test_multi_device = multi_device_checks(...)`.
+  for path in conftest.SLOW_FILES:
+    assert (ROOT / path).is_file(), path
+  for path in sorted((ROOT / "tests").glob("test_*.py")):
+    text, rel = path.read_text(), path.relative_to(ROOT).as_posix()
+    if rel != "tests/test_helpers.py" and "multi_device_checks(" in text:
+      assert re.search(r"^test_multi_device = multi_device_checks\(", text, re.M), rel
+  assert conftest.is_slow("tests/test_ghost.py::test_multi_device[md_ghost_in_shard_map]")
+  assert conftest.is_slow("tests/test_examples.py::test_dp_sgd_tiny_run")
+  assert conftest.is_slow("tests/test_distributed.py::test_collectives[psum]")
+  assert not conftest.is_slow("tests/test_ops.py::test_clip_by_value")
+  assert not conftest.is_slow("tests/test_ghost.py::test_gpt_with_tied_head_matches_vmap")
