@@ -169,24 +169,28 @@ class _LinenGPT(nn.Module):
     return embed.attend(nn.LayerNorm()(h))
 
 
+def _linen_model(name: str, module: nn.Module, make: Callable, description: str) -> Model:
+  """A linen module that maps one example to logits, scored by cross-entropy."""
+  params = _run_once(module.init, jax.random.key(0), make(1, 0)[0][0])["params"]
+
+  def loss_fn(params, x, y):
+    return _xent(module.apply({"params": params}, x), y)
+
+  return Model(name, description, params, loss_fn, make)
+
+
 def _linen_scan_gpt(size: str) -> Model:
   cfg = _LM[size]
   model = _LinenGPT(**cfg)
   make = _tokens(cfg)
-  params = _run_once(model.init, jax.random.key(0), make(1, 0)[0][0])["params"]
-
-  def loss_fn(params, x, y):
-    return _xent(model.apply({"params": params}, x), y)
-
-  return Model(
+  return _linen_model(
     "linen_scan_gpt",
+    model,
+    make,
     f"flax linen GPT: nn.Embed (tied head via attend), learned positions, "
     f"{cfg['layers']} blocks of LayerNorm + causal MultiHeadDotProductAttention "
     f"({cfg['heads']} heads) + Dense MLP under nn.scan(nn.remat(Block)); vocab "
     f"{cfg['vocab']}, d {cfg['d']}, T {cfg['seq']}",
-    params,
-    loss_fn,
-    make,
   )
 
 
@@ -204,19 +208,13 @@ def _linen_lstm(size: str) -> Model:
   cfg = _LM[size]
   model = _LinenLSTM(cfg["vocab"], cfg["d"])
   make = _tokens(cfg)
-  params = _run_once(model.init, jax.random.key(0), make(1, 0)[0][0])["params"]
-
-  def loss_fn(params, x, y):
-    return _xent(model.apply({"params": params}, x), y)
-
-  return Model(
+  return _linen_model(
     "linen_lstm",
+    model,
+    make,
     f"flax linen LSTM language model: nn.Embed, nn.RNN(nn.LSTMCell) (its weights "
     f"read by every step of the scan), Dense head on every step; vocab {cfg['vocab']}, "
     f"d {cfg['d']}, T {cfg['seq']}",
-    params,
-    loss_fn,
-    make,
   )
 
 
@@ -235,18 +233,12 @@ def _linen_cnn(size: str) -> Model:
   side = 32 if size == "bench" else cfg["side"]
   model = _LinenCNN(cfg["classes"])
   make = _images((side, side, 3), cfg["classes"])
-  params = _run_once(model.init, jax.random.key(0), make(1, 0)[0][0])["params"]
-
-  def loss_fn(params, x, y):
-    return _xent(model.apply({"params": params}, x), y)
-
-  return Model(
+  return _linen_model(
     "linen_cnn",
+    model,
+    make,
     f"flax linen small CNN: Conv 3x3 stride 2 (16 channels), Conv 3x3 stride 2 (32), "
     f"Dense head on the flattened features; images {side}x{side}x3, {cfg['classes']} classes",
-    params,
-    loss_fn,
-    make,
   )
 
 
@@ -276,20 +268,14 @@ def _linen_shared_gpt(size: str) -> Model:
   cfg = _LM[size]
   model = _LinenSharedGPT(**cfg)
   make = _tokens(cfg)
-  params = _run_once(model.init, jax.random.key(0), make(1, 0)[0][0])["params"]
-
-  def loss_fn(params, x, y):
-    return _xent(model.apply({"params": params}, x), y)
-
-  return Model(
+  return _linen_model(
     "linen_shared_gpt",
+    model,
+    make,
     f"flax linen ALBERT-style GPT: nn.Embed, positions looked up at jnp.arange(T), one "
     f"block of LayerNorm + causal MultiHeadDotProductAttention ({cfg['heads']} heads) + "
     f"Dense MLP applied {cfg['layers']} times by nn.scan(variable_broadcast='params'), "
     f"untied Dense head; vocab {cfg['vocab']}, d {cfg['d']}, T {cfg['seq']}",
-    params,
-    loss_fn,
-    make,
   )
 
 
