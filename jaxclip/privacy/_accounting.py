@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import operator
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -49,14 +48,11 @@ def _check(
   _validation.check_hparam(
     delta, "delta", lo=0.0, hi=1.0, lo_open=True, hi_open=True, scalar=True, static=True
   )
-  if isinstance(steps, bool):
-    raise TypeError(f"steps must be an int, got {steps!r}.")
-  try:
-    n = operator.index(steps)
-  except TypeError:
-    raise TypeError(f"steps must be an int, got {steps!r:.100}.") from None
-  if n < 0:
-    raise ValueError(f"steps must be non-negative, got {steps!r}.")
+  n = _validation.check_size(steps, "steps", minimum=0)
+  if n is None:
+    raise TypeError(
+      "steps must be a Python int (the accountant runs in Python), got a traced value."
+    )
   if accountant not in _ACCOUNTANTS:
     raise ValueError(f"{fn_name}'s accountant must be one of {_ACCOUNTANTS}, got {accountant!r}.")
   if count_stddev is not None:
