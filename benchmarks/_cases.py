@@ -15,7 +15,8 @@ import numpy as np
 import optax
 
 import jaxclip
-from benchmarks import _every, _model, _timing, _trees
+from benchmarks import _model, _timing
+from tests import every, trees
 
 MAX_NORM = 1.0
 
@@ -60,16 +61,6 @@ TRAIN_OPTAX = {
 TRAIN_EXTRA_READS = {"adam": 0, "jaxclip.clip_by_value + adam": 0, "optax.clip + adam": 0}
 
 
-def compile_train_step(tx: optax.GradientTransformation, params: Any, grads: Any):
-  def step(params, opt_state, grads):
-    updates, opt_state = tx.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state
-
-  opt_state = tx.init(params)
-  compiled = jax.jit(step, donate_argnums=(0, 1)).lower(params, opt_state, grads).compile()
-  return compiled, opt_state
-
-
 def run_train_steps(shapes: dict, reps: int) -> list[dict]:
   """Median step time of every train case, the cases interleaved.
 
@@ -79,14 +70,14 @@ def run_train_steps(shapes: dict, reps: int) -> list[dict]:
   the cases one after the other would put the drift into their ratios. The
   floor's read pass over the gradients' bytes is timed in the same turns.
   """
-  grads = _trees.make_tree(shapes, seed=2)
-  flat = jnp.full((_trees.num_params(shapes),), 1e-3, jnp.float32)
+  grads = trees.make_tree(shapes, seed=2)
+  flat = jnp.full((trees.num_params(shapes),), 1e-3, jnp.float32)
   read = jax.jit(jnp.sum).lower(flat).compile()
   steps = {"floor: read pass": (lambda x: (read(x), x), flat)}
   temps = {}
   for name, make in TRAIN_CASES.items():
-    params = _trees.make_tree(shapes, seed=1)
-    compiled, opt_state = compile_train_step(make(), params, grads)
+    params = trees.make_tree(shapes, seed=1)
+    compiled, opt_state = trees.compile_train_step(make(), params, grads)
     steps[name] = (lambda s, c=compiled: (s := c(*s, grads), s), (params, opt_state))
     temps[name] = _temp_mb(compiled)
   seconds = _timing.time_interleaved(steps, reps)
@@ -239,7 +230,7 @@ def run_standalone(
   Every case, the floor's two passes included, is timed interleaved with the
   others (see :func:`_timing.time_interleaved`).
   """
-  nbytes, num = _nbytes(_trees.make_tree(shapes, dtype)), _trees.num_params(shapes)
+  nbytes, num = _nbytes(trees.make_tree(shapes, dtype)), trees.num_params(shapes)
   dname = jnp.dtype(dtype).name
   flat = jnp.full((num,), 1e-3, dtype)
   read = jax.jit(jnp.sum).lower(flat).compile()
@@ -253,14 +244,14 @@ def run_standalone(
     "scale": (lambda x: (y := scale(x, jnp.float32(0.999)), y), jnp.full((num,), 1e-3, dtype)),
   }
   temps = {}
-  norm_tree = _trees.make_tree(shapes, dtype)
+  norm_tree = trees.make_tree(shapes, dtype)
   for lib, norm_fn in (("jaxclip", jaxclip.ops.global_norm), ("optax", optax.tree.norm)):
     compiled = jax.jit(norm_fn).lower(norm_tree).compile()
     steps[f"{lib} norm"] = (lambda t, c=compiled: (c(t), t), norm_tree)
     temps[f"{lib} norm"] = _temp_mb(compiled)
   for lib, make in (("jaxclip", jaxclip.clip_by_global_norm), ("optax", optax.clip_by_global_norm)):
     tx = make(MAX_NORM)
-    tree = _trees.make_tree(shapes, dtype)
+    tree = trees.make_tree(shapes, dtype)
     state = tx.init(tree)
     compiled = (
       jax.jit(lambda t, tx=tx, state=state: tx.update(t, state)[0], donate_argnums=0)
@@ -353,11 +344,11 @@ TRANSFORMS = {
 }
 
 
-# Every other transform of jaxclip.__all__ (benchmarks/_every.py), so that a
+# Every other transform of jaxclip.__all__ (tests/every.py), so that a
 # new one is timed without anyone adding it here.
-for _name in _every.factories():
+for _name in every.factories():
   if not any(k == _name or k.startswith(_name + "(") for k in TRANSFORMS):
-    TRANSFORMS[_name] = (lambda n=_name: _every.build(n), None)
+    TRANSFORMS[_name] = (lambda n=_name: every.build(n), None)
 
 
 def _make(impl: str) -> optax.GradientTransformation:
@@ -382,10 +373,10 @@ def compile_fn(impl: str):
 
 
 def compile_once(impl: str, leaves: int, mixed: bool) -> float:
-  shapes = _trees.many_leaf_shapes(leaves, mixed)
-  args = [_trees.make_tree(shapes)]
+  shapes = trees.many_leaf_shapes(leaves, mixed)
+  args = [trees.make_tree(shapes)]
   if _reads_params(impl):
-    args.append(_trees.make_tree(shapes, seed=1))
+    args.append(trees.make_tree(shapes, seed=1))
   return _timing.compile_seconds(compile_fn(impl), *args, jnp.float32(0.5))
 
 
@@ -496,7 +487,7 @@ def run_transform_compiles(
 def run_size_sweep(shrinks: list[int], reps: int, with_torch: bool) -> list[dict]:
   rows = []
   for shrink in shrinks:
-    shapes = _trees.gpt2_shapes(shrink)
+    shapes = trees.gpt2_shapes(shrink)
     res = {
       r["case"].split(" (")[0]: r
       for r in run_standalone(shapes, jnp.float32, reps, None, with_torch)
@@ -505,7 +496,7 @@ def run_size_sweep(shrinks: list[int], reps: int, with_torch: bool) -> list[dict
     torch_row = res["torch clip_grad_norm_(foreach=True)"]
     rows.append(
       {
-        "params": _trees.num_params(shapes),
+        "params": trees.num_params(shapes),
         "floor_ms": floor_ms,
         "jaxclip_ms": res["jaxclip.clip_by_global_norm"]["ms"],
         "optax_ms": res["optax.clip_by_global_norm"]["ms"],
@@ -532,9 +523,9 @@ def temp_bytes_table(shapes: dict) -> list[dict]:
   )
   rows = []
   for dtype in (jnp.float32, jnp.bfloat16, jnp.float16):
-    params = _trees.make_tree(shapes, dtype)
+    params = trees.make_tree(shapes, dtype)
     for name, make in cases.items():
-      compiled, _ = compile_train_step(make(), params, params)
+      compiled, _ = trees.compile_train_step(make(), params, params)
       rows.append(
         {
           "dtype": jnp.dtype(dtype).name,
@@ -548,7 +539,7 @@ def temp_bytes_table(shapes: dict) -> list[dict]:
 
 def check_numbers(tree_shapes: dict) -> None:
   """Sanity check before timing: jaxclip and optax clip to the same numbers."""
-  tree = _trees.make_tree(tree_shapes)
+  tree = trees.make_tree(tree_shapes)
   a, _ = jaxclip.clip_by_global_norm(0.1).update(tree, jaxclip.clip_by_global_norm(0.1).init(tree))
   b, _ = optax.clip_by_global_norm(0.1).update(tree, optax.EmptyState())
   for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):

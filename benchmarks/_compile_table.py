@@ -2,7 +2,7 @@
 
 ``python -m benchmarks --only transforms --leaves 400 5000`` (or this module
 directly, ``python -m benchmarks._compile_table --leaves 400``) profiles
-every factory of ``jaxclip.__all__`` (``benchmarks/_every.py``) twice: its
+every factory of ``jaxclip.__all__`` (``tests/every.py``) twice: its
 update ``chained`` in front of adam (``optax.chain(t, optax.adam(1e-3))``,
 what a user compiles) and ``alone``. Each profile runs in a fresh process
 and records the seconds to trace, lower and XLA-compile, the jaxpr's
@@ -28,7 +28,7 @@ from typing import Any
 import jax
 import optax
 
-from benchmarks import _every, _trees
+from tests import every, trees
 
 ADAM = "optax.adam"
 # Transforms profiled between two profiles of adam.
@@ -38,21 +38,8 @@ _ADAM_EVERY = 6
 def _chain(name: str, chained: bool) -> optax.GradientTransformation:
   if name == ADAM:
     return optax.adam(1e-3)
-  tx = _every.build(name)
+  tx = every.build(name)
   return optax.chain(tx, optax.adam(1e-3)) if chained else tx
-
-
-def _count_eqns(jaxpr: Any) -> int:
-  """Equations of ``jaxpr`` and of every jaxpr nested in its equations' params."""
-  total = 0
-  for eqn in jaxpr.eqns:
-    total += 1
-    for v in eqn.params.values():
-      for sub in v if isinstance(v, (tuple, list)) else (v,):
-        inner = getattr(sub, "jaxpr", sub)
-        if hasattr(inner, "eqns"):
-          total += _count_eqns(inner)
-  return total
 
 
 _HLO_INSTR = re.compile(r"^\s*(ROOT )?%?[\w.\-]+ = ", re.M)
@@ -60,8 +47,8 @@ _HLO_INSTR = re.compile(r"^\s*(ROOT )?%?[\w.\-]+ = ", re.M)
 
 def profile(name: str, leaves: int, chained: bool, compile_: bool = True) -> dict[str, Any]:
   """Trace, lower and (``compile_``) compile ``update`` of ``name`` on ``leaves`` mixed leaves."""
-  shapes = _trees.many_leaf_shapes(leaves, mixed=True)
-  updates, params = _trees.make_tree(shapes), _trees.make_tree(shapes, seed=1)
+  shapes = trees.many_leaf_shapes(leaves, mixed=True)
+  updates, params = trees.make_tree(shapes), trees.make_tree(shapes, seed=1)
   tx = _chain(name, chained)
   state = tx.init(params)
   t0 = time.perf_counter()
@@ -72,7 +59,7 @@ def profile(name: str, leaves: int, chained: bool, compile_: bool = True) -> dic
   out = {
     "trace": t1 - t0,
     "lower": t2 - t1,
-    "jaxpr_eqns": _count_eqns(traced.jaxpr.jaxpr),
+    "jaxpr_eqns": every.count_eqns(traced.jaxpr.jaxpr),
     "stablehlo_ops": lowered.as_text().count("stablehlo."),
   }
   if compile_:
@@ -107,7 +94,7 @@ def run(
   modes: tuple[bool, ...] = (True, False),
 ) -> list[dict[str, Any]]:
   """One row per transform, leaf count and mode, with adam's median in the same run."""
-  names = names if names is not None else _every.factories()
+  names = names if names is not None else every.factories()
   rows = []
   for leaves in leaf_counts:
     for chained in modes:

@@ -1,6 +1,6 @@
 """Ghost norms on the model zoo: ``python -m benchmarks.ghost --zoo``.
 
-For each model of :mod:`benchmarks._zoo` (at its ``"bench"`` size) and each
+For each model of :mod:`tests.zoo` (at its ``"bench"`` size) and each
 batch size ``B``, four ways to get one step's gradient, each jitted and
 compiled on its own:
 
@@ -39,7 +39,8 @@ import jaxlib
 import numpy as np
 
 import jaxclip
-from benchmarks import _cases, _main, _report, _timing, _zoo
+from benchmarks import _cases, _main, _report, _timing
+from tests import zoo
 
 METHODS = ("grad", "vmap", "ghost", "auto")
 BATCHES, QUICK_BATCHES = (16, 128), (4,)
@@ -51,7 +52,7 @@ TARGETS = {
 }
 
 
-def _cases_for(model: _zoo.Model) -> dict[str, Any]:
+def _cases_for(model: zoo.Model) -> dict[str, Any]:
   """``{method: fn(clip, params, x, y)}``."""
 
   def summed_loss(params, x, y):
@@ -70,7 +71,7 @@ def _cases_for(model: _zoo.Model) -> dict[str, Any]:
   return cases
 
 
-def plan_summary(model: _zoo.Model) -> dict:
+def plan_summary(model: zoo.Model) -> dict:
   """The fallback share and the instantiated leaves, from :func:`jaxclip.ghost_plan`."""
   if not hasattr(jaxclip, "ghost_plan"):
     return {"share": None, "fallback": [], "why": "jaxclip has no ghost_plan"}
@@ -108,7 +109,7 @@ def plan_summary(model: _zoo.Model) -> dict:
   return out
 
 
-def run_model(model: _zoo.Model, batches: list[int], reps: int) -> list[dict]:
+def run_model(model: zoo.Model, batches: list[int], reps: int) -> list[dict]:
   """One row per batch size: memory, median times, ratios, checks."""
   cases = _cases_for(model)
   rows, clip = [], None
@@ -244,7 +245,7 @@ def table(rows: list[dict], plans: dict[str, dict]) -> str:
 
 
 def markdown(
-  meta: dict, rows: list[dict], plans: dict[str, dict], models: dict[str, _zoo.Model]
+  meta: dict, rows: list[dict], plans: dict[str, dict], models: dict[str, zoo.Model]
 ) -> str:
   out = ["# Ghost norms on the model zoo", ""]
   out += [f"- {k}: {v}" for k, v in meta.items()]
@@ -328,10 +329,10 @@ def main(args: Any, argv_text: str) -> str:
   size = "tiny" if quick else "bench"
   reps = args.reps or (2 if quick else 5)
   batches = args.batch or list(QUICK_BATCHES if quick else BATCHES)
-  names = args.models or list(_zoo.MODELS)
-  unknown = sorted(set(names) - set(_zoo.MODELS))
+  names = args.models or list(zoo.MODELS)
+  unknown = sorted(set(names) - set(zoo.MODELS))
   if unknown:
-    raise SystemExit(f"unknown zoo models {unknown}; choose from {list(_zoo.MODELS)}")
+    raise SystemExit(f"unknown zoo models {unknown}; choose from {list(zoo.MODELS)}")
   device = jax.devices()[0]
   meta = {
     "command": "python -m benchmarks.ghost " + argv_text,
@@ -343,11 +344,11 @@ def main(args: Any, argv_text: str) -> str:
     f"{importlib.metadata.version('flax')}, equinox "
     f"{importlib.metadata.version('equinox')}, optax "
     f"{importlib.metadata.version('optax')}",
-    "models": f"benchmarks/_zoo.py at size {size!r}; {reps} timed steps per case",
+    "models": f"tests/zoo.py at size {size!r}; {reps} timed steps per case",
     "load average (1, 5, 15 min) at start": " ".join(f"{x:.2f}" for x in os.getloadavg()),
   }
   t_start = time.perf_counter()
-  models = {name: _zoo.build(name, size) for name in names}
+  models = {name: zoo.build(name, size) for name in names}
   plans, rows = {}, []
   for name, model in models.items():
     plans[name] = plan_summary(model)

@@ -15,7 +15,8 @@ import jax.numpy as jnp
 import jaxlib
 import optax
 
-from benchmarks import _cases, _compile_table, _model, _report, _trees
+from benchmarks import _cases, _compile_table, _model, _report
+from tests import trees
 from tools.figure_record import package_sources, write_record
 
 HERE = Path(__file__).resolve().parent
@@ -112,7 +113,7 @@ def main(argv: list[str] | None = None) -> str:
   timeout = timeout or None
   with_torch = not args.no_torch
   run = set(args.only) if args.only else set(SECTIONS) - set(args.skip)
-  shapes = _trees.gpt2_shapes(shrink)
+  shapes = trees.gpt2_shapes(shrink)
   device = jax.devices()[0]
   load_before = os.getloadavg()
   meta = {
@@ -125,13 +126,13 @@ def main(argv: list[str] | None = None) -> str:
   }
   if run & {"train", "standalone"}:
     meta["train tree"] = (
-      f"GPT-2 small shapes / {shrink}: {_trees.num_params(shapes) / 1e6:.1f}M "
+      f"GPT-2 small shapes / {shrink}: {trees.num_params(shapes) / 1e6:.1f}M "
       f"float32 params in {len(shapes)} leaves"
     )
     meta["clip tree"] = f"the same {len(shapes)} leaves"
   meta["load average (1, 5, 15 min) at start"] = " ".join(f"{x:.2f}" for x in load_before)
   t_start = time.perf_counter()
-  _cases.check_numbers(_trees.gpt2_shapes(64))
+  _cases.check_numbers(trees.gpt2_shapes(64))
   train, standalone, compile_rows, size_rows, temp_rows = [], [], [], [], []
   transform_rows, full_step = [], None
   if "standalone" in run:
@@ -142,7 +143,7 @@ def main(argv: list[str] | None = None) -> str:
     print("train steps ...", flush=True)
     train = _cases.run_train_steps(shapes, 2 * reps)
     if not quick:
-      temp_rows = _cases.temp_bytes_table(_trees.gpt2_shapes(max(shrink, 4)))
+      temp_rows = _cases.temp_bytes_table(trees.gpt2_shapes(max(shrink, 4)))
   if "full-step" in run:
     print("full train steps ...", flush=True)
     full_step = _cases.run_full_train_steps(_model.QUICK if quick else _model.FULL, 2 * reps)
@@ -186,6 +187,8 @@ def main(argv: list[str] | None = None) -> str:
   (args.out / "results.md").write_text(text + "\n")
   _report.plot(str(args.out / "results.png"), compile_rows, _cases.COMPILE_IMPLS, size_rows)
   command = " ".join(["python -m benchmarks", *(sys.argv[1:] if argv is None else argv)])
-  write_record(args.out / "results.png", package_sources("benchmarks"), command)
+  write_record(
+    args.out / "results.png", package_sources("benchmarks") + package_sources("tests"), command
+  )
   print(text)
   return text

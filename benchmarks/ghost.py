@@ -125,7 +125,7 @@ def _parser() -> argparse.ArgumentParser:
   p.add_argument(
     "--zoo",
     action="store_true",
-    help="the model zoo (benchmarks/_zoo.py) instead of the GPT: writes ghost_zoo.md "
+    help="the model zoo (tests/zoo.py) instead of the GPT: writes ghost_zoo.md "
     "(batches 16 and 128; with --quick, the tiny models at batch 4)",
   )
   p.add_argument(
@@ -571,7 +571,9 @@ def main(argv: list[str] | None = None) -> str:
   (args.out / ("ghost.md" if timed else "ghost_memory.md")).write_text(text + "\n")
   plot(str(args.out / "ghost.png"), rows)
   command = " ".join(["python -m benchmarks.ghost", *(sys.argv[1:] if argv is None else argv)])
-  write_record(args.out / "ghost.png", package_sources("benchmarks"), command)
+  write_record(
+    args.out / "ghost.png", package_sources("benchmarks") + package_sources("tests"), command
+  )
   print(text)
   return text
 

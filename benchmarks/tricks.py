@@ -8,29 +8,30 @@ trick on and off, interleaved and repeated in one process, and writes
 replacing it with the plain math that GPU and TPU programs run (the values
 are the same; ``check`` below asserts it for every row):
 
-* ``bf16_barrier``: ``_platform.reduction_input`` (an optimization barrier
+* ``bf16_barrier``: ``_platform._reductions.reduction_input`` (an optimization barrier
   before a bfloat16 norm) replaced by the identity;
-* ``f16_two_output``: ``_platform.float16_reduce`` (a two-output reduction,
+* ``f16_two_output``: ``_reductions.float16_reduce`` (a two-output reduction,
   in blocks of ``_SEQUENTIAL_BLOCK``) replaced by ``plain_reduce``;
 * ``stacked_scales``: the per-leaf clips' stacks of leaves of one shape
-  (``_numerics._scale_stacks``, with ``_STACK``, ``_FLAT_STACK``) replaced by
+  (``_platform._stacks._by_stacks``, with ``_STACK``, ``_FLAT_STACK``) replaced by
   one scale per leaf;
 * ``opaque_indices``: rows of a stack taken at opaque indices (``_STATIC_ROWS``)
   replaced by rows at constant offsets;
 * ``grouped_parts``: the global norm's grouped partial sums
-  (``_numerics._grouped_parts``: ``_SMALL_LEAF``, ``_TINY_LEAF``, ``_GROUP``,
+  (``_reductions.shares_by_group``: ``SMALL_LEAF``, ``_TINY_LEAF``, ``_GROUP``,
   ``_CHUNK_LEAVES``) replaced by one reduction per leaf;
 * ``computed_once``: ``_numerics.computed_once`` (the skip and non-finite
   flags passed through one kernel) replaced by the identity;
 * ``stacked_rules``: the per-tensor rules (AdaGC and its siblings) run once on
   vectors of every leaf's scalars, read back at opaque indices
-  (``_per_tensor._stacked_rule``), replaced by the rule on each leaf's scalars;
+  (``_per_tensor._apply_rule`` with ``on_cpu``), replaced by the rule on each
+  leaf's scalars;
 * ``segment_parts``: in those vectors, the small leaves' parts computed by
   one segment reduction of their concatenated terms
-  (``_platform.small_parts``, via ``_numerics.part_vector``), replaced by one
+  (``_reductions.small_parts``, via ``share_vector``), replaced by one
   reduction per leaf.
 
-The rows' custom JVP and custom vmap rules (``_platform.rows``) are not
+The rows' custom JVP and custom vmap rules (``_stacks.rows``) are not
 switches: without them ``jax.grad`` and ``jax.vmap`` of a stacked clip are
 wrong in cost class (a full-stack update per row, a gather), which the suite
 checks (tests/test_lowering.py), so they stand or fall with ``stacked_scales``.
@@ -52,9 +53,11 @@ import numpy as np
 import optax
 
 import jaxclip
-from benchmarks import _cases, _main, _timing, _trees
+from benchmarks import _cases, _main, _timing
 from jaxclip._kernel import _numerics, _platform
+from jaxclip._kernel._platform import _reductions, _stacks
 from jaxclip.transforms import _per_tensor
+from tests import trees
 
 # ----------------------------------------------------------------------------
 # The switches: each turns one trick off while the context is open.
@@ -73,27 +76,33 @@ def _patched(module: Any, **attrs: Any) -> Iterator[None]:
       setattr(module, k, v)
 
 
-def _plain_scales(fn, leaves, companions, sizes, ord, axes_of, operands):
+def _plain_scales(scaler, sizes, leaves, companions, operands):
   del sizes
-  return _numerics._scale_plain(fn, ord, axes_of, leaves, companions, operands)
+  return _stacks._one_by_one(scaler, leaves, companions, operands)
 
 
-def _plain_part_vector(leaves, ord, acc):
-  return jnp.stack(_numerics.leaf_parts(leaves, ord, acc))
+def _plain_shares(leaves, term, op, acc):
+  return [_platform.share(x, term, op).astype(acc) for x in leaves]
 
 
-def _plain_grouped(leaves, ord, acc):
-  return [_numerics._leaf_part(_numerics.as_array(x), ord).astype(acc) for x in leaves]
+_apply_rule = _per_tensor._apply_rule
+
+
+def _leaf_rule(*args, on_cpu):
+  del on_cpu
+  return _apply_rule(*args, on_cpu=False)
 
 
 SWITCHES: dict[str, Callable[[], contextlib.AbstractContextManager]] = {
   "bf16_barrier": lambda: _patched(_platform, reduction_input=lambda x: x),
-  "f16_two_output": lambda: _patched(_platform, float16_reduce=_platform.plain_reduce),
-  "stacked_scales": lambda: _patched(_numerics, _scale_stacks=_plain_scales),
-  "opaque_indices": lambda: _patched(_numerics, _STATIC_ROWS=0),
-  "grouped_parts": lambda: _patched(_numerics, _grouped_parts=_plain_grouped),
-  "stacked_rules": lambda: _patched(_per_tensor, _stacked_rule=_per_tensor._leaf_rule),
-  "segment_parts": lambda: _patched(_numerics, part_vector=_plain_part_vector),
+  "f16_two_output": lambda: _patched(_reductions, float16_reduce=_reductions.plain_reduce),
+  "stacked_scales": lambda: _patched(_stacks, _by_stacks=_plain_scales),
+  "opaque_indices": lambda: _patched(_stacks, _STATIC_ROWS=0),
+  "grouped_parts": lambda: _patched(_platform, shares_by_group=_plain_shares),
+  "stacked_rules": lambda: _patched(_per_tensor, _apply_rule=_leaf_rule),
+  "segment_parts": lambda: _patched(
+    _platform, share_vector=lambda *a: jnp.stack(_plain_shares(*a))
+  ),
   "computed_once": lambda: _patched(_numerics, computed_once=lambda flag: jnp.asarray(flag)),
 }
 
@@ -103,14 +112,14 @@ SWITCHES: dict[str, Callable[[], contextlib.AbstractContextManager]] = {
 
 
 def _mixed_tree(leaves: int) -> dict:
-  return _trees.make_tree(_trees.many_leaf_shapes(leaves, mixed=True))
+  return trees.make_tree(trees.many_leaf_shapes(leaves, mixed=True))
 
 
 def _clear() -> None:
   """Forgets every compiled and traced function, so each measurement compiles afresh."""
   jax.clear_caches()
   _numerics._leaf_scaler.cache_clear()
-  _platform._indexed_rows_from.cache_clear()
+  _stacks._indexed_rows_from.cache_clear()
 
 
 def _update_fn(make: Callable[[], Any], tree: Any) -> tuple[Callable, Any]:

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxclip._kernel import _clip, _numerics, _reduction, _validation
+from jaxclip._kernel import _clip, _reduction, _validation
 from jaxclip._kernel._typing import ArrayLike
 
 PyTree = Any
@@ -168,7 +168,7 @@ def global_norm(
     Pascanu et al., `On the difficulty of training Recurrent Neural Networks
     <https://arxiv.org/abs/1211.5063>`_, 2012
   """
-  ord = _numerics.check_ord(ord)
+  ord = _validation.check_ord(ord)
   _validation.check_inexact_leaves(tree, "global_norm")
   return _reduction.tree_norm(tree, ord, axis_name, replicated, partition_specs)
 
@@ -394,7 +394,7 @@ def clip_by_global_norm(
     Pascanu et al., `On the difficulty of training Recurrent Neural Networks
     <https://arxiv.org/abs/1211.5063>`_, 2012
   """
-  ord = _numerics.check_ord(ord)
+  ord = _validation.check_ord(ord)
   _validation.check_hparam(clip_norm, "clip_norm", lo=0, scalar=True)
   _validation.check_inexact_leaves(tree, "clip_by_global_norm")
   if use_norm is None:
@@ -402,14 +402,10 @@ def clip_by_global_norm(
   else:
     _validation.check_scalar(use_norm, "use_norm")
     try:
-      given = jnp.result_type(use_norm)
+      real = _validation.is_real(jnp.result_type(use_norm))
     except (TypeError, ValueError):
-      given = None
-    if (
-      given is None
-      or given == np.bool_
-      or not (jnp.issubdtype(given, jnp.floating) or jnp.issubdtype(given, jnp.integer))
-    ):
+      real = False
+    if not real:
       raise TypeError(f"use_norm must be a real scalar, got {use_norm!r:.100}.")
     norm = _clip.read_norm(use_norm, tree)
   return _clip.global_norm_clip(tree, clip_norm, norm), norm

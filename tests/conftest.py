@@ -74,9 +74,9 @@ SHARED_FIXTURE_FILES = (
 # Whole-program checks, marked ``slow``: they run the examples, notebooks and
 # benchmarks, build the docs and the wheel, run the linters, or start
 # subprocesses of 8 virtual devices or of several hosts. The README's test
-# command leaves them out (``-m "not slow"``, the library's own tests, in a
-# few minutes); ``.ci/run`` then runs them (``-m slow``), so every test runs in
-# CI. test_slow_marker_covers_the_whole_program_checks checks the lists.
+# command leaves them out (``-m "not slow"``, the library's own tests);
+# ``.ci/run`` then runs them (``-m slow``), so every test runs in CI.
+# test_slow_marker_covers_the_whole_program_checks checks the lists.
 SLOW_FILES = (
   "tests/test_benchmarks.py",
   "tests/test_docs.py",
@@ -91,7 +91,7 @@ SLOW_TESTS = (
   "test_multi_device[",  # the 8-device subprocess of a file's md_* checks
   "test_collectives",
   "test_fsdp_example_runs",
-  "test_zoo_benchmark_quick_run",
+  "test_each_check_reports_on_its_own",  # the md_* runner's own subprocesses
 )
 
 
@@ -101,11 +101,23 @@ def is_slow(nodeid: str) -> bool:
   return path in SLOW_FILES or name.startswith(SLOW_TESTS)
 
 
+# Tests that share a compiled program through a module-level cache, per
+# parametrization: the tests with the same id go to one worker as one unit.
+SHARED_COMPILE_TESTS = {
+  "tests/test_lowering.py": (  # _compiled_grad: values and cost analysis
+    "test_grad_matches_naive_math[",
+    "test_grad_costs_at_most_twice_the_naive_math[",
+  ),
+}
+
+
 def work_unit(nodeid: str) -> str:
   """The unit of work a test belongs to (tests of one unit run on one worker, in order)."""
   path, _, name = nodeid.partition("::")
   if path in SHARED_FIXTURE_FILES:
     return path
+  if name.startswith(SHARED_COMPILE_TESTS.get(path, ())):
+    return path + "::shared compile " + name[name.index("[") :]
   if name.startswith(("test_multi_device[", "test_collectives")):
     return path + "::multi-device checks"  # they read one subprocess's reports
   return nodeid

@@ -49,6 +49,10 @@ _DECAY_BAD = st.one_of(
 )
 
 _GRADS = [jnp.array([[0.0, 3.0], [4.0, 0.0]])]
+_LOSS, _KEY = (lambda w, x: jnp.dot(w, x)), jax.random.key(0)
+# Bad values for a size (a batch size, a number of rows): not an int, or below 1.
+_SIZE_BAD = st.one_of(NOT_A_NUMBER, st.just(2.5), st.just(2.0), st.integers(-100, 0))
+_COUNT_BAD = st.one_of(NOT_A_NUMBER_OR_NONE, st.just(2.5), st.integers(-100, -1))  # 0 is fine
 
 # (constructor call with the bad value, argument name, strategy of bad values)
 CASES = [
@@ -163,6 +167,19 @@ CASES = [
   ),
   (lambda v: ops.clip_by_global_norm(_GRADS, v), "clip_norm", _threshold_bad(True)),
   (lambda v: ops.global_norm(_GRADS, ord=v), "ord", BAD_ORD),
+  (
+    lambda v: jaxclip.per_example_clipped_grad(_LOSS, 1.0, microbatch_size=v),
+    "microbatch_size",
+    _SIZE_BAD,
+  ),
+  (
+    lambda v: jaxclip.per_example_clipped_grad(_LOSS, 1.0, group_size=v),
+    "group_size",
+    st.one_of(st.none(), _SIZE_BAD),
+  ),
+  (lambda v: jaxclip.poisson_batch(_KEY, v, 0.5, 4), "num_examples", _COUNT_BAD),
+  (lambda v: jaxclip.poisson_batch(_KEY, 10, 0.5, v), "max_batch_size", _SIZE_BAD),
+  (lambda v: jaxclip.poisson_batch(v, 10, 0.5, 4), "key", NOT_A_NUMBER_OR_NONE),
   (
     lambda v: jaxclip.suggest_threshold([1.0, 2.0], v),
     "percentile",

@@ -928,7 +928,6 @@ def test_per_example_clipped_grad_half_precision_params():
   "kwargs, args, match",
   [
     ({"microbatch_size": 0}, None, "positive integer"),
-    ({"microbatch_size": 2.5}, None, "positive integer"),
     ({"batch_argnums": 0}, None, "batch_argnums"),
     ({}, (jnp.ones(3), jnp.ones((4, 3)), jnp.ones((5, 3))), "batch dimension"),
     ({"batch_argnums": 3}, (jnp.ones(3), jnp.ones((4, 3))), "batch_argnums"),

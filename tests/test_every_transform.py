@@ -1,7 +1,7 @@
 """Checks generated from ``jaxclip.__all__``: every transform, including ones added later.
 
 Every public factory of an optax ``GradientTransformation`` is built from the
-small table of ``benchmarks/_every.py`` (only where a required argument exists); a new public
+small table of ``tests/every.py`` (only where a required argument exists); a new public
 function that is neither in the table, nor buildable with no arguments, nor
 listed as not being a transform factory fails :func:`test_the_table_builds_every_factory`.
 """
@@ -16,11 +16,11 @@ import optax
 import pytest
 
 import jaxclip
-from benchmarks import _compile_table, _every, _trees
+from tests import every, trees
 
-NOT_TRANSFORMS, REQUIRED = _every.NOT_TRANSFORMS, _every.REQUIRED
-FACTORIES = _every.factories()
-build = _every.build
+NOT_TRANSFORMS, REQUIRED = every.NOT_TRANSFORMS, every.REQUIRED
+FACTORIES = every.factories()
+build = every.build
 
 
 def test_the_table_builds_every_factory():
@@ -31,15 +31,10 @@ def test_the_table_builds_every_factory():
   assert set(REQUIRED) <= set(FACTORIES)
 
 
-def _adam_chain(name: str | None) -> optax.GradientTransformation:
-  adam = optax.adam(1e-3)
-  return adam if name is None else optax.chain(build(name), adam)
-
-
 @functools.cache
 def _tree(leaves: int) -> dict:
   """``leaves`` float32 leaves of mixed 1-D and 2-D shapes, as shapes only (nothing is run)."""
-  shapes = _trees.many_leaf_shapes(leaves, mixed=True)
+  shapes = trees.many_leaf_shapes(leaves, mixed=True)
   return {k: jax.ShapeDtypeStruct(v, jnp.float32) for k, v in shapes.items()}
 
 
@@ -47,7 +42,7 @@ def _jaxpr_eqns(tx: optax.GradientTransformation, leaves: int) -> int:
   """Equations in the jaxpr of ``tx.update`` on ``leaves`` leaves of mixed shapes (traced only)."""
   tree = _tree(leaves)
   jaxpr = jax.make_jaxpr(tx.update)(tree, jax.eval_shape(tx.init, tree), tree)
-  return _compile_table._count_eqns(jaxpr.jaxpr)
+  return every.count_eqns(jaxpr.jaxpr)
 
 
 # The benchmark (python -m benchmarks --only transforms, benchmarks/compile.md)
@@ -71,12 +66,14 @@ def test_every_transform_chained_with_adam_stays_linear_in_the_leaves():
   benchmark's compile table times that (an XLA compile of every factory
   at 400 leaves costs minutes on a 2-core machine, too much for the suite).
   """
-  adam = _jaxpr_eqns(_adam_chain(None), 400)
+  # A chain's jaxpr is its parts' jaxprs in turn: chain(t, adam)'s equations are t's plus
+  # adam's, so adam is traced once.
+  adam = {n: _jaxpr_eqns(optax.adam(1e-3), n) for n in (100, 400)}
   heavy, superlinear = {}, {}
   for name in FACTORIES:
-    small, large = _jaxpr_eqns(_adam_chain(name), 100), _jaxpr_eqns(_adam_chain(name), 400)
-    if large > _JAXPR_BOUND * adam:
-      heavy[name] = f"{large / adam:.2f}x adam's {adam} jaxpr equations"
+    small, large = (_jaxpr_eqns(build(name), n) + adam[n] for n in (100, 400))
+    if large > _JAXPR_BOUND * adam[400]:
+      heavy[name] = f"{large / adam[400]:.2f}x adam's {adam[400]} jaxpr equations"
     if large > _GROWTH_BOUND * small:
       superlinear[name] = f"jaxpr {small} -> {large} equations from 100 to 400 leaves"
   assert not heavy, heavy
@@ -224,9 +221,13 @@ def test_a_loss_that_is_no_real_scalar_is_refused_under_both_methods(method):
 
 # ------------------------------------------------- hyperparameters, checked once
 
-from jaxclip._kernel import _numerics, _validation  # noqa: E402
+from jaxclip._kernel import _validation  # noqa: E402
 
-_CHECKS = ((_validation, "check_hparam"), (_validation, "check_bounds"), (_numerics, "check_ord"))
+# Every check of a hyperparameter (the leaves' and the state's are update's own).
+_CHECKS = [
+  (_validation, fn)
+  for fn in ("check_hparam", "check_bounds", "check_scalar", "check_size", "check_ord", "check_key")
+]
 
 
 @pytest.mark.parametrize("name", FACTORIES)

@@ -31,8 +31,14 @@ from tests.helpers import mlp_loss, mlp_problem, multi_device_checks
 N_DEVICES = 8
 
 
-def _compare(loss_fn, params, *args, rtol=2e-5, atol=1e-6, method_="ghost", **kwargs):
-  """Runs ``method_`` and vmap at the median norm; returns the plan's ghost rules used."""
+def _compare(
+  loss_fn, params, *args, rtol=2e-5, atol=1e-6, method_="ghost", variants=({},), **kwargs
+):
+  """Runs ``method_`` and vmap at the median norm; returns ``(got, ref)`` of the last variant.
+
+  Each of ``variants`` overrides ``kwargs`` (and ``loss_fn``) on the ``method_`` side only: one
+  compiled vmap reference checks a loss with and without remat, or with and without microbatches.
+  """
 
   @jax.jit  # the reference, compiled once: the clip is traced
   def vmap(clip, *a):
@@ -41,20 +47,23 @@ def _compare(loss_fn, params, *args, rtol=2e-5, atol=1e-6, method_="ghost", **kw
   norms = vmap(1.0, params, *args)[2]
   clip = float(np.median(np.asarray(norms)))
   ref = vmap(clip, params, *args)
-  got = jax.jit(
-    jaxclip.per_example_clipped_grad(loss_fn, clip, method=method_, return_norms=True, **kwargs)
-  )(params, *args)
   n = norms.shape[0]
   assert 0 < int(ref[1]) < n, (int(ref[1]), n)  # some clipped, some not
-  assert int(got[1]) == int(ref[1])
-  np.testing.assert_allclose(np.asarray(got[2]), np.asarray(ref[2]), rtol=rtol, atol=atol)
-  assert jax.tree.structure(got[0]) == jax.tree.structure(ref[0])
-  for a, e in zip(jax.tree.leaves(got[0]), jax.tree.leaves(ref[0]), strict=True):
-    assert a.shape == e.shape and a.dtype == e.dtype
-    scale = float(np.max(np.abs(np.asarray(e, np.float32)))) or 1.0
-    np.testing.assert_allclose(
-      np.asarray(a, np.float32), np.asarray(e, np.float32), rtol=rtol, atol=atol + rtol * scale
-    )
+  for variant in variants:
+    options = dict(kwargs, **variant)
+    fn = options.pop("loss_fn", loss_fn)
+    got = jax.jit(
+      jaxclip.per_example_clipped_grad(fn, clip, method=method_, return_norms=True, **options)
+    )(params, *args)
+    assert int(got[1]) == int(ref[1]), variant
+    np.testing.assert_allclose(np.asarray(got[2]), np.asarray(ref[2]), rtol=rtol, atol=atol)
+    assert jax.tree.structure(got[0]) == jax.tree.structure(ref[0])
+    for a, e in zip(jax.tree.leaves(got[0]), jax.tree.leaves(ref[0]), strict=True):
+      assert a.shape == e.shape and a.dtype == e.dtype
+      scale = float(np.max(np.abs(np.asarray(e, np.float32)))) or 1.0
+      np.testing.assert_allclose(
+        np.asarray(a, np.float32), np.asarray(e, np.float32), rtol=rtol, atol=atol + rtol * scale
+      )
   return got, ref
 
 
@@ -402,12 +411,16 @@ def _rnn_problem():
   return params, jax.random.normal(ks[8], (8, 6, 3)), jax.random.normal(ks[9], (8, 2))
 
 
-@pytest.mark.parametrize("remat", [False, True])
-def test_weights_shared_by_scan_iterations_and_fixed_lookups_get_rules(remat):
+def test_weights_shared_by_scan_iterations_and_fixed_lookups_get_rules():
   params, xs, y = _rnn_problem()
-  loss = jax.checkpoint(_rnn_loss) if remat else _rnn_loss
-  _compare(loss, params, xs, y, batch_argnums=(1, 2))
-  plan = jaxclip.ghost_plan(loss, params, xs, y, batch_argnums=(1, 2))
+  remat_loss = jax.checkpoint(_rnn_loss)
+  variants = [{}, dict(loss_fn=remat_loss)]  # one vmap reference for both
+  _compare(_rnn_loss, params, xs, y, batch_argnums=(1, 2), variants=variants)
+  for remat, loss in ((False, _rnn_loss), (True, remat_loss)):
+    _check_rnn_plan(jaxclip.ghost_plan(loss, params, xs, y, batch_argnums=(1, 2)), remat)
+
+
+def _check_rnn_plan(plan, remat):
   assert plan.rules == {
     "['b']": "instantiate",  # a bias: its per-example gradient, summed over the steps
     "['out']": "dot",
@@ -479,45 +492,57 @@ def _remat_model(remat):
   return loss, params, images, ids
 
 
-@pytest.mark.parametrize("remat", [True, False])
-def test_rematerialised_layers_take_two_passes_and_hold_no_site_records(remat):
-  loss, params, images, ids = _remat_model(remat)
+def test_rematerialised_layers_take_two_passes_and_hold_no_site_records():
+  loss, params, images, ids = _remat_model(False)
+  remat_loss = _remat_model(True)[0]
   kwargs = dict(batch_argnums=(1, 2), has_aux=True)
-  for microbatch_size in (None, 4):  # 4: a padded last chunk
-    got, ref = _compare(loss, params, images, ids, microbatch_size=microbatch_size, **kwargs)
-    np.testing.assert_allclose(np.asarray(got[3]), np.asarray(ref[3]), rtol=1e-6)
-  plan = jaxclip.ghost_plan(loss, params, images, ids, batch_argnums=(1, 2), has_aux=True)
-  assert plan.rules == {
-    "['b']": "instantiate",
-    "['conv']": "conv",
-    "['head']": "dot",
-    "['table']": "lookup",
-    "['w']": "dot",
-  }
-  assert plan.passes == (2 if remat else 1)
-  assert ("two backward passes" in str(plan)) == remat
-  # Two passes: every ghost site's norms come out of the backward pass, one
-  # per example and iteration, and none of its a or g is kept.
-  traced = _ghost.trace(loss, params, [images, ids], [0, 1], has_aux=True)
-  ghost_sites = {u for u, _, _ in traced.plan.ghost}
-  assert traced.plan.probed == (ghost_sites if remat else frozenset())
-  probes = {u: _ghost._probe_sumsq(traced.plan.sites[u], k, r) for u, k, r in traced.plan.ghost}
-  inputs = _ghost.Inputs(
-    traced.closed,
-    traced.leaves,
-    traced.arg_leaves,
-    traced.batched,
-    None,
-    traced.plan.tapped,
-    {u: probes[u] for u in traced.plan.probed},
-  )
-  cap = _ghost_capture.capture(inputs, traced.plan.sites)
-  for u in ghost_sites:
-    stack = tuple(length for _, length in traced.plan.sites[u].stack)
-    if remat:
-      assert cap.drecs[u] == [] and [g.shape for g in cap.gs[u]] == [(10,) + stack]
-    else:
-      assert cap.drecs[u] and cap.gs[u][0].shape[1:] != stack
+  variants = [  # 4: a padded last chunk; one vmap reference for all four
+    dict(loss_fn=fn, microbatch_size=size) for fn in (remat_loss, loss) for size in (None, 4)
+  ]
+  got, ref = _compare(loss, params, images, ids, variants=variants, **kwargs)
+  np.testing.assert_allclose(np.asarray(got[3]), np.asarray(ref[3]), rtol=1e-6)
+  for remat, fn in ((True, remat_loss), (False, loss)):
+    plan = jaxclip.ghost_plan(fn, params, images, ids, batch_argnums=(1, 2), has_aux=True)
+    assert plan.rules == {
+      "['b']": "instantiate",
+      "['conv']": "conv",
+      "['head']": "dot",
+      "['table']": "lookup",
+      "['w']": "dot",
+    }
+    assert plan.passes == (2 if remat else 1)
+    assert ("two backward passes" in str(plan)) == remat
+    # Two passes: every ghost site's norms come out of the backward pass, one
+    # per example and iteration, and none of its a or g is kept.
+    traced = _ghost.trace(fn, params, [images, ids], [0, 1], has_aux=True)
+    ghost_sites = {u for u, _, _ in traced.plan.ghost}
+    assert traced.plan.probed == (ghost_sites if remat else frozenset())
+    probes = {u: _ghost._probe_sumsq(traced.plan.sites[u], k, r) for u, k, r in traced.plan.ghost}
+    inputs = _ghost.Inputs(
+      traced.closed,
+      traced.leaves,
+      traced.arg_leaves,
+      traced.batched,
+      None,
+      traced.plan.tapped,
+      {u: probes[u] for u in traced.plan.probed},
+    )
+    records = {}  # what each site keeps, from an abstract run (shapes only: no compiles)
+
+    def run(inputs=inputs, traced=traced, ghost_sites=ghost_sites, records=records):
+      cap = _ghost_capture.capture(inputs, traced.plan.sites)
+      records.update({u: (len(cap.drecs[u]), [g.shape for g in cap.gs[u]]) for u in ghost_sites})
+      return 0
+
+    jax.eval_shape(run)
+    assert set(records) == ghost_sites != set()
+    for u in ghost_sites:
+      stack = tuple(length for _, length in traced.plan.sites[u].stack)
+      drecs, g_shapes = records[u]
+      if remat:
+        assert drecs == 0 and g_shapes == [(10,) + stack]
+      else:
+        assert drecs and g_shapes[0][1:] != stack
 
 
 def test_conv_rule_with_stride_padding_dilation_and_feature_groups():
@@ -670,14 +695,19 @@ def test_return_norms_are_the_pre_clip_norms_in_batch_order():
   params, x, y = mlp_problem(batch=11, seed=6)
   grads = jax.vmap(jax.grad(mlp_loss), (None, 0, 0))(params, x, y)
   want = jax.vmap(jaxclip.ops.global_norm)(grads)
-  for method in ("vmap", "ghost"):
-    for mb in (None, 4):
-      out = jax.jit(
-        jaxclip.per_example_clipped_grad(
-          mlp_loss, 1.0, batch_argnums=(1, 2), method=method, microbatch_size=mb, return_norms=True
-        )
-      )(params, x, y)
-      np.testing.assert_allclose(out[2], want, rtol=1e-5)
+  options = [(method, mb) for method in ("vmap", "ghost") for mb in (None, 4)]
+
+  @jax.jit  # the four in one program
+  def norms(params, x, y):
+    return [
+      jaxclip.per_example_clipped_grad(
+        mlp_loss, 1.0, batch_argnums=(1, 2), method=method, microbatch_size=mb, return_norms=True
+      )(params, x, y)[2]
+      for method, mb in options
+    ]
+
+  for option, got in zip(options, norms(params, x, y), strict=True):
+    np.testing.assert_allclose(got, want, rtol=1e-5, err_msg=str(option))
 
 
 def test_non_finite_example_shows_in_the_sum_as_with_vmap():
@@ -795,15 +825,20 @@ def test_static_shared_arguments_and_a_loss_that_ignores_the_batch_as_with_vmap(
     m: jaxclip.per_example_clipped_grad(loss, 1.0, method=m, return_norms=True, batch_argnums=3)
     for m in ("vmap", "ghost")
   }
-  ref, got = (fns[m](w, True, "tanh", xs) for m in ("vmap", "ghost"))  # not jitted: str args
-  np.testing.assert_allclose(got[2], ref[2], rtol=1e-5)
+  # The bool and the str: static arguments, handed to the loss as they are.
+  ref, got = (
+    jax.jit(fns[m], static_argnums=(1, 2))(w, True, "tanh", xs) for m in ("vmap", "ghost")
+  )
+  np.testing.assert_allclose(got[2], ref[2], rtol=1e-5, atol=1e-6)  # as _compare
   np.testing.assert_allclose(got[0], ref[0], rtol=1e-5, atol=1e-6)
   assert int(got[1]) == int(ref[1]) > 0
   # A loss without the example: every example has the same gradient.
   ignore = lambda w, x: jnp.sum(w**2)
   for method in ("vmap", "ghost"):
-    total, count, norms = jaxclip.per_example_clipped_grad(
-      ignore, 1.0, method=method, return_norms=True, batch_argnums=1
+    total, count, norms = jax.jit(
+      jaxclip.per_example_clipped_grad(
+        ignore, 1.0, method=method, return_norms=True, batch_argnums=1
+      )
     )(w, xs)
     np.testing.assert_allclose(norms, np.full(6, 2 * np.linalg.norm(w)), rtol=1e-6)
     np.testing.assert_allclose(total, 6 * 2 * w / norms[0], rtol=1e-5)

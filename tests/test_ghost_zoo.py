@@ -1,4 +1,4 @@
-"""Ghost norms on the zoo of library-built models (``benchmarks/_zoo.py``).
+"""Ghost norms on the zoo of library-built models (``tests/zoo.py``).
 
 For each model (flax linen ``nn.scan(nn.remat(Block))`` GPT and Conv +
 GroupNorm ResNet, flax nnx stacked-and-scanned Llama, equinox ViT with a
@@ -29,18 +29,14 @@ The benchmark (``python -m benchmarks.ghost --zoo``) builds the same models.
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import sys
-from pathlib import Path
 
 import jax
 import numpy as np
 import pytest
 
 import jaxclip
-from benchmarks import _zoo
+from tests import zoo
 
 BATCH = 8
 # Path patterns (searched in ``jax.tree_util.keystr`` of each leaf) and the rule
@@ -107,7 +103,7 @@ def _expected_rules(name: str, params) -> dict[str, str]:
   return rules
 
 
-def _clipped_grad_fn(model: _zoo.Model, method: str):
+def _clipped_grad_fn(model: zoo.Model, method: str):
   """``f(clip, params, x, y)``, compiled once: the clip is traced."""
 
   def fn(clip, params, x, y):
@@ -117,12 +113,12 @@ def _clipped_grad_fn(model: _zoo.Model, method: str):
 
   x, y = model.make_batch(BATCH, 1)
   # Tests are compile-bound: XLA's backend optimisations do not change the results.
-  return jax.jit(fn).lower(1.0, model.params, x, y).compile(_zoo.CHEAP_COMPILE)
+  return jax.jit(fn).lower(1.0, model.params, x, y).compile(zoo.CHEAP_COMPILE)
 
 
-@pytest.mark.parametrize("name", list(_zoo.MODELS))
+@pytest.mark.parametrize("name", list(zoo.MODELS))
 def test_ghost_equals_vmap_on_the_zoo_model(name):
-  model = _zoo.build(name, "tiny")
+  model = zoo.build(name, "tiny")
   x, y = model.make_batch(BATCH, 1)
   vmap = _clipped_grad_fn(model, "vmap")
   norms = np.asarray(vmap(1.0, model.params, x, y)[2])
@@ -144,10 +140,10 @@ def test_ghost_equals_vmap_on_the_zoo_model(name):
     )
 
 
-@pytest.mark.parametrize("size", _zoo.SIZES)
-@pytest.mark.parametrize("name", list(_zoo.MODELS))
+@pytest.mark.parametrize("size", zoo.SIZES)
+@pytest.mark.parametrize("name", list(zoo.MODELS))
 def test_every_leaf_gets_the_rule_the_issue_asks_for(name, size):
-  model = _zoo.build(name, size)
+  model = zoo.build(name, size)
   x, y = model.make_batch(2, 0)
   plan = jaxclip.ghost_plan(model.loss_fn, model.params, x, y, batch_argnums=(1, 2))
   want = _expected_rules(name, model.params)
@@ -174,9 +170,9 @@ def test_every_leaf_gets_the_rule_the_issue_asks_for(name, size):
 
 
 @pytest.mark.parametrize("platform", ["cpu", "gpu"])
-@pytest.mark.parametrize("name", list(_zoo.MODELS))
+@pytest.mark.parametrize("name", list(zoo.MODELS))
 def test_auto_keeps_or_instantiates_each_rule_or_takes_vmap_visibly(name, platform):
-  model = _zoo.build(name, "bench")
+  model = zoo.build(name, "bench")
   x, y = model.make_batch(2, 0)
   plan = jaxclip.ghost_plan(
     model.loss_fn, model.params, x, y, batch_argnums=(1, 2), method="auto", platform=platform
@@ -194,60 +190,10 @@ def test_auto_keeps_or_instantiates_each_rule_or_takes_vmap_visibly(name, platfo
       assert leaf.rule == want[leaf.path], leaf
 
 
-def test_zoo_benchmark_quick_run_writes_its_table(tmp_path):
-  # In a fresh process, as `python -m benchmarks.ghost --zoo` runs, compile-bound: XLA's
-  # backend optimisations off, one tiny model at batch 4.
-  from benchmarks import _ghost_zoo
-
-  root = Path(__file__).resolve().parents[1]
-  env = {
-    **os.environ,
-    "PYTHONPATH": os.pathsep.join([str(root), *filter(None, [os.environ.get("PYTHONPATH")])]),
-    "XLA_FLAGS": "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true",
-  }
-  done = subprocess.run(
-    [
-      sys.executable,
-      "-m",
-      "benchmarks.ghost",
-      "--zoo",
-      "--quick",
-      "--models",
-      "jax_scan_mlp",
-      "--out",
-      str(tmp_path),
-    ],
-    cwd=root,
-    env=env,
-    capture_output=True,
-    text=True,
-    timeout=300,
-    check=False,
-  )
-  assert done.returncode == 0, done.stderr[-3000:]
-  text = (tmp_path / "ghost_zoo.md").read_text()
-  assert "- machine: " in text and f"jax {jax.__version__}" in text and "load average" in text
-  lines = [line for line in text.splitlines() if line.startswith("| ")]
-  header = [c.strip() for c in lines[0].strip("|").split("|")]
-  assert header == _ghost_zoo.HEADER
-  rows = [
-    dict(zip(header, (c.strip() for c in line.strip("|").split("|")), strict=True))
-    for line in lines[1:]
-  ]
-  assert [(r["model"], int(r["B"])) for r in rows] == [("jax_scan_mlp", 4)]
-  for c in header[3:16]:
-    assert float(rows[0][c]) > 0, (c, rows[0])
-  assert rows[0]["fallback share"].endswith("%") and rows[0]["auto"] != "n/a"
-  clipped = re.findall(r"examples clipped: vmap (\d+), ghost (\d+), auto (\d+) of 4", text)
-  assert len(clipped) == 1 and len(set(clipped[0])) == 1 and 0 < int(clipped[0][0]) < 4
-  assert "## What auto chose" in text
-  assert "`jax_scan_mlp` (" in text  # the model and the leaves that fall back are listed
-
-
 def test_ghost_equals_vmap_in_padded_microbatches_through_a_scan():
   # The per-iteration rules and the book-keeping inside the chunks' scan, with a
   # padded last chunk (8 examples in chunks of 3).
-  model = _zoo.build("jax_scan_mlp", "tiny")
+  model = zoo.build("jax_scan_mlp", "tiny")
   x, y = model.make_batch(BATCH, 2)
 
   def fn(method):
@@ -261,7 +207,7 @@ def test_ghost_equals_vmap_in_padded_microbatches_through_a_scan():
         return_norms=True,
       )(params, x, y)
 
-    return jax.jit(clipped).lower(1.0, model.params, x, y).compile(_zoo.CHEAP_COMPILE)
+    return jax.jit(clipped).lower(1.0, model.params, x, y).compile(zoo.CHEAP_COMPILE)
 
   vmap = fn("vmap")
   clip = float(np.median(np.asarray(vmap(1.0, model.params, x, y)[2])))

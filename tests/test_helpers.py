@@ -96,6 +96,11 @@ def test_one_unit_per_shared_fixture():
   units.add(conftest.work_unit("tests/test_x.py::test_collectives"))
   assert len(units) == 1
   assert conftest.work_unit("tests/test_x.py::test_y[1]") == "tests/test_x.py::test_y[1]"
+  # Tests sharing a cached compile, per parametrization: one unit per id.
+  matches, costs = conftest.SHARED_COMPILE_TESTS["tests/test_lowering.py"]
+  unit = lambda test, id: conftest.work_unit(f"tests/test_lowering.py::{test}{id}]")
+  assert unit(matches, "clip_by_norm") == unit(costs, "clip_by_norm")
+  assert unit(matches, "clip_by_norm") != unit(matches, "ops.clip_by_norm")
 
 
 def test_slow_marker_covers_the_whole_program_checks():
@@ -110,5 +115,8 @@ def test_slow_marker_covers_the_whole_program_checks():
   assert conftest.is_slow("tests/test_ghost.py::test_multi_device[md_ghost_in_shard_map]")
   assert conftest.is_slow("tests/test_examples.py::test_dp_sgd_tiny_run")
   assert conftest.is_slow("tests/test_distributed.py::test_collectives[psum]")
+  assert not conftest.is_slow("tests/test_ghost_zoo.py::test_ghost_equals_vmap_on_the_zoo_model[x]")
+  assert not conftest.is_slow("tests/test_training_loops.py::test_nnx_optimizer_under_donation")
   assert not conftest.is_slow("tests/test_ops.py::test_clip_by_value")
+  assert not conftest.is_slow("tests/test_kernel.py::test_grouped_norm_matches_float64_reference")
   assert not conftest.is_slow("tests/test_ghost.py::test_gpt_with_tied_head_matches_vmap")

@@ -1,12 +1,13 @@
 """How the kernel lowers: per platform, under ``jax.grad`` and under ``jax.vmap``.
 
-The XLA:CPU workarounds (``jaxclip._kernel._platform``) are chosen by the platform a
+The XLA:CPU policy (``jaxclip._kernel._platform``) is chosen by the platform a
 program is lowered for. The tests marked ``hlo`` read exported or compiled
 program text and cost analyses; the others check values.
 """
 
 from __future__ import annotations
 
+import functools
 import re
 
 import jax
@@ -16,7 +17,8 @@ import optax
 import pytest
 
 import jaxclip
-from jaxclip._kernel import _numerics, _platform
+from jaxclip._kernel import _numerics
+from jaxclip._kernel._platform import _reductions, _stacks, _vectors
 
 # Many small leaves of a few shapes (stacked on CPU) and one larger leaf.
 _SHAPES = [(64,)] * 12 + [(8, 4), (4,), (3, 5)] * 6 + [(32, 32)]
@@ -28,6 +30,12 @@ def _tree(seed, dtype=jnp.float32, scale=1.0):
 
 
 _PARAMS = _tree(100)
+
+
+def _default_branch(*args, cpu, default):
+  # What GPU and TPU run: the default branch of every platform choice.
+  del cpu
+  return default(*args)
 
 
 def _naive_norm(x):
@@ -94,7 +102,10 @@ def _loss(clip):
 
 
 def _cost(fn, *args):
-  compiled = jax.jit(fn).lower(*args).compile()
+  return _analysis(jax.jit(fn).lower(*args).compile())
+
+
+def _analysis(compiled):
   analysis = compiled.cost_analysis()
   analysis = analysis[0] if isinstance(analysis, list) else analysis
   return analysis["flops"], analysis["bytes accessed"], compiled.as_text()
@@ -119,12 +130,19 @@ def test_clips_are_active_and_inactive_on_the_test_tree():
       assert any(changed) and not all(changed), (name, changed)
 
 
+@functools.cache
+def _compiled_grad(name, which):
+  """The gradient (tree and threshold) of ``CLIPS[name][which]``'s loss, compiled once: the
+  values test and the cost test below share it."""
+  fn = jax.jit(jax.grad(_loss(CLIPS[name][which]), argnums=(0, 1)))
+  return fn.lower(_tree(0), jnp.float32(THRESHOLD[name])).compile()
+
+
 @pytest.mark.parametrize("name", sorted(CLIPS))
 def test_grad_matches_naive_math(name):
-  clip, naive = CLIPS[name]
   tree, c = _tree(0), jnp.float32(THRESHOLD[name])
-  ours = jax.jit(jax.grad(_loss(clip), argnums=(0, 1)))(tree, c)
-  ref = jax.jit(jax.grad(_loss(naive), argnums=(0, 1)))(tree, c)
+  ours = _compiled_grad(name, 0)(tree, c)
+  ref = _compiled_grad(name, 1)(tree, c)
   _assert_close(ours, ref, rtol=1e-5, atol=1e-6)
   # The threshold's derivative is taken through the operands, not lost in a
   # closure: it is non-zero where the clip is active.
@@ -134,10 +152,8 @@ def test_grad_matches_naive_math(name):
 @pytest.mark.hlo
 @pytest.mark.parametrize("name", sorted(CLIPS))
 def test_grad_costs_at_most_twice_the_naive_math(name):
-  clip, naive = CLIPS[name]
-  tree, c = _tree(0), jnp.float32(THRESHOLD[name])
-  flops, nbytes, _ = _cost(jax.grad(_loss(clip)), tree, c)
-  naive_flops, naive_bytes, _ = _cost(jax.grad(_loss(naive)), tree, c)
+  flops, nbytes, _ = _analysis(_compiled_grad(name, 0))
+  naive_flops, naive_bytes, _ = _analysis(_compiled_grad(name, 1))
   assert flops <= 2 * naive_flops, (flops, naive_flops)
   assert nbytes <= 2 * naive_bytes, (nbytes, naive_bytes)
 
@@ -154,7 +170,7 @@ def test_per_leaf_norms_differentiate_as_the_plain_per_leaf_math(ord):
   shapes = [(64,)] * 40 + [(8, 8)] * 10 + [(3,)] * 5 + [(2000,)]
   leaves = [jnp.asarray(rng.normal(size=s), jnp.float32) for s in shapes]
   w = jnp.asarray(rng.normal(size=len(leaves)), jnp.float32)
-  ours = lambda xs: jnp.dot(w, jnp.stack(_numerics.leaf_parts(xs, ord, jnp.float32)))
+  ours = lambda xs: jnp.dot(w, jnp.stack(_numerics.leaf_norm_shares(xs, ord, jnp.float32)))
   share = {
     2: lambda x: jnp.sum(x * x),
     1: lambda x: jnp.sum(jnp.abs(x)),
@@ -275,7 +291,7 @@ def test_zero_nonfinite_counts_by_segment_on_cpu_only(platform):
   bad = [x.at[..., 0].set(jnp.nan if i % 2 else jnp.inf) for i, x in enumerate(tree)]
   cpu = jax.jit(tx.update)(bad, tx.init(bad))[1].num_nonfinite_zeroed
   with pytest.MonkeyPatch.context() as m:
-    m.setattr(_platform, "on_cpu", lambda cpu, default, *args: default(*args))
+    m.setattr(jax.lax, "platform_dependent", _default_branch)
     default = jax.jit(tx.update)(bad, tx.init(bad))[1].num_nonfinite_zeroed
   expected = sum(int(np.prod(x.shape[:-1])) for x in tree)
   assert int(cpu) == int(default) == expected
@@ -287,7 +303,7 @@ def test_the_path_of_other_platforms_computes_the_same(name, monkeypatch):
   clip, _ = CLIPS[name]
   tree, c = _mixed_precision_tree(), THRESHOLD[name]
   cpu = jax.jit(lambda t: clip(t, c))(tree)
-  monkeypatch.setattr(_platform, "on_cpu", lambda cpu, default, *args: default(*args))
+  monkeypatch.setattr(jax.lax, "platform_dependent", _default_branch)
   default = jax.jit(lambda t: clip(t, c))(tree)
   for a, b in zip(default, cpu, strict=True):
     assert a.dtype == b.dtype
@@ -306,14 +322,14 @@ def test_small_parts_reduces_each_array_in_one_segment_reduction(op):
     jnp.asarray(np.abs(rng.normal(size=shape)), jnp.float32)
     for shape in [(3,), (1,), (4, 5), (65,), (2, 1, 3)]
   )
-  plain = lambda ts: jnp.stack([_platform.plain_reduce(t, op, None, False) for t in ts])
-  parts = jax.jit(lambda ts: _platform.small_parts(ts, op))
+  plain = lambda ts: jnp.stack([_reductions.plain_reduce(t, op, None, False) for t in ts])
+  parts = jax.jit(lambda ts: _reductions.small_parts(ts, op))
   np.testing.assert_allclose(parts(terms), plain(terms), rtol=1e-6)
   assert "scatter" in parts.lower(terms).as_text()
   assert "stablehlo.reduce" not in parts.lower(terms).as_text()
   # Derivatives are the plain reductions': a gradient at 0 is finite.
   weights = jnp.arange(1.0, 6.0)
-  grad = jax.grad(lambda ts: jnp.sum(_platform.small_parts(ts, op) * weights))
+  grad = jax.grad(lambda ts: jnp.sum(_reductions.small_parts(ts, op) * weights))
   reference = jax.grad(lambda ts: jnp.sum(plain(ts) * weights))(terms)
   for a, b in zip(grad(terms), reference, strict=True):
     np.testing.assert_allclose(a, b, rtol=1e-6)
@@ -327,7 +343,7 @@ def test_entries_reads_every_entry_of_a_vector_at_opaque_indices(k, b):
 
   @jax.jit
   def read(v):
-    return jnp.stack(_platform.entries(v, _platform.opaque_indices(b, v)))
+    return jnp.stack(_vectors.entries(v, _stacks.opaque_indices(b, v)))
 
   np.testing.assert_array_equal(read(v), v)
   # Differentiable at the cost of the plain math: the tangent is the identity.

@@ -206,35 +206,45 @@ def _scan_loss(remat):
   return fn
 
 
-@pytest.mark.parametrize("remat", [False, True])
-def test_scan_and_two_pass_plans_weight_each_group(remat):
+def test_scan_and_two_pass_plans_weight_each_group():
   """Per-group weights through a scan's stacked weights, and through the second weighted
   backward pass of a rematerialised model (one pass per group)."""
   params, xs = _scan_remat_problem()
-  fn = _scan_loss(remat)
-  plan = jaxclip.ghost_plan(fn, params, xs, l2_norm_clip={"stack": 1.0, "head": 1.0})
-  assert plan.passes == (2 if remat else 1)
-  assert plan.sum_passes == (2 if remat else 1)  # a weighted backward pass per group
-  grads = jax.vmap(jax.grad(fn), in_axes=(None, 0))(params, xs)
+  losses = {remat: _scan_loss(remat) for remat in (False, True)}
+  for remat, fn in losses.items():
+    plan = jaxclip.ghost_plan(fn, params, xs, l2_norm_clip={"stack": 1.0, "head": 1.0})
+    assert plan.passes == (2 if remat else 1)
+    assert plan.sum_passes == (2 if remat else 1)  # a weighted backward pass per group
   clip = {"stack": 5.5, "head": 2.5}
 
-  @jax.jit
-  def both(clip, gamma):
-    run = lambda normalize: jaxclip.per_example_clipped_grad(
-      fn, clip, method="ghost", normalize=normalize, return_norms=True, microbatch_size=5
-    )(params, xs)
-    return run(None), run(gamma)
+  @jax.jit  # the reference and the four ghost runs in one program
+  def run(clip, gamma):
+    grads = jax.vmap(jax.grad(losses[False]), in_axes=(None, 0))(params, xs)
+    refs = [jaxclip.per_example_global_norm_clip(grads, clip, normalize=n) for n in (None, gamma)]
+    outs = {
+      remat: [
+        jaxclip.per_example_clipped_grad(
+          fn, clip, method="ghost", normalize=n, return_norms=True, microbatch_size=5
+        )(params, xs)
+        for n in (None, gamma)
+      ]
+      for remat, fn in losses.items()
+    }
+    return grads, refs, outs
 
-  for normalize, (total, count, norms) in zip((None, 0.1), both(clip, 0.1), strict=True):
-    ref_total, ref_count = jaxclip.per_example_global_norm_clip(grads, clip, normalize=normalize)
-    assert jax.tree.map(int, count) == jax.tree.map(int, ref_count)
-    assert 0 < int(count["stack"]) < B or normalize is not None
-    for a, e in zip(jax.tree.leaves(total), jax.tree.leaves(ref_total), strict=True):
-      np.testing.assert_allclose(np.asarray(a), np.asarray(e), rtol=2e-5, atol=2e-5)
-    stack_norms = np.sqrt(
-      sum(np.sum(np.asarray(g).reshape(B, -1) ** 2, 1) for g in jax.tree.leaves(grads["stack"]))
-    )
-    np.testing.assert_allclose(np.asarray(norms["stack"]), stack_norms, rtol=2e-5)
+  grads, refs, outs = run(clip, 0.1)
+  stack_norms = np.sqrt(
+    sum(np.sum(np.asarray(g).reshape(B, -1) ** 2, 1) for g in jax.tree.leaves(grads["stack"]))
+  )
+  for remat in (False, True):
+    for normalize, (total, count, norms), (ref_total, ref_count) in zip(
+      (None, 0.1), outs[remat], refs, strict=True
+    ):
+      assert jax.tree.map(int, count) == jax.tree.map(int, ref_count)
+      assert 0 < int(count["stack"]) < B or normalize is not None
+      for a, e in zip(jax.tree.leaves(total), jax.tree.leaves(ref_total), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(e), rtol=2e-5, atol=2e-5)
+      np.testing.assert_allclose(np.asarray(norms["stack"]), stack_norms, rtol=2e-5)
 
 
 # ----------------------------------------------------------------------------
@@ -268,7 +278,9 @@ def test_per_example_global_norm_clip_per_group_and_normalize():
     assert not np.any(np.asarray(total["b"]["y"]))
     assert (int(count["a"]), int(count["b"])) == (ca, cb)
   # A scalar bound: the result of a one-group tree, and a scalar count.
-  total, count = jaxclip.per_example_global_norm_clip(grads, 1.0, normalize=0.0)
+  total, count = jax.jit(jaxclip.per_example_global_norm_clip, static_argnames="normalize")(
+    grads, 1.0, normalize=0.0
+  )
   w = 1.0 / np.sqrt(na**2 + nb**2)
   np.testing.assert_allclose(total["a"], w @ a, rtol=1e-5)
   assert jnp.shape(count) == () and int(count) == 6
@@ -301,7 +313,9 @@ def test_per_example_global_norm_clip_per_group_sums_over_axis_name():
 def test_per_example_layer_norm_clip_normalize():
   rng = np.random.default_rng(1)
   grads = [jnp.asarray(rng.normal(size=(5, 4)), jnp.float32), jnp.zeros((5, 2))]
-  total, count = jaxclip.per_example_layer_norm_clip(grads, 2.0, normalize=0.1)
+  total, count = jax.jit(jaxclip.per_example_layer_norm_clip, static_argnames="normalize")(
+    grads, 2.0, normalize=0.1
+  )
   g = np.asarray(grads[0], np.float64)
   bound = 2.0 / np.sqrt(2)  # uniform: C / sqrt(2 leaves)
   w = bound / (np.linalg.norm(g, axis=1) + 0.1)
@@ -412,7 +426,7 @@ def test_a_group_without_leaves_has_norm_zero_under_both_methods():
     fn = jaxclip.per_example_clipped_grad(
       lambda p, x: jnp.dot(p["a"], x), clip, method=method, return_norms=True
     )
-    total, count, norms = fn(params, xs)
+    total, count, norms = jax.jit(fn)(params, xs)
     np.testing.assert_allclose(total["a"], [0.6, 1.8], rtol=1e-6)
     assert (int(count["a"]), int(count["z"]), int(count["m"])) == (1, 0, 0)
     assert not np.any(np.asarray(norms["z"])) and not np.any(np.asarray(norms["m"]))

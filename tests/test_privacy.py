@@ -32,10 +32,16 @@ def _loss_aux(params, x, y):
 
 def _reference(params, x, y, clip, keep):
   """The clipped sum, count and norms of the kept examples only (per-example grads, by hand)."""
-  grads = jax.vmap(jax.grad(mlp_loss), in_axes=(None, 0, 0))(params, x[keep], y[keep])
+  total, count, flat = _clipped_by_hand(params, x[keep], y[keep], clip)
+  return total, int(count), np.linalg.norm(np.asarray(flat), axis=1)
+
+
+@jax.jit  # compiled once per number of kept examples
+def _clipped_by_hand(params, x, y, clip):
+  grads = jax.vmap(jax.grad(mlp_loss), in_axes=(None, 0, 0))(params, x, y)
   total, count = jaxclip.per_example_global_norm_clip(grads, clip)
   flat = jnp.concatenate([g.reshape(g.shape[0], -1) for g in jax.tree.leaves(grads)], axis=1)
-  return total, int(count), np.linalg.norm(np.asarray(flat), axis=1)
+  return total, count, flat
 
 
 def _close(actual, expected, rtol=2e-5, atol=2e-5):
@@ -76,6 +82,7 @@ def test_mask_drops_examples_with_microbatches_and_aux(method):
   keep = np.asarray(mask)
   ref_total, ref_count, ref_norms = _reference(params, x, y, CLIP, keep)
   assert 0 < ref_count < keep.sum()
+  real_losses = jax.jit(jax.vmap(mlp_loss, in_axes=(None, 0, 0)))(params, x[keep], y[keep])
   for microbatch_size in (None, 5):  # 5: chunks with a padded last one
     fn = jax.jit(
       jaxclip.per_example_clipped_grad(
@@ -92,7 +99,6 @@ def test_mask_drops_examples_with_microbatches_and_aux(method):
     assert int(count) == ref_count, (microbatch_size, int(count), ref_count)
     np.testing.assert_allclose(np.asarray(norms)[keep], ref_norms, rtol=2e-5)
     assert np.all(np.asarray(norms)[~keep] == 0)
-    real_losses = jax.vmap(mlp_loss, in_axes=(None, 0, 0))(params, x[keep], y[keep])
     np.testing.assert_allclose(np.asarray(losses)[keep], real_losses, rtol=1e-5)
     assert np.all(np.isfinite(np.asarray(losses)))  # masked rows hold a stand-in's loss
   # Nothing real: zeros, even though every row is NaN.

@@ -1,6 +1,6 @@
 """Every public transform in the loops users write, generated from ``jaxclip.__all__``.
 
-Each factory of :mod:`benchmarks._every` (so a transform added later is
+Each factory of :mod:`tests.every` (so a transform added later is
 covered the day it is added) is run:
 
 * with its state donated (``jax.jit(..., donate_argnums=...)``), from an
@@ -28,10 +28,10 @@ from flax import nnx
 from flax.training import train_state
 from jax import export
 
-from benchmarks import _every
+from tests import every
 from tests.helpers import assert_tree_allclose
 
-FACTORIES = _every.factories()
+FACTORIES = every.factories()
 
 
 def _params(rows: int = 3) -> dict:
@@ -77,7 +77,7 @@ def test_donated_and_exported_steps_equal_the_jitted_ones(name):
   * exported with the rows symbolic (``jax.export.symbolic_shape``) and
     called at 2 and 7 rows: equal to float rounding.
   """
-  tx = _every.build(name)
+  tx = every.build(name)
   plain, donated = jax.jit(tx.update), jax.jit(tx.update, donate_argnums=1)
   (rows,) = export.symbolic_shape("rows")
   exported = export.export(plain)(_spec(rows), jax.eval_shape(tx.init, _spec(rows)), _spec(rows))
@@ -134,7 +134,7 @@ def _every_transform() -> optax.GradientTransformation:
   Compiling each factory's loop on its own would cost the suite a minute;
   :func:`test_state_can_be_donated` pins a failure to its factory.
   """
-  return optax.chain(*(_every.build(name) for name in FACTORIES), optax.sgd(0.1))
+  return optax.chain(*(every.build(name) for name in FACTORIES), optax.sgd(0.1))
 
 
 def test_flax_train_state_under_donation():

@@ -3,7 +3,7 @@
 Float32 accumulation and the safe square root (``_numerics``), what JAX's types
 say about a leaf's layout across devices (``_sharding``), norms of trees spread
 over devices (``_reduction``), the XLA:CPU choices selected by the platform a
-program is lowered for (``_platform``), hyperparameter and leaf checks
+program is lowered for (the ``_platform`` folder), hyperparameter and leaf checks
 (``_validation``) and the ring buffer of norm histories (``_history``). Private:
 nothing here is public API.
 """

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
-from jaxclip._kernel import _numerics, _sharding
+from jaxclip._kernel import _numerics, _platform, _sharding
 
 PyTree = Any
 AxisName = Hashable | Sequence[Hashable]
@@ -30,13 +29,6 @@ def _leaf_groups(
   for i, (a, x) in enumerate(zip(axes, leaves, strict=True)):
     groups.setdefault((a, _sharding.varying_axes(x) if typed else frozenset()), []).append(i)
   return groups
-
-
-def _combine(parts: list[jax.Array], op: str) -> jax.Array:
-  if len(parts) == 1:
-    return parts[0]
-  stacked = jnp.stack(parts)
-  return jnp.max(stacked) if op == "max" else jnp.sum(stacked)
 
 
 def sum_across_devices(
@@ -65,11 +57,11 @@ def sum_across_devices(
     parts = partials([leaves[i] for i in members])
     if not parts:
       continue
-    local = _combine(parts, op)
+    local = _platform.combine_scalars(parts, op)
     totals.append(jax.lax.psum(local, axes) if axes and op == "sum" else local)
   if not totals:
     return jnp.zeros((), dtype)
-  total = _combine(totals, op)
+  total = _platform.combine_scalars(totals, op)
   return jax.lax.pmax(total, _sharding.axis_names(axis_name)) if op == "max" else total
 
 
@@ -84,32 +76,34 @@ def tree_norm(
 
   For ``ord=2`` this is ``sqrt(sum_leaves(sum(|x|**2)))`` with one square root
   at the end (never a norm per leaf squared back). Empty trees give ``0``.
-  The partial sums are :func:`jaxclip._kernel._numerics._grouped_parts`.
+  The partial sums are :func:`jaxclip._kernel._platform.shares_by_group`.
 
   With ``axis_name`` the partial sums (max for ``ord=inf``) are combined by a
   scalar ``psum`` (``pmax``) before the root, replicated leaves counted once;
   see ``docs/sharding_args.md`` and :func:`leaf_reduction_axes`.
   """
   acc = _numerics.tree_accumulation_dtype(tree)
-  op = "max" if ord == math.inf else "sum"
+  op, term = _numerics.norm_op(ord), _numerics.norm_term(ord)
+
+  def shares(leaves):
+    return _platform.shares_by_group([_numerics.as_array(x) for x in leaves], term, op, acc)
+
   if axis_name is None:
-    if replicated is not None or partition_specs is not None:
-      raise ValueError(
-        "replicated= and partition_specs= only have a meaning together with axis_name=."
-      )
-    parts = _numerics._grouped_parts(jax.tree.leaves(tree), ord, acc)
-    total = _combine(parts, op) if parts else jnp.zeros((), acc)
+    _no_device_args(replicated, partition_specs)
+    parts = shares(jax.tree.leaves(tree))
+    total = _platform.combine_scalars(parts, op) if parts else jnp.zeros((), acc)
   else:
     total = sum_across_devices(
-      tree,
-      lambda leaves: _numerics._grouped_parts(leaves, ord, acc),
-      axis_name,
-      replicated,
-      partition_specs,
-      op=op,
-      dtype=acc,
+      tree, shares, axis_name, replicated, partition_specs, op=op, dtype=acc
     )
   return _numerics.safe_sqrt(total) if ord == 2 else total
+
+
+def _no_device_args(replicated: Any, partition_specs: Any) -> None:
+  if replicated is not None or partition_specs is not None:
+    raise ValueError(
+      "replicated= and partition_specs= only have a meaning together with axis_name=."
+    )
 
 
 def mean_across_devices(x: jax.Array, axis_name: AxisName | None) -> jax.Array:
@@ -133,48 +127,53 @@ def tree_leaf_norms(
 ) -> tuple[list[jax.Array], jax.Array]:
   """``(norms, global_norm)``: each leaf's ``ord``-norm and the norm of them all.
 
-  See :func:`tree_leaf_parts`, of which these are the square roots for
+  See :func:`tree_leaf_shares`, of which these are the square roots for
   ``ord=2``.
   """
-  totals, total = tree_leaf_parts(tree, ord, axis_name, replicated, partition_specs)
+  totals, total = tree_leaf_shares(tree, ord, axis_name, replicated, partition_specs)
   if ord == 2:
     return [_numerics.safe_sqrt(t) for t in totals], _numerics.safe_sqrt(total)
   return totals, total
 
 
-def tree_leaf_parts(
+def tree_leaf_shares(
   tree: Any,
   ord: float = 2,
   axis_name: AxisName | None = None,
   replicated: Any = None,
   partition_specs: Any = None,
-) -> tuple[list[jax.Array], jax.Array]:
-  """``(parts, total)``: each leaf's share of the ``ord``-norm, and the tree's.
+  *,
+  as_vector: bool = False,
+) -> tuple[Any, jax.Array]:
+  """``(shares, total)``: each leaf's share of the ``ord``-norm, and the tree's.
 
   The shares are ``sum |x|**2`` (no square root yet: a caller may take it
-  once, on a vector of them), ``sum |x|`` or ``max |x|``.
+  once, on a vector of them), ``sum |x|`` or ``max |x|``
+  (:func:`jaxclip._kernel._numerics.leaf_norm_shares`), one read of the
+  leaves: the total is computed from them, not by a second pass. With
+  ``as_vector`` (for programs lowered for CPU, without ``axis_name``) they
+  come as one vector (:func:`jaxclip._kernel._platform.share_vector`).
 
-  One read of the leaves (:func:`jaxclip._kernel._numerics.leaf_parts`): the global
-  norm is computed from the leaves' partial sums, not by a second pass.
-  With ``axis_name`` each leaf's norm is that of the whole leaf across the
+  With ``axis_name`` each leaf's share is that of the whole leaf across the
   devices, as :func:`tree_norm` counts it (``replicated``,
-  ``partition_specs``): the partial sums of one group of leaves are
-  ``psum``-ed as one vector, one all-reduce per group as for
-  :func:`tree_norm` (one ``pmax`` of every leaf's maximum for ``ord=inf``).
+  ``partition_specs``): the shares of one group of leaves are ``psum``-ed as
+  one vector, one all-reduce per group (one ``pmax`` of every leaf's maximum
+  for ``ord=inf``).
   """
   acc = _numerics.tree_accumulation_dtype(tree)
   leaves = jax.tree.leaves(tree)
-  op = "max" if ord == math.inf else "sum"
+  op = _numerics.norm_op(ord)
   if axis_name is None:
-    if replicated is not None or partition_specs is not None:
-      raise ValueError(
-        "replicated= and partition_specs= only have a meaning together with axis_name=."
-      )
-    totals = _numerics.leaf_parts(leaves, ord, acc)
+    _no_device_args(replicated, partition_specs)
+    if as_vector:
+      leaves = [_numerics.as_array(x) for x in leaves]
+      vector = _platform.share_vector(leaves, _numerics.norm_term(ord), op, acc)
+      return vector, jnp.max(vector) if op == "max" else jnp.sum(vector)
+    totals = _numerics.leaf_norm_shares(leaves, ord, acc)
   else:
     totals: list[Any] = [None] * len(leaves)
     for (axes, _), members in _leaf_groups(tree, axis_name, replicated, partition_specs).items():
-      parts = _numerics.leaf_parts([leaves[i] for i in members], ord, acc)
+      parts = _numerics.leaf_norm_shares([leaves[i] for i in members], ord, acc)
       if axes and op == "sum":
         summed = jax.lax.psum(jnp.stack(parts), axes)
         parts = [summed[j] for j in range(len(members))]
@@ -183,5 +182,5 @@ def tree_leaf_parts(
     if op == "max" and totals:
       maxed = jax.lax.pmax(jnp.stack(totals), _sharding.axis_names(axis_name))
       totals = [maxed[j] for j in range(len(totals))]
-  total = _combine(totals, op) if totals else jnp.zeros((), acc)
+  total = _platform.combine_scalars(totals, op) if totals else jnp.zeros((), acc)
   return list(totals), total

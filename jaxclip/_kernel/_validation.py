@@ -1,18 +1,26 @@
-"""Checks that turn bad input into a clear error, before anything is traced.
+"""Every check that turns bad input into a clear error, before anything is traced.
 
-Only concrete values can be checked: a threshold that is a tracer (inside
-``jax.jit`` or ``optax.inject_hyperparams`` under ``jit``) is left alone, and
-the ops document what a bad traced value does.
+Hyperparameters are checked where the user gives them: by each public op on
+every call, and by each transform's factory once (``update`` checks only
+what it is given: the updates' leaves and the state). Only concrete values
+can be compared: a hyperparameter that is a tracer (inside ``jax.jit``, or
+``optax.inject_hyperparams`` under ``jit``) gets the checks its type and
+shape allow, and the ops document what a bad traced value does.
 """
 
 from __future__ import annotations
 
+import math
 import operator
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+# ----------------------------------------------------------------------------
+# What is known before tracing: concrete values, constant shapes
+# ----------------------------------------------------------------------------
 
 
 def concrete_value(x: Any) -> np.ndarray | None:
@@ -25,6 +33,39 @@ def concrete_value(x: Any) -> np.ndarray | None:
     return None
 
 
+def is_symbolic(d: Any) -> bool:
+  """Whether a dimension is symbolic (a batch exported with ``jax.export.symbolic_shape``)."""
+  return jax.export.is_symbolic_dim(d)
+
+
+def constant_size(x: Any) -> int | None:
+  """The number of entries of ``x``, or ``None`` if a dimension is symbolic.
+
+  Under ``jax.export`` a symbolic size cannot be compared with a constant:
+  every choice made by size reads it here, and a size that is not a
+  constant counts as large (such a leaf takes the plain path, whose ops
+  accept any shape).
+  """
+  shape = x.shape if hasattr(x, "shape") else np.shape(x)
+  return None if any(is_symbolic(d) for d in shape) else math.prod(shape)
+
+
+def _traced(name: str, why: str) -> TypeError:
+  return TypeError(f"{name} must be a concrete value, not traced: {why}.")
+
+
+# ----------------------------------------------------------------------------
+# Hyperparameters and other arguments
+# ----------------------------------------------------------------------------
+
+
+def is_real(dtype: Any) -> bool:
+  """Whether ``dtype`` holds real numbers: an integer or floating dtype, not bool."""
+  return dtype != np.bool_ and (
+    jnp.issubdtype(dtype, jnp.integer) or jnp.issubdtype(dtype, jnp.floating)
+  )
+
+
 def _real(value: Any, name: str, what: str = "a real number or array") -> np.ndarray | None:
   """``value`` as a NumPy array (``None`` if traced); ``TypeError`` unless it is real."""
   if value is None:
@@ -32,7 +73,7 @@ def _real(value: Any, name: str, what: str = "a real number or array") -> np.nda
   v = concrete_value(value)
   if v is None:
     return None
-  if v.dtype == np.bool_ or not jnp.issubdtype(v.dtype, jnp.number) or np.iscomplexobj(v):
+  if not is_real(v.dtype):
     raise TypeError(f"{name} must be {what}, got {value!r}.")
   return v
 
@@ -47,37 +88,18 @@ def check_hparam(
   hi_open: bool = False,
   scalar: bool = False,
   finite: bool = False,
-  static: bool = False,
+  static: str | None = None,
 ) -> np.ndarray | None:
   """Checks one hyperparameter; returns it as a NumPy array, or ``None`` if traced.
 
   The one check behind every threshold, rate, decay and percentile:
-
-  * ``TypeError`` unless ``value`` is a real number or array (not ``None``, a
-    string, a bool, complex);
-  * ``ValueError`` if it is NaN, lies outside ``[lo, hi]`` (open at either end
-    with ``lo_open`` / ``hi_open``) or, with ``finite``, is infinite;
-  * with ``scalar``, ``ValueError`` unless it is 0-d. Shapes are static, so
-    this also holds for a traced value.
-
-  A traced value (under ``jax.jit``, or ``optax.inject_hyperparams`` under
-  ``jit``) cannot be compared without a host sync, so only its type and shape
-  are checked, unless ``static``: then it must be concrete, and a traced
-  value raises ``TypeError``.
-
-  Args:
-    value: the hyperparameter.
-    name: its argument name, shown in the error.
-    lo: smallest allowed value (``None``: no lower bound).
-    hi: largest allowed value (``None``: no upper bound).
-    lo_open: exclude ``lo`` itself.
-    hi_open: exclude ``hi`` itself.
-    scalar: require a 0-d value.
-    finite: refuse ``inf``.
-    static: refuse a traced value.
-
-  Returns:
-    ``value`` as a NumPy array, or ``None`` for a traced one.
+  ``TypeError`` unless ``value`` is a real number or array (not ``None``, a
+  string, a bool, complex); ``ValueError`` if it is NaN, lies outside
+  ``[lo, hi]`` (open at either end with ``lo_open`` / ``hi_open``), is
+  infinite with ``finite``, or is not 0-d with ``scalar``. A traced value
+  cannot be compared without a host sync, so only its type and shape are
+  checked; unless ``static`` (why the value is needed before tracing) is
+  given: then a traced value raises ``TypeError``.
 
   Examples:
     >>> from jaxclip._kernel._validation import check_hparam
@@ -91,10 +113,7 @@ def check_hparam(
   v = _real(value, name)
   if v is None:
     if static:
-      raise TypeError(
-        f"{name} must be a concrete value, not traced: it is needed before tracing. "
-        f"Under optax.inject_hyperparams pass static_args=({name!r},)."
-      )
+      raise _traced(name, static)
     if scalar:
       check_scalar(value, name)
     return None
@@ -126,9 +145,8 @@ def check_bounds(lo: Any, hi: Any, lo_name: str, hi_name: str) -> None:
   """Raises ``ValueError`` for concrete NaN bounds or ``lo > hi``."""
   vlo, vhi = _real(lo, lo_name), _real(hi, hi_name)
   for v, name, raw in ((vlo, lo_name, lo), (vhi, hi_name, hi)):
-    if v is not None:
-      if np.any(np.isnan(v)):
-        raise ValueError(f"{name} must not be NaN, got {raw!r}.")
+    if v is not None and np.any(np.isnan(v)):
+      raise ValueError(f"{name} must not be NaN, got {raw!r}.")
   if vlo is not None and vhi is not None and np.any(vlo > vhi):
     raise ValueError(
       f"{lo_name} must not exceed {hi_name}, got {lo_name}={lo!r} > {hi_name}={hi!r}."
@@ -143,6 +161,101 @@ def check_scalar(value: Any, name: str) -> None:
     raise TypeError(f"{name} must be a real scalar, got {value!r}.") from None
   if shape != ():
     raise ValueError(f"{name} must be a scalar, got shape {shape}: {value!r}.")
+
+
+def check_size(value: Any, name: str, minimum: int = 1, *, static: str | None = None) -> int | None:
+  """``value`` as a Python int ``>= minimum``, or ``None`` if it is traced.
+
+  The one check of a count or a size. A size that fixes the shape of a
+  transform's state is only needed concretely in ``init`` (see
+  :func:`require_size`); ``update`` reads it from the state's shapes, so that
+  ``optax.inject_hyperparams``, which turns every int argument into a
+  (traced) array, still works. Where the value is needed before tracing,
+  ``static`` says why, and a traced value raises ``TypeError``. Raises
+  ``TypeError`` for a non-integer (a bool, a float) and ``ValueError`` below
+  ``minimum``.
+  """
+  if isinstance(value, jax.core.Tracer):
+    if static:
+      raise _traced(name, static)
+    return None
+  try:
+    if isinstance(value, bool):
+      raise TypeError
+    size = operator.index(value)
+  except TypeError:
+    raise TypeError(f"{name} must be an int, got {value!r:.100}.") from None
+  if size < minimum:
+    need = {0: "a non-negative integer", 1: "a positive integer"}.get(minimum)
+    raise ValueError(f"{name} must be {need or f'an integer >= {minimum}'}, got {size}.")
+  return size
+
+
+def require_size(size: int | None, name: str) -> int:
+  """``size`` from :func:`check_size`; a ``TypeError`` if it was traced."""
+  if size is None:
+    raise TypeError(
+      f"{name} fixes the shape of the transform's state, so it must be a "
+      f"concrete int when the state is initialised. Under "
+      f"optax.inject_hyperparams with a jitted init, pass "
+      f"static_args=({name!r},)."
+    )
+  return size
+
+
+_ORDS = {None: 2, 1: 1, 2: 2, math.inf: math.inf, "inf": math.inf}
+
+
+def check_ord(ord: Any) -> float:
+  """Normalises ``ord`` to ``1``, ``2`` or ``inf`` (``None`` means 2).
+
+  A concrete 0-d array is read as its value; a traced one (as
+  ``optax.inject_hyperparams`` makes of numeric arguments) cannot choose a
+  reduction and raises, asking for ``static_args=("ord",)``.
+  """
+  if isinstance(ord, jax.core.Tracer):
+    raise ValueError(
+      "ord must be a static Python value, not a traced array; with "
+      "optax.inject_hyperparams pass static_args=('ord',)."
+    )
+  if getattr(ord, "shape", None) == ():
+    ord = ord.item()
+  try:
+    if not isinstance(ord, bool):  # True == 1 as a dict key
+      return _ORDS[ord]
+  except (KeyError, TypeError):
+    pass
+  raise ValueError(
+    f"Unsupported ord={ord!r}: jaxclip norms support ord=1, ord=2 and "
+    "ord=inf (as torch.nn.utils.get_total_norm)."
+  )
+
+
+def check_key(key: Any) -> None:
+  """Raises ``TypeError`` unless ``key`` is one ``jax.random`` key (typed, or legacy uint32)."""
+  dtype = getattr(key, "dtype", None)
+  if dtype is not None and jnp.issubdtype(dtype, jax.dtypes.prng_key):
+    ok = key.shape == ()
+  else:
+    ok = dtype == jnp.uint32 and getattr(key, "ndim", None) == 1
+  if not ok:
+    raise TypeError(
+      "key must be one jax.random key (jax.random.key(seed), or a legacy "
+      f"jax.random.PRNGKey(seed)), got {key!r:.100}."
+    )
+
+
+def check_transform(inner: Any, name: str) -> None:
+  """Raises ``TypeError`` unless ``inner`` looks like an optax transform."""
+  if not (callable(getattr(inner, "init", None)) and callable(getattr(inner, "update", None))):
+    raise TypeError(
+      f"{name} must be an optax GradientTransformation (with init and update), got {inner!r:.100}."
+    )
+
+
+# ----------------------------------------------------------------------------
+# The updates' leaves and the state
+# ----------------------------------------------------------------------------
 
 
 def _leaf_dtype(x: Any) -> Any:
@@ -212,12 +325,42 @@ def numeric_leaves(
   return tree if not promote else treedef.unflatten(out)
 
 
-def check_transform(inner: Any, name: str) -> None:
-  """Raises ``TypeError`` unless ``inner`` looks like an optax transform."""
-  if not (callable(getattr(inner, "init", None)) and callable(getattr(inner, "update", None))):
-    raise TypeError(
-      f"{name} must be an optax GradientTransformation (with init and update), got {inner!r:.100}."
+def check_inexact_leaves(tree: Any, fn_name: str) -> None:
+  """Raises ``TypeError`` naming the path of the first non-float leaf."""
+  for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+    dtype = _leaf_dtype(leaf)
+    if isinstance(dtype, str) or not jnp.issubdtype(dtype, jnp.inexact):
+      raise TypeError(
+        f"{fn_name} needs floating-point or complex leaves, but the leaf at "
+        f"{_where(path)} has dtype {dtype}. Cast it to a float dtype first (norms "
+        "of integer or boolean arrays are not defined as gradients)."
+      )
+
+
+def check_real_leaves(
+  tree: Any, fn_name: str, why: str = "elementwise bounds are not defined for it"
+) -> None:
+  """Raises ``TypeError`` naming the path of the first leaf that is not real (complex, bool)."""
+  for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+    dtype = _leaf_dtype(leaf)
+    if isinstance(dtype, str) or not is_real(dtype):
+      raise TypeError(
+        f"{fn_name} needs real (integer or floating-point) leaves, but the "
+        f"leaf at {_where(path)} has dtype {dtype}; {why}."
+      )
+
+
+def check_mask(example_mask: Any, size: Any) -> jax.Array | None:
+  """``example_mask`` as a boolean ``(size,)`` array (or ``None``), else a ``ValueError``."""
+  if example_mask is None:
+    return None
+  mask = example_mask if isinstance(example_mask, jax.Array) else jnp.asarray(example_mask)
+  if mask.dtype != jnp.bool_ or jnp.shape(mask) != (size,):
+    raise ValueError(
+      f"example_mask must be a boolean array of shape (batch,) = ({size},), True for a real "
+      f"example; got {jax.typeof(mask)}."
     )
+  return mask
 
 
 def check_state(state: Any, state_type: type, fn_name: str) -> None:
@@ -231,63 +374,3 @@ def check_state(state: Any, state_type: type, fn_name: str) -> None:
       f"{fn_name}'s update needs the state its init returned (a "
       f"{state_type.__name__}), got state={type(state).__name__}: {state!r:.200}."
     )
-
-
-def check_inexact_leaves(tree: Any, fn_name: str) -> None:
-  """Raises ``TypeError`` naming the path of the first non-float leaf."""
-  for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
-    dtype = _leaf_dtype(leaf)
-    if isinstance(dtype, str) or not jnp.issubdtype(dtype, jnp.inexact):
-      where = _where(path)
-      raise TypeError(
-        f"{fn_name} needs floating-point or complex leaves, but the leaf at "
-        f"{where} has dtype {dtype}. Cast it to a float dtype first (norms "
-        "of integer or boolean arrays are not defined as gradients)."
-      )
-
-
-def check_real_leaves(tree: Any, fn_name: str) -> None:
-  """Raises ``TypeError`` naming the path of the first complex or bool leaf."""
-  for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
-    dtype = _leaf_dtype(leaf)
-    if isinstance(dtype, str) or jnp.issubdtype(dtype, jnp.complexfloating) or (dtype == np.bool_):
-      where = _where(path)
-      raise TypeError(
-        f"{fn_name} needs real (integer or floating-point) leaves, but the "
-        f"leaf at {where} has dtype {dtype}; elementwise bounds are not "
-        "defined for it."
-      )
-
-
-def check_size(value: Any, name: str, minimum: int = 1) -> int | None:
-  """``value`` as a Python int ``>= minimum``, or ``None`` if it is traced.
-
-  A size fixes the shape of a transform's state, so it is only needed
-  concretely in ``init`` (see :func:`require_size`); ``update`` reads it from
-  the state's shapes. That way ``optax.inject_hyperparams``, which turns
-  every int argument into a (traced) array, still works. Raises ``TypeError``
-  for a non-integer and ``ValueError`` below ``minimum``.
-  """
-  if isinstance(value, jax.core.Tracer):
-    return None
-  if isinstance(value, bool):
-    raise TypeError(f"{name} must be an int, got {value!r}.")
-  try:
-    size = operator.index(value)
-  except TypeError:
-    raise TypeError(f"{name} must be an int, got {value!r}.") from None
-  if size < minimum:
-    raise ValueError(f"{name} must be at least {minimum}, got {size}.")
-  return size
-
-
-def require_size(size: int | None, name: str) -> int:
-  """``size`` from :func:`check_size`; a ``TypeError`` if it was traced."""
-  if size is None:
-    raise TypeError(
-      f"{name} fixes the shape of the transform's state, so it must be a "
-      f"concrete int when the state is initialised. Under "
-      f"optax.inject_hyperparams with a jitted init, pass "
-      f"static_args=({name!r},)."
-    )
-  return size

@@ -13,6 +13,8 @@ _ACCOUNTANTS = ("pld", "rdp")
 # calibrate_noise returns a multiplier at most this factor above the smallest one.
 _TOLERANCE = 1.01
 _LARGEST = 2.0**40
+# Why the accountants' arguments cannot be traced.
+_PYTHON = "the accountant runs in Python"
 
 
 def _dp_accounting(fn_name: str) -> Any:
@@ -44,19 +46,17 @@ def _quiet() -> Iterator[None]:
 def _check(
   fn_name: str, sampling_rate: Any, steps: Any, delta: Any, accountant: Any, count_stddev: Any
 ) -> int:
-  _validation.check_hparam(sampling_rate, "sampling_rate", lo=0.0, hi=1.0, scalar=True, static=True)
   _validation.check_hparam(
-    delta, "delta", lo=0.0, hi=1.0, lo_open=True, hi_open=True, scalar=True, static=True
+    sampling_rate, "sampling_rate", lo=0.0, hi=1.0, scalar=True, static=_PYTHON
   )
-  n = _validation.check_size(steps, "steps", minimum=0)
-  if n is None:
-    raise TypeError(
-      "steps must be a Python int (the accountant runs in Python), got a traced value."
-    )
+  _validation.check_hparam(
+    delta, "delta", lo=0.0, hi=1.0, lo_open=True, hi_open=True, scalar=True, static=_PYTHON
+  )
+  n = _validation.check_size(steps, "steps", minimum=0, static=_PYTHON)
   if accountant not in _ACCOUNTANTS:
     raise ValueError(f"{fn_name}'s accountant must be one of {_ACCOUNTANTS}, got {accountant!r}.")
   if count_stddev is not None:
-    _validation.check_hparam(count_stddev, "count_stddev", lo=0, scalar=True, static=True)
+    _validation.check_hparam(count_stddev, "count_stddev", lo=0, scalar=True, static=_PYTHON)
   return n
 
 
@@ -182,7 +182,7 @@ def dp_epsilon(
   """
   dp_accounting = _dp_accounting("dp_epsilon")
   n = _check("dp_epsilon", sampling_rate, steps, delta, accountant, count_stddev)
-  _validation.check_hparam(noise_multiplier, "noise_multiplier", lo=0, scalar=True, static=True)
+  _validation.check_hparam(noise_multiplier, "noise_multiplier", lo=0, scalar=True, static=_PYTHON)
   z = _step_multiplier(
     float(noise_multiplier), None if count_stddev is None else float(count_stddev)
   )
@@ -287,7 +287,7 @@ def calibrate_noise(
   dp_accounting = _dp_accounting("calibrate_noise")
   n = _check("calibrate_noise", sampling_rate, steps, delta, accountant, count_stddev)
   _validation.check_hparam(
-    target_epsilon, "target_epsilon", lo=0, lo_open=True, scalar=True, static=True
+    target_epsilon, "target_epsilon", lo=0, lo_open=True, scalar=True, static=_PYTHON
   )
   q, d, target = float(sampling_rate), float(delta), float(target_epsilon)
   count = None if count_stddev is None else float(count_stddev)

@@ -87,16 +87,23 @@ def _is_number(l2_norm_clip: Any) -> bool:
   )
 
 
-def check_clip(l2_norm_clip: Any, name: str = "l2_norm_clip") -> None:
-  """Checks a clip bound: a number ``>= 0``, or a pytree of them (each 0-d)."""
+def check_clip(
+  l2_norm_clip: Any, name: str = "l2_norm_clip", *, scalar: bool = False, finite: bool = False
+) -> None:
+  """Checks a clip bound: a number ``>= 0`` (0-d with ``scalar``), or a pytree of 0-d ones;
+  each finite with ``finite``."""
   if _is_number(l2_norm_clip):
-    _validation.check_hparam(l2_norm_clip, name, lo=0)
+    _validation.check_hparam(l2_norm_clip, name, lo=0, scalar=scalar, finite=finite)
     return
   paths = jax.tree_util.tree_flatten_with_path(l2_norm_clip)[0]
   if not paths:
-    raise ValueError(f"{name} must be a number or a pytree of numbers, got {l2_norm_clip!r}.")
+    raise ValueError(
+      f"{name} must be a number or a pytree of numbers (one per layer or group), got "
+      f"{l2_norm_clip!r:.100}, which holds none."
+    )
   for path, c in paths:
-    _validation.check_hparam(c, f"{name}{jax.tree_util.keystr(path)}", lo=0, scalar=True)
+    where = f"{name}{jax.tree_util.keystr(path)}"
+    _validation.check_hparam(c, where, lo=0, scalar=True, finite=finite)
 
 
 def check_normalize(normalize: Any, l2_norm_clip: Any, name: str = "l2_norm_clip") -> None:

@@ -2,30 +2,24 @@
 
 The rules (``dot``, ``conv``, ``lookup`` and a tied table's cross term) work
 from the data inputs ``a`` and output gradients ``g`` that
-:mod:`jaxclip.privacy._ghost_capture` records; :func:`instantiated_sumsq`
-forms the per-example gradients of the parameters no rule covers, through
-their sites only. :func:`site_cost` and :func:`site_memory` give each rule's
-flops and floats held per example, and those of the per-example gradient it
-replaces, from which :mod:`jaxclip.privacy._ghost_rules` picks.
+:mod:`jaxclip.privacy._ghost_capture` records (the parameters no rule covers
+are :mod:`jaxclip.privacy._ghost_instantiate`'s). :func:`site_cost` and
+:func:`site_memory` give each rule's flops and floats held per example, and
+those of the per-example gradient it replaces, from which :mod:`jaxclip.privacy._ghost_rules` picks.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from jaxclip._kernel import _numerics
-from jaxclip.privacy import _ghost_capture
 from jaxclip.privacy import _jax_internals as _jax
-from jaxclip.privacy._ghost_capture import Captured, Site
+from jaxclip.privacy._ghost_sites import Site
 
-# Elements of per-example gradients one chunk of an instantiated group may hold at once.
-_CHUNK_ELEMENTS = 1 << 24
 _HIGHEST = jax.lax.Precision.HIGHEST
 
 
@@ -334,181 +328,3 @@ def tied_cross_cost(sites: Sequence[Site], pair: tuple[tuple[int, int], tuple[in
   t_lookup = math.prod(sites[gu].eqn.invars[1].aval.shape[:-1])
   _, t, c, f = dot_dims(sites[du], sites[du].param_positions()[dk])[0]
   return t_lookup * t * (c + f)
-
-
-# ----------------------------------------------------------------------------
-# Parameters no rule covers: their per-example gradients, through their sites only
-# ----------------------------------------------------------------------------
-
-Boundary = tuple[int, int]  # (site, position among the site's param inputs)
-
-
-class Group(NamedTuple):
-  """Leaves whose per-example gradients are instantiated together, and their boundaries."""
-
-  leaves: tuple[int, ...]
-  bounds: tuple[Boundary, ...]
-
-
-def disjoint_views(sites: Sequence[Site], leaf: int, bounds: Sequence[Boundary]) -> bool:
-  """Whether every use of the leaf is a view of its own part of it, in the same scans."""
-  infos = [sites[u].infos[k] for u, k in bounds]
-  return (
-    bool(infos)
-    and all(i.view == leaf and i.deps == {leaf} and not i.shared for i in infos)
-    and len({sites[u].stack for u, _ in bounds}) == 1
-    and all(_ghost_capture.disjoint(a, b) for j, a in enumerate(infos) for b in infos[j + 1 :])
-  )
-
-
-class _Layout(NamedTuple):
-  """How an instantiated group's per-example gradients are formed.
-
-  Attributes:
-    by_site: The group's boundary positions at each of its sites.
-    direct: Leaves used only through views of disjoint parts of them (a bias,
-      a scale, a slice per scan iteration): their squared norm is that of
-      their uses' gradients summed, with no pull-back to the leaf.
-    pulled: The other leaves, pulled back from their boundaries.
-    order: The boundaries pulled back, in the order of ``by_site``.
-  """
-
-  by_site: dict[int, list[int]]
-  direct: frozenset[int]
-  pulled: list[int]
-  order: list[Boundary]
-
-
-def _layout(sites: Sequence[Site], group: Group) -> _Layout:
-  by_site: dict[int, list[int]] = {}
-  for u, k in group.bounds:
-    by_site.setdefault(u, []).append(k)
-  direct = frozenset(
-    i
-    for i in group.leaves
-    if disjoint_views(sites, i, [(u, k) for u, k in group.bounds if i in sites[u].infos[k].deps])
-  )
-  pulled = [i for i in group.leaves if i not in direct]
-  order = [(u, k) for u in by_site for k in by_site[u] if not sites[u].infos[k].deps <= direct]
-  return _Layout(by_site, direct, pulled, order)
-
-
-def _sq(x: jax.Array) -> jax.Array:
-  return jnp.sum(_numerics.abs_sq(_numerics.upcast_for_accumulation(x)))
-
-
-def instantiated_sumsq(
-  group: Group, cap: Captured, leaf_groups: Sequence[int] | None = None, num_groups: int = 1
-) -> jax.Array:
-  """Per-example squared norms of a group's gradients, instantiated in chunks of examples.
-
-  With ``leaf_groups`` (the clip group of each parameter leaf), ``(examples,
-  num_groups)``: each leaf's squared norm goes to its clip group's column
-  (a leaf used directly belongs to its boundaries, whose one dependency it
-  is; a pulled-back leaf's gradient is its own).
-  """
-  sites = cap.sites
-  lay = _layout(sites, group)
-  pull = _boundary_pull(cap, lay) if lay.pulled else None
-
-  def per_example(xs):
-    ds, gg = xs
-    cts, total = [], jnp.zeros((), jnp.float32)
-    if leaf_groups is not None:  # one-hot columns: under an Explicit mesh, one sharding
-      total = jnp.zeros((num_groups,), jnp.float32)
-      column = lambda i, x: jnp.where(np.arange(num_groups) == leaf_groups[i], x, 0)
-    for u, ks in lay.by_site.items():
-      if u in cap.tapped:  # taken in the backward pass
-        grads = [gg[u][k] for k in ks]
-      else:
-        grads = _site_param_grads(sites[u], ks, cap.pvals[u], cap.cvals[u], ds[u], gg[u])
-      for k, ct in zip(ks, grads, strict=True):
-        deps = sites[u].infos[k].deps
-        if deps <= lay.direct and leaf_groups is None:
-          total = total + _sq(ct)
-        elif deps <= lay.direct:
-          total = total + column(min(deps), _sq(ct))
-        else:
-          cts.append(ct)
-    if pull is not None:
-      (grads,) = pull(cts)
-      if leaf_groups is None:
-        total = total + sum(_sq(x) for x in grads)
-      else:
-        for i, x in zip(lay.pulled, grads, strict=True):
-          total = total + column(i, _sq(x))
-    return total
-
-  xs = ({u: cap.drecs[u] for u in lay.by_site}, {u: cap.gs[u] for u in lay.by_site})
-  size = sum(math.prod(jnp.shape(cap.leaves[i])) for i in group.leaves) + sum(
-    math.prod(jnp.shape(cap.pvals[u][k])) for u, k in lay.order
-  )
-  limit = max(1, _CHUNK_ELEMENTS // max(size, 1))
-  if cap.spmd_axis_name is None and _jax.is_symbolic(cap.n):
-    return _symbolic_chunks(per_example, xs, cap.n, limit)
-  chunk = min(cap.n, limit)
-  if cap.spmd_axis_name is not None or chunk >= cap.n:
-    # One chunk: a plain vmap (lax.map would compile the per-example gradient
-    # in another layout, many times slower for convolutions on XLA:CPU).
-    return jax.vmap(per_example, spmd_axis_name=cap.spmd_axis_name)(xs)
-  return jax.lax.map(per_example, xs, batch_size=chunk)
-
-
-def _symbolic_chunks(fn: Callable[[Any], jax.Array], xs: Any, n: Any, limit: int) -> jax.Array:
-  """``vmap(fn)(xs)`` for a symbolic number of examples ``n``, at most ``limit`` at once.
-
-  Under ``jax.export`` with a symbolic batch the number of chunks is not
-  known when tracing: the examples are cut into ``min(n, limit)``-row chunks
-  (the last one filled up with copies of example ``n - 1``, dropped after),
-  mapped one after the other.
-  """
-  chunk = _jax.min_dim(n, limit)
-  num = -(-n // chunk)
-  rows = jnp.minimum(jnp.arange(num * chunk), n - 1)
-  split = lambda x: jnp.take(x, rows, axis=0).reshape((num, chunk) + x.shape[1:])
-  out = jax.lax.map(jax.vmap(fn), jax.tree.map(split, xs))
-  return out.reshape((num * chunk,) + out.shape[2:])[:n]
-
-
-def _boundary_pull(cap: Captured, lay: _Layout) -> Callable[[list[Any]], Any]:
-  """The pull-back of the ``lay.order`` boundaries' values to the ``lay.pulled`` leaves."""
-
-  def boundary_values(sub):
-    full = list(cap.leaves)
-    for i, x in zip(lay.pulled, sub, strict=True):
-      full[i] = x
-    ps, _ = cap.params_pass(full)
-    return [ps[u][k] for u, k in lay.order]
-
-  return jax.vjp(boundary_values, [cap.leaves[i] for i in lay.pulled])[1]
-
-
-def _site_param_grads(
-  site: Site, ks: Sequence[int], pvals: Sequence[Any], cvals: Sequence[Any], d: Any, g: Any
-) -> list[Any]:
-  """One example's gradients of the site's param inputs ``ks``, given its ``a`` and ``g``."""
-
-  def fn(sub):
-    pv = list(pvals)
-    for k, x in zip(ks, sub, strict=True):
-      pv[k] = x
-    return _ghost_capture.site_outputs(site, pv, cvals, d)
-
-  vjp = site_vjp(site, fn, [pvals[k] for k in ks])
-  return vjp(list(g))[0]
-
-
-def site_vjp(site: Site, fn: Callable[[Any], Any], primals: Any) -> Callable[[Any], Any]:
-  """``jax.vjp(fn, primals)[1]``, with errors naming the site's primitive."""
-
-  def named(call, *args):
-    try:
-      return call(*args)
-    except Exception as exc:  # re-raised with the primitive's name
-      raise ValueError(
-        "per_example_clipped_grad(method='ghost') cannot differentiate the loss with respect "
-        f"to the parameters through `{site.name}`: {exc}"
-      ) from exc
-
-  vjp = named(lambda: jax.vjp(fn, primals)[1])
-  return lambda cts: named(vjp, cts)

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxclip._kernel import _validation
-from jaxclip.privacy import _clip_batch, _ghost
+from jaxclip.privacy import _clip_batch, _ghost, _ghost_book
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,10 +135,11 @@ def ghost_plan(
 
   ``method="ghost"`` (the default here) applies a rule wherever there is
   one. ``method="auto"`` follows the cost model of ``platform``: on
-  ``"cpu"`` (measured on XLA:CPU) the rules, each with its own switch
-  between the Gram form and the per-example gradient formed from ``a`` and
-  ``g`` by flops, unless they cost more than 0.9x the flops of every
-  per-example gradient; on any other platform (not measured), per leaf, the
+  ``"cpu"`` the rules, each with its own switch between the Gram form and
+  the per-example gradient formed from ``a`` and ``g`` by flops, unless
+  they cost more than a share (``GHOST_FLOPS_SHARE_CPU``, set from
+  ``benchmarks/ghost_zoo.md``) of the flops of every per-example gradient;
+  on any other platform, by memory: per leaf, the
   rule or the leaf's per-example gradient, whichever holds fewer floats per
   example (a leaf so instantiated reads ``instantiate``, the reason giving
   both). Where the whole loss takes ``method="vmap"``'s program, every leaf
@@ -235,7 +236,7 @@ def ghost_plan(
   sum_passes = 1
   groups = None if l2_norm_clip is None else _clip_batch.clip_groups(l2_norm_clip, params)
   if chosen is not None and groups is not None and groups.per_group:
-    mixed = _ghost.mixed_boundaries(chosen, groups.of_leaf)
+    mixed = _ghost_book.mixed_boundaries(chosen, groups.of_leaf)
     for u, k in mixed:
       for i in chosen.sites[u].infos[k].deps:
         rule, reason = rules[i]
@@ -245,7 +246,7 @@ def ghost_plan(
       sum_passes = len(set(groups.of_leaf))
     else:
       inputs = [{groups.of_leaf[i] for i in info.deps} for s in chosen.sites for info in s.infos]
-      sum_passes = len(_ghost.pull_passes(inputs, groups.of_leaf))
+      sum_passes = len(_ghost_book.pull_passes(inputs, groups.of_leaf))
   paths = [jax.tree_util.keystr(k) for k, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
   return GhostPlan(
     tuple(

@@ -21,10 +21,10 @@ from typing import NamedTuple
 import jax.numpy as jnp
 
 from jaxclip._kernel import _platform
-from jaxclip.privacy import _ghost_capture, _ghost_norms
+from jaxclip.privacy import _ghost_norms, _ghost_sites
 from jaxclip.privacy import _jax_internals as _jax
-from jaxclip.privacy._ghost_capture import Site
-from jaxclip.privacy._ghost_norms import Boundary, Group
+from jaxclip.privacy._ghost_instantiate import Boundary, Group
+from jaxclip.privacy._ghost_sites import Site
 
 Ghost = tuple[int, int, str]  # (site, position among its params, rule)
 Tied = tuple[Boundary, Boundary]  # (lookup, dot) boundaries of a tied table
@@ -40,7 +40,7 @@ class Plan:
     tied: ``((site, position), (site, position))`` of the lookup and the
       ``dot_general`` of each embedding table tied to an output head: both
       rules, plus their cross term.
-    groups: The :class:`~jaxclip.privacy._ghost_norms.Group` of leaves whose
+    groups: The :class:`~jaxclip.privacy._ghost_instantiate.Group` of leaves whose
       per-example gradients are instantiated (at most one: a single
       per-example pass through each of their sites).
     cost: Per example, the flops of this plan's norms and those of forming
@@ -87,7 +87,7 @@ def make_plan(
   """Groups the leaves by shared uses and picks each group's rule.
 
   Args:
-    sites: From :func:`jaxclip.privacy._ghost_capture.analysis`.
+    sites: From :func:`jaxclip.privacy._ghost_walk.analysis`.
     num_leaves: The number of parameter leaves.
     unknown: From the same: the higher-order equations the engine cannot read.
     instantiate: Leaves to instantiate although they have a ghost rule, each
@@ -140,7 +140,7 @@ def _probed(sites: Sequence[Site], ghost: Sequence[Ghost]) -> frozenset[int]:
   # A weight shared by a scan's iterations needs them all at once, and a
   # lookup of fixed rows has no data input to probe: both keep their records.
   return frozenset(
-    u for u, k, _ in ghost if not sites[u].infos[k].shared and _ghost_capture.DATA in sites[u].roles
+    u for u, k, _ in ghost if not sites[u].infos[k].shared and _ghost_sites.DATA in sites[u].roles
   )
 
 
@@ -164,7 +164,7 @@ def _tapped(sites: Sequence[Site], groups: Sequence[Group]) -> frozenset[int]:
       continue
     if any(jnp.finfo(a.dtype).bits < 32 for a in s.param_avals()):
       continue
-    data = [v.aval for v, r in zip(s.eqn.invars, s.roles, strict=True) if r == _ghost_capture.DATA]
+    data = [v.aval for v, r in zip(s.eqn.invars, s.roles, strict=True) if r == _ghost_sites.DATA]
     if size(s.param_avals()) <= size(s.out_avals) + size(data):
       out.add(u)
   return frozenset(out)
@@ -234,7 +234,7 @@ def _disjoint_uses(sites: Sequence[Site], leaf: int, bounds: Sequence[Boundary])
     return False
   if len({sites[u].stack for u, _ in bounds}) != 1:
     return False
-  return all(_ghost_capture.disjoint(a, b) for j, a in enumerate(infos) for b in infos[j + 1 :])
+  return all(_ghost_sites.disjoint(a, b) for j, a in enumerate(infos) for b in infos[j + 1 :])
 
 
 def _tied_pair(sites: Sequence[Site], leaf: int, bounds: Sequence[Boundary]) -> Tied | None:
@@ -245,7 +245,7 @@ def _tied_pair(sites: Sequence[Site], leaf: int, bounds: Sequence[Boundary]) -> 
   if set(by_rule) != {"gather", "dot"}:
     return None
   (gu, gk), (du, dk) = by_rule["gather"], by_rule["dot"]
-  if _ghost_capture.DATA not in sites[gu].roles:  # fixed rows (wpe[arange(T)]): no cross term
+  if _ghost_sites.DATA not in sites[gu].roles:  # fixed rows (wpe[arange(T)]): no cross term
     return None
   g_info, d_info = sites[gu].infos[gk], sites[du].infos[dk]
   if g_info.view != leaf or d_info.view != leaf or g_info.axes != (0, 1) or d_info.axes is None:
@@ -316,19 +316,20 @@ def auto_plan(plan: Plan, platform: str | None) -> tuple[Plan | None, str | None
   By the platform's cost model
   (:func:`jaxclip._kernel._platform.ghost_cost_model`):
 
-  * on CPU, by flops, as measured there: per layer, the rules' own switch
-    between the Gram form and the layer's per-example gradient formed from
-    its ``a`` and ``g`` (whichever costs fewer flops; instantiating the layer
-    through its own sites instead was measured slower on XLA:CPU: it makes
-    the forward pass's weight per-example);
-  * elsewhere (not measured), memory first: each leaf with a ghost rule
-    keeps it, or is instantiated (its per-example gradient formed through its
-    own sites) where that holds fewer floats per example.
+  * on CPU, by flops: per layer, the rules' own switch between the Gram form
+    and the layer's per-example gradient formed from its ``a`` and ``g``
+    (whichever costs fewer flops). A layer is not instantiated through its
+    own sites there: that makes the forward pass's weight per-example, which
+    XLA:CPU runs slower (``benchmarks/ghost_zoo.md``);
+  * elsewhere, memory first: each leaf with a ghost rule keeps it, or is
+    instantiated (its per-example gradient formed through its own sites)
+    where that holds fewer floats per example.
 
   On CPU, where the rules would cost more than ``GHOST_FLOPS_SHARE_CPU`` of
   the flops of every per-example gradient, and elsewhere, where no leaf keeps
   a rule, the whole loss takes ``method="vmap"``'s program: per-example
-  gradients with nothing held for book-keeping.
+  gradients with nothing held for book-keeping. The constant is set from
+  ``benchmarks/ghost_zoo.md``.
 
   Returns:
     ``(plan, None)``, or ``(None, reason)`` for ``method="vmap"``'s program.

@@ -1,6 +1,6 @@
 """What the ghost engine reads of JAX's jaxprs: every primitive and parameter name, in one place.
 
-The engine (:mod:`jaxclip.privacy._ghost_capture` and the modules after it)
+The engine (:mod:`jaxclip.privacy._ghost_walk` and the modules it serves)
 walks the jaxpr of a per-example loss. It recognises some primitives by name
 and reads some of their parameters; those names are JAX's internals and may
 change from one release to the next. They are all here, in the tables below
@@ -27,6 +27,8 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.extend.core as jex
+
+from jaxclip._kernel._validation import is_symbolic
 
 # ----------------------------------------------------------------------------
 # The names
@@ -324,11 +326,6 @@ def conv_parts(eqn: Any) -> ConvParts | None:
 # ----------------------------------------------------------------------------
 # Symbolic shapes (jax.export)
 # ----------------------------------------------------------------------------
-
-
-def is_symbolic(d: Any) -> bool:
-  """Whether a dimension is symbolic (a batch exported with ``jax.export.symbolic_shape``)."""
-  return jax.export.is_symbolic_dim(d)
 
 
 def min_dim(d: Any, limit: int) -> Any:

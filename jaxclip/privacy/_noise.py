@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import operator
 from typing import Any, NamedTuple
 
 import jax
@@ -11,6 +10,7 @@ import numpy as np
 import optax
 
 from jaxclip._kernel import _numerics, _validation
+from jaxclip.privacy import _clip_batch
 
 
 class DPNoiseState(NamedTuple):
@@ -33,19 +33,6 @@ def _check_seed(seed: Any) -> None:
     return
   if value.shape != () or value.dtype == np.bool_ or not jnp.issubdtype(value.dtype, jnp.integer):
     raise TypeError(f"seed must be an int (the noise's jax.random seed), got {seed!r:.100}.")
-  operator.index(value)
-
-
-def _check_clip(l2_norm_clip: Any) -> None:
-  paths = jax.tree_util.tree_flatten_with_path(l2_norm_clip)[0]
-  if not paths:
-    raise ValueError(
-      f"l2_norm_clip must be a number or a pytree of numbers (one per layer or group), got "
-      f"{l2_norm_clip!r:.100}, which holds none."
-    )
-  for path, leaf in paths:
-    where = jax.tree_util.keystr(path)
-    _validation.check_hparam(leaf, f"l2_norm_clip{where}", lo=0, scalar=True, finite=True)
 
 
 def _sensitivity(l2_norm_clip: Any) -> jax.Array:
@@ -180,7 +167,7 @@ def dp_noise(
     Abadi et al., `Deep Learning with Differential Privacy
     <https://arxiv.org/abs/1607.00133>`_, 2016
   """
-  _check_clip(l2_norm_clip)
+  _clip_batch.check_clip(l2_norm_clip, scalar=True, finite=True)
   _validation.check_hparam(noise_multiplier, "noise_multiplier", lo=0, scalar=True, finite=True)
   if expected_batch_size is not None:
     _validation.check_hparam(
@@ -196,7 +183,7 @@ def dp_noise(
     del params, extra_args
     _validation.check_state(state, DPNoiseState, "dp_noise")
     numbers = _validation.numeric_leaves(updates, "dp_noise")
-    _check_real(numbers)
+    _validation.check_real_leaves(numbers, "dp_noise", "its Gaussian noise is real")
     _check_prefix(l2_norm_clip, numbers)
     key, noise_key = jax.random.split(jax.random.wrap_key_data(state.dp_noise_key))
     stddev = _numerics.hparam_float32(noise_multiplier) * _sensitivity(l2_norm_clip)
@@ -213,14 +200,3 @@ def dp_noise(
     return treedef.unflatten(out), DPNoiseState(dp_noise_key=jax.random.key_data(key))
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
-
-
-def _check_real(tree: Any) -> None:
-  """Raises ``TypeError`` naming the path of a complex leaf (Gaussian noise is real)."""
-  for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
-    dtype = jnp.result_type(leaf)
-    if jnp.issubdtype(dtype, jnp.complexfloating):
-      raise TypeError(
-        f"dp_noise adds real Gaussian noise, but the leaf of updates at "
-        f"{jax.tree_util.keystr(path) or '<root>'} is complex ({dtype})."
-      )

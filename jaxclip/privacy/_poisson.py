@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import math
-import operator
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 from jaxclip._kernel import _validation
-from jaxclip.privacy import _quantile
 
 _TWO_32 = 2**32
 # float32 bit patterns, ordered as the floats they encode: the smallest normal
@@ -35,18 +33,6 @@ class PoissonBatch(NamedTuple):
   indices: jax.Array
   mask: jax.Array
   overflow: jax.Array
-
-
-def _static_int(value: Any, name: str, low: int) -> int:
-  try:
-    out = operator.index(value)
-  except TypeError:
-    raise TypeError(
-      f"{name} must be a Python int (it fixes a shape), got {value!r:.100}."
-    ) from None
-  if isinstance(value, bool) or out < low:
-    raise ValueError(f"{name} must be an integer >= {low}, got {value!r}.")
-  return out
 
 
 def poisson_batch(
@@ -148,9 +134,9 @@ def poisson_batch(
     truncated Poisson sampling behind ``dp_accounting``'s
     ``TruncatedSubsampledGaussianDpEvent``
   """
-  _quantile._check_key(key)
-  n = _static_int(num_examples, "num_examples", 0)
-  rows = _static_int(max_batch_size, "max_batch_size", 1)
+  _validation.check_key(key)
+  n = _validation.check_size(num_examples, "num_examples", 0, static="it fixes a shape")
+  rows = _validation.check_size(max_batch_size, "max_batch_size", static="it fixes a shape")
   _validation.check_hparam(sampling_rate, "sampling_rate", lo=0.0, hi=1.0, scalar=True)
   every, threshold = _inclusion_threshold(sampling_rate)
   k_draw, k_order = jax.random.split(key)

@@ -18,12 +18,7 @@ def _check_norms(norms: Any) -> jax.Array:
     dtype = norms.dtype if isinstance(norms, jax.Array) else np.asarray(norms).dtype
   except (TypeError, ValueError):
     dtype = None
-  if (
-    dtype is None
-    or dtype == np.bool_
-    or not jnp.issubdtype(dtype, jnp.number)
-    or (jnp.issubdtype(dtype, jnp.complexfloating))
-  ):
+  if dtype is None or not _validation.is_real(dtype):
     raise TypeError(
       "norms must be an array of real numbers (the per-example gradient norms), got "
       f"{norms!r:.100}."
@@ -35,20 +30,6 @@ def _check_norms(norms: Any) -> jax.Array:
       f"{norms.shape}."
     )
   return norms
-
-
-def _check_key(key: Any) -> None:
-  """Raises ``TypeError`` unless ``key`` is one ``jax.random`` key (typed, or legacy uint32)."""
-  dtype = getattr(key, "dtype", None)
-  if dtype is not None and jnp.issubdtype(dtype, jax.dtypes.prng_key):
-    ok = key.shape == ()
-  else:
-    ok = dtype == jnp.uint32 and getattr(key, "ndim", None) == 1
-  if not ok:
-    raise TypeError(
-      "key must be one jax.random key (jax.random.key(seed), or a legacy "
-      f"jax.random.PRNGKey(seed)), got {key!r:.100}."
-    )
 
 
 def _check_flag(value: Any, name: str) -> None:
@@ -257,19 +238,13 @@ def quantile_clip_norm_update(
   _validation.check_scalar(geometric, "geometric")
   _check_flag(geometric, "geometric")
   norms = _check_norms(norms)
-  if example_mask is not None:
-    example_mask = _numerics.as_array(example_mask)
-    if example_mask.dtype != jnp.bool_ or example_mask.shape != norms.shape:
-      raise ValueError(
-        f"example_mask must be a boolean array of the norms' shape {norms.shape}, got "
-        f"{jax.typeof(example_mask)}."
-      )
+  example_mask = _validation.check_mask(example_mask, norms.shape[0])
   if expected_batch_size is not None:
     _validation.check_hparam(
       expected_batch_size, "expected_batch_size", lo=0, lo_open=True, scalar=True, finite=True
     )
   if key is not None:
-    _check_key(key)
+    _validation.check_key(key)
   else:
     stddev = _validation.concrete_value(count_stddev)
     if stddev is None:

@@ -299,7 +299,7 @@ def skip_above(
   """
   _validation.check_transform(inner, "inner")
   _validation.check_hparam(max_norm, "max_norm", lo=0, lo_open=True, scalar=True, finite=True)
-  ord = _numerics.check_ord(ord)
+  ord = _validation.check_ord(ord)
   inner = optax.with_extra_args_support(inner)
 
   def decide(updates, state, extra_args):

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jaxclip._kernel import _history, _numerics, _reduction, _validation
+from jaxclip._kernel import _history, _reduction, _validation
 from jaxclip._kernel._typing import ArrayLike
 from jaxclip.skipping import _scaffold
 
@@ -195,7 +195,7 @@ def skip_on_spike(
   window = _validation.check_size(window, "window", minimum=2)
   _validation.check_hparam(sigma, "sigma", lo=0, scalar=True)
   _validation.check_transform(inner, "inner")
-  ord = _numerics.check_ord(ord)
+  ord = _validation.check_ord(ord)
   inner = optax.with_extra_args_support(inner)
 
   def init_fields(params):

@@ -134,7 +134,7 @@ def adagc(
   _validation.check_size(warmup_steps, "warmup_steps", minimum=0)
 
   def step(s: _per_tensor.Step):
-    (gamma,), n = s.stats, s.stat
+    (gamma,), n = s.stats, s.norm
     first = s.prev_count == 0
     warming = s.count < jnp.asarray(warmup_steps)
     b, rel, abs_ = (
@@ -142,7 +142,7 @@ def adagc(
       _numerics.hparam_float32(lambda_rel),
       _numerics.hparam_float32(lambda_abs),
     )
-    denominator = s.total + _numerics.hparam_float32(eps)
+    denominator = s.global_norm + _numerics.hparam_float32(eps)
     global_scale = _numerics.safe_divide(abs_, denominator, denominator > abs_, otherwise=1)
     warm_norm = n * global_scale
     warm_gamma = jnp.where(first, warm_norm, jnp.minimum(gamma, warm_norm))
@@ -247,7 +247,7 @@ def adaptive_value_clip(
   _validation.check_hparam(beta, "beta", lo=0, hi=1, hi_open=True, scalar=True)
 
   def step(s: _per_tensor.Step):
-    (m,), top = s.stats, s.stat
+    (m,), top = s.stats, s.norm
     b = _numerics.hparam_float32(beta)
     m = b * m + (1 - b) * top
     bound = m / _bias_correction(b, s.count)
@@ -361,7 +361,7 @@ def adaptive_norm_scale(
   _validation.check_hparam(eps, "eps", lo=0, scalar=True)
 
   def step(s: _per_tensor.Step):
-    (mu, nu), n = s.stats, s.stat
+    (mu, nu), n = s.stats, s.norm
     b1, b2 = _numerics.hparam_float32(beta1), _numerics.hparam_float32(beta2)
     mu = b1 * mu + (1 - b1) * n
     nu = b2 * nu + (1 - b2) * n * n

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxclip._kernel import _clip, _history, _numerics, _reduction, _validation
+from jaxclip._kernel import _clip, _history, _reduction, _validation
 from jaxclip._kernel._typing import ArrayLike
 
 
@@ -105,7 +105,7 @@ def autoclip(
   """
   _validation.check_hparam(percentile, "percentile", lo=0, hi=100, scalar=True)
   history = _validation.check_size(history, "history")
-  ord = _numerics.check_ord(ord)
+  ord = _validation.check_ord(ord)
 
   def init_fn(params):
     del params

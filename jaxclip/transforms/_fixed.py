@@ -254,7 +254,7 @@ def clip_by_global_norm(
     Pascanu et al., `On the difficulty of training Recurrent Neural Networks
     <https://arxiv.org/abs/1211.5063>`_, 2012
   """
-  ord = _numerics.check_ord(ord)
+  ord = _validation.check_ord(ord)
   _validation.check_hparam(max_norm, "max_norm", lo=0, scalar=True)
 
   def init_fn(params):

@@ -8,18 +8,16 @@ the rule's arithmetic: validation, matching the statistics to the updates'
 leaves by path, the reduction (across devices too), the non-finite guard,
 and writing the state back in the structure ``init`` gave it.
 
-The rule's arithmetic is written once, on scalars, and runs on every leaf's
-scalars at once: on XLA:CPU on vectors of every leaf's statistics, read back
-at opaque indices so that the leaves of one shape share one kernel
-(:func:`_stacked_rule`); elsewhere on each leaf's own scalars, which XLA fuses
-into that leaf's kernels (:func:`_leaf_rule`). The non-finite guard is one
-flag for the whole step.
+The rule's arithmetic is written once, on one leaf's scalars
+(:func:`_apply_rule`), and :func:`jaxclip._kernel._platform.map_leaves` runs
+it on every leaf: on each leaf's own scalars, which XLA fuses into that
+leaf's kernels, or (on XLA:CPU) vmapped once over vectors of every leaf's
+scalars. The non-finite guard is one flag for the whole step.
 """
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -33,17 +31,16 @@ class Step(NamedTuple):
   """What a rule's step sees for one leaf of the updates: float32 scalars.
 
   Attributes:
-    stat: The leaf's statistic (its ``ord``-norm), across devices with
-      ``axis_name``.
-    total: The statistic of the whole tree (the global norm, or the largest
-      ``|x|``), a float32 scalar.
+    norm: The leaf's ``ord``-norm (its largest ``|x|`` for ``ord=inf``),
+      across devices with ``axis_name``.
+    global_norm: The ``ord``-norm of the whole tree.
     stats: The leaf's state statistics, one scalar per field.
     prev_count: The step count before this step (int32).
     count: The step count after it (int32, counted from 1).
   """
 
-  stat: jax.Array
-  total: jax.Array
+  norm: jax.Array
+  global_norm: jax.Array
   stats: tuple[jax.Array, ...]
   prev_count: jax.Array
   count: jax.Array
@@ -126,13 +123,6 @@ def _reshaped(x: jax.Array, shape: tuple[int, ...]) -> jax.Array:
   return x if jnp.shape(x) == shape else jnp.reshape(x, shape)
 
 
-def _vector(scalars: Sequence[jax.Array]) -> jax.Array:
-  """The scalars (or 1-vectors) as one float32 vector: one op, whatever their number."""
-  if not scalars:
-    return jnp.zeros((0,), jnp.float32)
-  return jnp.stack([_reshaped(jnp.asarray(s), ()).astype(jnp.float32) for s in scalars])
-
-
 def per_tensor_transform(
   rule: Rule, axis_name: Any, replicated: Any, partition_specs: Any
 ) -> optax.GradientTransformationExtraArgs:
@@ -163,23 +153,22 @@ def per_tensor_transform(
           f"{rule.fn_name}'s state has a {field} of another structure than its {stat_fields[0]}."
         )
     leaves, treedef = jax.tree.flatten(updates)
-    # Across devices the parts are summed outside the platform choice; on one
+    # Across devices the shares are summed outside the platform choice; on one
     # device each branch reads them its own way.
-    parts = (
+    shares = (
       None
       if axis_name is None
-      else _reduction.tree_leaf_parts(updates, rule.ord, axis_name, replicated, partition_specs)
+      else _reduction.tree_leaf_shares(updates, rule.ord, axis_name, replicated, partition_specs)
     )
     prev_count = state[-1]
     count = optax.safe_increment(prev_count)
     olds = [[_reshaped(values[i], ()) for i in positions] for values, _ in flat_stats]
+    args = (leaves, shares, olds, prev_count, count)
     coefficients, news, finite = (
       _platform.on_cpu(
-        lambda ls, ps, ol: _stacked_rule(rule, ls, ps, ol, prev_count, count),
-        lambda ls, ps, ol: _leaf_rule(rule, ls, ps, ol, prev_count, count),
-        leaves,
-        parts,
-        olds,
+        lambda *a: _apply_rule(rule, *a, on_cpu=True),
+        lambda *a: _apply_rule(rule, *a, on_cpu=False),
+        *args,
       )
       if positions
       else ([], [[] for _ in olds], jnp.ones((), jnp.bool_))
@@ -199,77 +188,30 @@ def per_tensor_transform(
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
-def _read(rule, leaves, parts):
-  """``(stat, total)``: each leaf's part (float32 scalars, or a vector) and the tree's statistic."""
-  if parts is None:
-    parts = _reduction.tree_leaf_parts(leaves, rule.ord)
-  stat, total = parts
-  total = jnp.asarray(_numerics.safe_sqrt(total) if rule.ord == 2 else total).astype(jnp.float32)
-  return stat, total
+def _apply_rule(rule, leaves, shares, olds, prev_count, count, *, on_cpu):
+  """``(coefficients per leaf, new stats per field, finite)``: ``rule.step`` on every leaf.
 
-
-def _guard(n, total):
-  """The non-finite guard: one flag for the whole step, read by every new statistic."""
-  return _numerics.computed_once(jnp.all(jnp.isfinite(n)) & jnp.isfinite(total))
-
-
-def _leaf_rule(rule, leaves, parts, olds, prev_count, count):
-  """The rule on each leaf's own scalars: ``(coefficients per leaf, new stats per field, finite)``.
-
-  XLA fuses each leaf's arithmetic into that leaf's kernels. The rule is
-  traced once, as a jitted function that each leaf calls (one equation per
-  leaf, and XLA inlines it).
+  ``leaf_step`` is the rule on one leaf's scalars, written once;
+  :func:`jaxclip._kernel._platform.map_leaves` calls it on each leaf's
+  scalars, or (``on_cpu``) vmaps it over vectors of every leaf's, whose
+  shares then come from one segment reduction
+  (:func:`jaxclip._kernel._platform.share_vector`).
   """
-  stat, total = _read(rule, leaves, parts)
-  finite = _guard(_vector(stat), total)
+  if shares is None:
+    shares = _reduction.tree_leaf_shares(leaves, rule.ord, as_vector=on_cpu)
+  norms, total = shares
+  total = jnp.asarray(_numerics.safe_sqrt(total) if rule.ord == 2 else total).astype(jnp.float32)
+  stacked = (jnp.stack(norms) if isinstance(norms, list) else norms).astype(jnp.float32)
+  finite = _numerics.computed_once(jnp.all(jnp.isfinite(stacked)) & jnp.isfinite(total))
 
-  @jax.jit
-  def leaf_step(n, old, total, prev_count, count, finite):
-    n = n.astype(jnp.float32)
+  def leaf_step(share, *old_and_shared):
+    *old, total, prev_count, count, finite = old_and_shared
+    n = share.astype(jnp.float32)
     n = _numerics.safe_sqrt(n) if rule.ord == 2 else n
-    cs, ns = rule.step(Step(n, total, old, prev_count, count))
+    cs, ns = rule.step(Step(n, total, tuple(old), prev_count, count))
     return tuple(cs), tuple(jnp.where(finite, x, o) for x, o in zip(ns, old, strict=True))
 
-  coefficients = []
-  news: list[list[jax.Array]] = [[] for _ in olds]
-  for j, n in enumerate(stat):
-    old = tuple(jnp.asarray(o[j], jnp.float32) for o in olds)
-    cs, ns = leaf_step(jnp.asarray(n), old, total, prev_count, count, finite)
-    coefficients.append(cs)
-    for out, x in zip(news, ns, strict=True):
-      out.append(x)
-  return coefficients, news, finite
-
-
-def _stacked_rule(rule, leaves, parts, olds, prev_count, count):
-  """:func:`_leaf_rule` on vectors of every leaf's scalars, read back at opaque indices (XLA:CPU).
-
-  On one device the parts are read as one vector
-  (:func:`jaxclip._kernel._numerics.part_vector`: the small leaves' by one
-  segment reduction, where a reduction kernel per leaf is slow to compile).
-  The rule runs once on vectors, and each result vector is computed by one
-  kernel that its readers share: XLA copies cheap elementwise ops into each
-  consumer's kernel, so without it every leaf's kernel would recompute the
-  whole rule (:func:`jaxclip._kernel._platform.materialized`). Each leaf
-  then reads its coefficients and new statistics at indices XLA cannot fold
-  (:func:`jaxclip._kernel._platform.entries`), so all the leaves share one
-  kernel instead of one per leaf.
-  """
-  if parts is None:
-    vector = _numerics.part_vector(leaves, rule.ord, _numerics.tree_accumulation_dtype(leaves))
-    total = jnp.max(vector) if rule.ord == math.inf else jnp.sum(vector)
-    parts = (vector, total)
-  n, total = _read(rule, leaves, parts)
-  n = _vector(n) if isinstance(n, list) else n.astype(jnp.float32)
-  finite = _guard(n, total)
-  k = n.shape[0]
-  n = _numerics.safe_sqrt(n) if rule.ord == 2 else n
-  old = tuple(_vector(o) for o in olds)
-  cs, ns = rule.step(Step(n, total, old, prev_count, count))
-  vectors = [jnp.broadcast_to(c, (k,)) for c in cs] + [
-    jnp.broadcast_to(jnp.where(finite, x, o), (k,)) for x, o in zip(ns, old, strict=True)
-  ]
-  index = _platform.entry_indices(k, n)
-  vectors = [_platform.entries(_platform.materialized(v), index) for v in vectors]
-  cs, news = vectors[: len(cs)], vectors[len(cs) :]
-  return [tuple(c[j] for c in cs) for j in range(k)], news, finite
+  shared = (total, prev_count, count, finite)
+  per_leaf = _platform.map_leaves(leaf_step, [norms, *olds], shared, vectors=on_cpu)
+  news = [[ns[f] for _, ns in per_leaf] for f in range(len(olds))]
+  return [cs for cs, _ in per_leaf], news, finite

@@ -84,7 +84,7 @@ def record_norms(
     >>> optax.tree.get(state, 'global_norm')
     Array(13., dtype=float32)
   """
-  ord = _numerics.check_ord(ord)
+  ord = _validation.check_ord(ord)
 
   def init_fn(params):
     acc = _numerics.tree_accumulation_dtype(params)

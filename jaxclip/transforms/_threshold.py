@@ -52,17 +52,15 @@ def suggest_threshold(
   threshold (``optax.tree.get(state, "pre_clip_norm")`` of
   :func:`jaxclip.clip_by_global_norm`, logged each step), then pass them
   here. The suggestion is their ``percentile``-th percentile (linear
-  interpolation, as ``np.percentile``) after dropping NaN and inf. The
-  default is the median (``50``): in jaxclip's clipping study
-  (``docs/clipping_study.md``: three small tasks and a byte-level language
-  model, 8 seeds each) it was the best or tied fixed global-norm threshold
-  on the RNN and the heavy-tailed regression (7/8 and 4/8 seeds reaching
-  the target, against 7/8 and 0/8 for the 90th percentile) and, after a
-  learning-rate warm-up, on the language model at a stable learning rate.
-  Record after the warm-up: the norms of its first steps are not those of
-  the rest of the run. Raise ``percentile`` if training is stable and too
-  slow, lower it if spikes still get through. To let the threshold follow
-  the run instead, use :func:`jaxclip.autoclip` or :func:`jaxclip.zclip`.
+  interpolation, as ``np.percentile``) after dropping NaN and inf.
+
+  The recipe (``docs/which_clip.md``, with the evidence in
+  ``docs/clipping_study.md``): record about 100 steps after any
+  learning-rate warm-up (the norms of its first steps are not those of the
+  rest of the run), start from the median (the default, ``50``), raise
+  ``percentile`` if training is stable and too slow and lower it if spikes
+  still get through. To let the threshold follow the run instead, use
+  :func:`jaxclip.autoclip` or :func:`jaxclip.zclip`.
 
   Two things to keep in mind when moving a threshold between methods:
 

@@ -145,16 +145,12 @@ def zclip(
   if not isinstance(clip_option, str) or clip_option not in _CLIP_OPTIONS:
     raise ValueError(f"zclip: clip_option must be one of {_CLIP_OPTIONS}, got {clip_option!r}.")
   _validation.check_hparam(alpha, "alpha", lo=0, hi=1, scalar=True)
-  for value, name in (
-    (z_thresh, "z_thresh"),
-    (clip_factor, "clip_factor"),
-    (eps, "eps"),
-    (max_norm, "max_norm"),
-  ):
-    if value is not None or name != "max_norm":
-      _validation.check_hparam(value, name, lo=0, scalar=True)
+  for value, name in ((z_thresh, "z_thresh"), (clip_factor, "clip_factor"), (eps, "eps")):
+    _validation.check_hparam(value, name, lo=0, scalar=True)
+  if max_norm is not None:
+    _validation.check_hparam(max_norm, "max_norm", lo=0, scalar=True)
   warmup_steps = _validation.check_size(warmup_steps, "warmup_steps")
-  ord = _numerics.check_ord(ord)
+  ord = _validation.check_ord(ord)
   cap = jnp.inf if max_norm is None else max_norm
 
   def init_fn(params):

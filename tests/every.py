@@ -1,7 +1,8 @@
 """Every ``GradientTransformation`` factory of ``jaxclip.__all__``, built with sensible arguments.
 
-Shared by the compile table of the benchmark and the tests generated from
-``jaxclip.__all__`` (``tests/test_every_transform.py``): a new factory is
+Shared by the tests generated from ``jaxclip.__all__``
+(``tests/test_every_transform.py``, ``tests/test_training_loops.py``) and the
+benchmarks' compile table (``benchmarks/_compile_table.py``): a new factory is
 covered by both without anyone adding it to a list, unless it has a
 required argument, which :data:`REQUIRED` must then give (the tests fail
 until it does).
@@ -10,6 +11,7 @@ until it does).
 from __future__ import annotations
 
 import inspect
+from typing import Any
 
 import optax
 
@@ -70,3 +72,16 @@ def build(name: str) -> optax.GradientTransformation:
       f"jaxclip.{name} cannot be built with no arguments ({e}): add it to REQUIRED in "
       f"{__file__} (or to NOT_TRANSFORMS if it is no transform factory)."
     ) from e
+
+
+def count_eqns(jaxpr: Any) -> int:
+  """Equations of ``jaxpr`` and of every jaxpr nested in its equations' params."""
+  total = 0
+  for eqn in jaxpr.eqns:
+    total += 1
+    for v in eqn.params.values():
+      for sub in v if isinstance(v, (tuple, list)) else (v,):
+        inner = getattr(sub, "jaxpr", sub)
+        if hasattr(inner, "eqns"):
+          total += count_eqns(inner)
+  return total

@@ -1,10 +1,16 @@
-"""Synthetic gradient trees: GPT-2-small's parameter shapes and many-leaf trees."""
+"""Synthetic gradient trees (GPT-2-small's parameter shapes, many-leaf trees) and a train step.
+
+Shared by the kernel's tests (``tests/test_kernel.py``) and the benchmarks.
+"""
 
 from __future__ import annotations
+
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 
 
 def gpt2_shapes(shrink: int = 1) -> dict[str, tuple[int, ...]]:
@@ -46,9 +52,30 @@ def num_params(shapes: dict[str, tuple[int, ...]]) -> int:
 
 
 def make_tree(shapes: dict[str, tuple[int, ...]], dtype=jnp.float32, seed: int = 0) -> dict:
-  """A dict of arrays of ``shapes``, values ~ N(0, 1e-2), made on device."""
-  key = jax.random.key(seed)
+  """A dict of arrays of ``shapes``, values ~ N(0, 1e-2).
+
+  Drawn on the host and copied to the device: drawn on the device, each new
+  shape would compile its own random-number program (a tree of many shapes took
+  tens of seconds to make).
+  """
+  rng = np.random.default_rng(seed)
   return {
-    name: (1e-2 * jax.random.normal(jax.random.fold_in(key, i), shape)).astype(dtype)
-    for i, (name, shape) in enumerate(shapes.items())
+    name: jnp.asarray((1e-2 * rng.standard_normal(shape, np.float32)).astype(dtype))
+    for name, shape in shapes.items()
   }
+
+
+def compile_train_step(tx: optax.GradientTransformation, params: Any, grads: Any):
+  """``params, opt_state -> apply_updates(tx.update(grads))``, jitted with both donated.
+
+  Returns:
+    The compiled step and ``tx.init(params)``.
+  """
+
+  def step(params, opt_state, grads):
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+
+  opt_state = tx.init(params)
+  compiled = jax.jit(step, donate_argnums=(0, 1)).lower(params, opt_state, grads).compile()
+  return compiled, opt_state

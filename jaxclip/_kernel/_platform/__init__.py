@@ -1,0 +1,46 @@
+"""XLA:CPU policy: every choice jaxclip makes for one compiler, behind a small interface.
+
+The kernel's math is written once, per leaf, in :mod:`jaxclip._kernel._numerics`
+(and on one leaf's scalars in :mod:`jaxclip.transforms._per_tensor`). The
+functions here take that one definition and decide how XLA:CPU gets it.
+
+Why a room of its own: XLA:CPU compiles one kernel per distinct fusion,
+compiles a reduction kernel per leaf slowly, and copies cheap elementwise
+ops into every consumer, so a tree of thousands of small leaves written leaf
+by leaf compiles for minutes. ``benchmarks/tricks.md`` measures each choice
+with and without it.
+
+How the platform is chosen: each choice but the grouping is staged with
+:func:`on_cpu`, a :func:`jax.lax.platform_dependent` whose other branch is
+the plain per-leaf math. It is made when the program is *lowered*, so a
+program exported with ``jax.export(..., platforms=('cuda',))`` on a CPU-only
+machine carries none of the CPU choices (XLA folds the choice away: the
+compiled program holds no conditional). The grouping changes no value and
+is cheaper to compile on any backend, so it runs everywhere, and its plain
+branch is never traced.
+
+The rooms:
+
+* ``_switch``: :func:`on_cpu`, and which leaves count as small;
+* ``_reductions``: one leaf's norm reduction (bfloat16 barrier, float16
+  two-output reduction); a tree norm's partial sums by group; every leaf's
+  sum as one vector by one segment reduction;
+* ``_stacks``: small leaves of one shape scaled as stacks, their rows read
+  at opaque indices;
+* ``_vectors``: a per-tensor rule vmapped over vectors of every leaf's
+  scalars;
+* ``_ghost_cost``: the ghost cost model's CPU constant.
+"""
+
+from jaxclip._kernel._platform._ghost_cost import GHOST_FLOPS_SHARE_CPU as GHOST_FLOPS_SHARE_CPU
+from jaxclip._kernel._platform._ghost_cost import ghost_cost_model as ghost_cost_model
+from jaxclip._kernel._platform._reductions import combine_scalars as combine_scalars
+from jaxclip._kernel._platform._reductions import count_all as count_all
+from jaxclip._kernel._platform._reductions import reduce as reduce
+from jaxclip._kernel._platform._reductions import reduction_input as reduction_input
+from jaxclip._kernel._platform._reductions import share as share
+from jaxclip._kernel._platform._reductions import share_vector as share_vector
+from jaxclip._kernel._platform._reductions import shares_by_group as shares_by_group
+from jaxclip._kernel._platform._stacks import scale_each_leaf as scale_each_leaf
+from jaxclip._kernel._platform._switch import on_cpu as on_cpu
+from jaxclip._kernel._platform._vectors import map_leaves as map_leaves

@@ -1,0 +1,225 @@
+"""Ghost norms, step 4: the clipped sum, ``sum_b w_b grad_b``, from the captured sites.
+
+Book-keeping (:func:`book_keep`) pulls ``sum_b w_b g_b`` back through each
+site (one matmul for a dense layer) and then through the parameters' pass
+``h``, with no second pass over the model. A plan that takes its norms in the
+backward pass (rematerialised sites) runs a second, weighted backward pass
+instead (:func:`two_pass`). With clip groups (per-layer clipping), each leaf
+takes its own group's weights. Float16 book-keeping with weights above 1
+(automatic clipping) is scaled by a power of two into float16's range
+(:func:`_in_range`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jaxclip._kernel import _numerics
+from jaxclip.privacy import _ghost_instantiate, _ghost_sites
+from jaxclip.privacy._ghost_capture import Captured
+from jaxclip.privacy._ghost_rules import Plan
+from jaxclip.privacy._ghost_sites import Site
+
+
+def two_pass(cap: Captured, weights: jax.Array, leaf_groups: Sequence[int] | None) -> list[Any]:
+  """The second, weighted backward pass; with clip groups, one per group (each group's leaves
+  taken from the pass weighted by its weights)."""
+  half = any(_is_float16(x) for x in cap.leaves)
+
+  def weighted(w):
+    w, scale = _in_range(w, half)
+    return [_rescaled(x, scale) for x in cap.weighted(w)]
+
+  if leaf_groups is None:
+    return weighted(weights)
+  out = [None] * len(cap.leaves)
+  for k in sorted(set(leaf_groups)):
+    grads = weighted(weights[:, k])
+    for i, g in enumerate(leaf_groups):
+      if g == k:
+        out[i] = grads[i]
+  return out
+
+
+def _is_float16(x: Any) -> bool:
+  return jnp.result_type(x) == jnp.float16
+
+
+def _in_range(
+  weights: jax.Array, half: bool, gs: Sequence[jax.Array] = ()
+) -> tuple[jax.Array, jax.Array | None]:
+  """``(weights / s, s)`` for float16 book-keeping, ``s`` a power of two (at least 1);
+  ``(weights, None)`` otherwise.
+
+  Automatic clipping's weights exceed 1 (up to ``C / gamma``): multiplied into
+  float16 output gradients they could overflow float16's range (65504).
+  Scaled by a power of two, the pull-back stays in range and is scaled back
+  in float32 after (:func:`_rescaled`). With the output gradients ``gs``,
+  ``s`` brings the largest weighted entry to at most ``2**14`` (so the other
+  examples' weights keep float16's precision); without, the largest weight to
+  at most 1. For clipping's weights (at most 1) and output gradients below
+  ``2**14``, ``s`` is 1 and nothing changes.
+  """
+  if not half:
+    return weights, None
+  top = jnp.max(weights)
+  gs = [g for g in gs if all(d != 0 for d in g.shape[1:])]
+  if gs:
+    peak = [jnp.max(jnp.abs(g.astype(weights.dtype)).reshape(g.shape[0], -1), axis=1) for g in gs]
+    top = jnp.max(weights * jnp.max(jnp.stack(peak), axis=0)) / 2.0**14
+  exponent = jnp.minimum(jnp.ceil(jnp.log2(jnp.maximum(top, 1))), 127)
+  scale = jnp.exp2(exponent).astype(weights.dtype)
+  return weights / scale, scale
+
+
+def _rescaled(x: jax.Array, scale: jax.Array | None) -> jax.Array:
+  """``x * scale`` formed in float32 (or wider), in ``x``'s dtype; ``x`` for ``None``."""
+  if scale is None:
+    return x
+  acc = jnp.promote_types(x.dtype, jnp.float32)
+  return (x.astype(acc) * scale.astype(acc)).astype(x.dtype)
+
+
+def book_keep(
+  cap: Captured, weights: jax.Array, leaf_groups: Sequence[int] | None = None
+) -> list[jax.Array]:
+  """``sum_b w_b grad_b``: ``sum_b w_b g_b`` pulled back through each site, then through ``h``.
+
+  With ``leaf_groups`` (per-layer clipping) ``weights`` is ``(examples,
+  groups)`` and leaf ``i`` takes ``weights[:, leaf_groups[i]]``
+  (:func:`_book_keep_groups`).
+  """
+  if leaf_groups is not None:
+    return _book_keep_groups(cap, weights, leaf_groups)
+  (grads,) = cap.pull([_site_pullback(cap, u)(weights) for u in range(len(cap.sites))])
+  return [x.astype(jnp.promote_types(x.dtype, jnp.float32)) for x in grads]
+
+
+def _site_pullback(cap: Captured, u: int) -> Callable[[jax.Array], list[Any]]:
+  """``weights ->`` the cotangents of site ``u``'s param inputs for ``sum_b weights_b g_b``."""
+  gs, pvals = cap.gs[u], cap.pvals[u]
+  if u in cap.tapped:  # the per-example gradients of its param inputs, weighted and summed
+    return lambda w: [_weighted_sum(g, w, p) for g, p in zip(gs, pvals, strict=True)]
+  site, cvals, dvals = cap.sites[u], cap.cvals[u], cap.drecs[u]
+  fn = lambda pv: _batched_outputs(site, pv, cvals, dvals, cap.n, cap.spmd_axis_name)
+  vjp = _ghost_instantiate.site_vjp(site, fn, pvals)
+  half = any(_is_float16(g) for g in gs)
+
+  def pulled(w):
+    w, scale = _in_range(w, half, gs)
+    return [_rescaled(x, scale) for x in vjp([_weighted(g, w) for g in gs])[0]]
+
+  return pulled
+
+
+def mixed_boundaries(plan: Plan, leaf_groups: Sequence[int]) -> list[tuple[int, int]]:
+  """The boundaries ``(site, position)`` whose param input depends on leaves of several clip
+  groups (such as ``W1 + W2`` with ``W1`` and ``W2`` in different groups).
+
+  Book-keeping cannot weight such an input once per group: its cotangent is
+  pulled back to the leaves once per group, weighted by that group's weights,
+  each group keeping its own leaves' share (:func:`_book_keep_groups`). The
+  leaves themselves are always instantiated (they meet at a value), so their
+  per-group norms are exact.
+  """
+  return [
+    (u, k)
+    for u, s in enumerate(plan.sites)
+    for k, info in enumerate(s.infos)
+    if len({leaf_groups[i] for i in info.deps}) > 1
+  ]
+
+
+def _book_keep_groups(
+  cap: Captured, weights: jax.Array, leaf_groups: Sequence[int]
+) -> list[jax.Array]:
+  """:func:`book_keep` with a weight per example and clip group.
+
+  Each site's output gradients are weighted once per group among its param
+  inputs' leaves and pulled back through the site, each param input keeping
+  the cotangent of its own group. One pull-back to the leaves serves every
+  group that no param input mixes with another (its leaves receive
+  cotangents only from inputs of their own group); each group that one does
+  gets a pull-back of its own (:func:`pull_passes`).
+  """
+  sites = cap.sites
+  groups_of = [
+    [sorted({leaf_groups[i] for i in info.deps}) for info in site.infos] for site in sites
+  ]
+  # per site: {group: cotangents of every param input weighted by that group}
+  by_group: list[dict[int, list[Any]]] = []
+  for u in range(len(sites)):
+    pull, needed = _site_pullback(cap, u), sorted({k for ks in groups_of[u] for k in ks})
+    by_group.append({k: pull(weights[:, k]) for k in needed})
+
+  def cotangents(k):
+    """Each param input's cotangent in the pull-back of group ``k`` (``None``: each input of
+    one group weighted by it; zeros for an input that mixes groups)."""
+    out = []
+    for u in range(len(sites)):
+      cts = []
+      for j, ks in enumerate(groups_of[u]):
+        own = k if k is not None else (ks[0] if len(ks) == 1 else None)
+        if own is not None and own in ks:
+          cts.append(by_group[u][own][j])
+        else:
+          cts.append(jnp.zeros_like(cap.pvals[u][j]))
+      out.append(cts)
+    return out
+
+  grads = [None] * len(cap.leaves)
+  for k, taken in pull_passes([ks for per_site in groups_of for ks in per_site], leaf_groups):
+    (pulled,) = cap.pull(cotangents(k))
+    for i, g in enumerate(leaf_groups):
+      if g in taken:
+        grads[i] = pulled[i]
+  return [x.astype(jnp.promote_types(x.dtype, jnp.float32)) for x in grads]
+
+
+def pull_passes(
+  input_groups: Sequence[Sequence[int]], leaf_groups: Sequence[int]
+) -> list[tuple[int | None, frozenset[int]]]:
+  """The pull-backs of a per-group book-keeping: ``(group, groups whose leaves it gives)``.
+
+  ``input_groups`` holds the clip groups of each param input's leaves. A
+  group none of whose leaves meets another group's at an input is served by
+  one shared pull-back (``None``: each input weighted by its own group);
+  each group that does meet another gets a pull-back of its own, every input
+  touching it weighted by its weights.
+  """
+  mixed = frozenset(k for ks in input_groups if len(ks) > 1 for k in ks)
+  rest = frozenset(leaf_groups) - mixed
+  return ([(None, rest)] if rest else []) + [(k, frozenset({k})) for k in sorted(mixed)]
+
+
+def _batched_outputs(
+  site: Site,
+  pvals: Sequence[Any],
+  cvals: Sequence[Any],
+  dvals: Sequence[Any],
+  n: int,
+  spmd_axis_name: Any,
+) -> list[Any]:
+  """The site's outputs for every example (``dvals`` with a leading batch axis)."""
+  outputs = _ghost_sites.site_outputs
+  if not dvals:  # the site does not see the example: the same outputs for all
+    return [jnp.broadcast_to(x, (n,) + jnp.shape(x)) for x in outputs(site, pvals, cvals, [])]
+  return jax.vmap(lambda db: outputs(site, pvals, cvals, db), spmd_axis_name=spmd_axis_name)(dvals)
+
+
+def _weighted_sum(g: jax.Array, weights: jax.Array, like: jax.Array) -> jax.Array:
+  """``sum_b weights_b g_b`` in float32 (or wider), in ``like``'s dtype."""
+  acc = jnp.promote_types(g.dtype, jnp.float32)
+  w = weights.reshape((-1,) + (1,) * (g.ndim - 1)).astype(acc)
+  # A sum, not a dot: under an Explicit mesh the batch axis may be sharded.
+  return jnp.sum(w * g.astype(acc), axis=0).astype(jnp.result_type(like))
+
+
+def _weighted(g: jax.Array, weights: jax.Array) -> jax.Array:
+  dtype = _numerics.compute_dtype(g.dtype)
+  w = weights.reshape((-1,) + (1,) * (g.ndim - 1)).astype(dtype)
+  return (g.astype(dtype) * w).astype(g.dtype)

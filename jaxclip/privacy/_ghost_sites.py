@@ -1,0 +1,273 @@
+"""Ghost norms, step 1: the sites of a per-example loss, and which rule each can get.
+
+A per-example loss is traced to a jaxpr. Every value of the program is classed
+as depending on the parameters only (*param*), on the batch (*data*), or on
+neither (*const*) (:class:`Info`); a param value that rearranges a parameter
+leaf, or a static slice of one, keeps that *view* of the leaf
+(:func:`view_of`). A *site* is an equation that takes a floating-point param
+value and a data value, such as ``x @ W`` or ``E[ids]``: the loss depends on the
+parameters through the sites alone. A lookup of a param table at ids that do
+not depend on the example (``wpe[jnp.arange(T)]``) is a site with no data
+input (:func:`is_fixed_lookup`). Each param input of a site gets the rule its
+equation allows (:func:`rule_for`).
+
+Which primitives these are, and how their parameters are read, is
+:mod:`jaxclip.privacy._jax_internals`'s; the walkers that find the sites are in
+:mod:`jaxclip.privacy._ghost_walk`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jaxclip.privacy import _jax_internals as _jax
+
+PARAM, DATA, CONST = "param", "data", "const"
+
+Stack = tuple[tuple[int, int], ...]  # (scan id, length) of each enclosing scan, outermost first
+Pair = tuple[Any, "Info"]  # a value (or None where not computed) and its class
+
+
+@dataclasses.dataclass(frozen=True)
+class Info:
+  """What a value of the program depends on."""
+
+  kind: str
+  deps: frozenset[int] = frozenset()  # the parameter leaves it depends on
+  view: int | None = None  # the leaf it is a rearrangement of (of a part of), if any
+  axes: tuple[int, ...] | None = None  # for such a view, the leaf axis of each of its axes
+  # For a view of a static slice of the leaf, ``(leaf axis, start, stop)`` of
+  # each sliced axis; ``()`` for the whole leaf.
+  region: tuple[tuple[int, int, int], ...] = ()
+  # Whether it is a view of a leaf that a ``lax.scan`` closes over (one of its
+  # consts): the same weight read by every iteration.
+  scan_const: bool = False
+  # For such a view, the levels of the enclosing scans (indices into a site's
+  # ``stack``) over whose iterations it is the same value: its gradient is the
+  # sum of those iterations' gradients, so a rule takes their rows together.
+  shared: frozenset[int] = frozenset()
+
+
+CONST_INFO = Info(CONST)
+DATA_INFO = Info(DATA)
+
+
+@dataclasses.dataclass(frozen=True)
+class Site:
+  """An equation through which the loss depends on the parameters.
+
+  Attributes:
+    eqn: The equation, or ``None`` when the loss itself depends on the
+      parameters only.
+    roles: For each input, ``PARAM`` (a floating-point value of the
+      parameters: the site's boundary), ``DATA`` or ``CONST``.
+    infos: For each ``PARAM`` input, what it depends on.
+    outs: The floating-point outputs (the others carry no gradient).
+    out_avals: Their per-example abstract values.
+    rules: For each ``PARAM`` input, ``"dot"``, ``"gather"``, ``"conv"`` or
+      ``"generic"``.
+    stack: ``(scan id, length)`` of each ``lax.scan`` the site is in,
+      outermost first: its records then carry one leading axis per scan (one
+      entry per iteration).
+    remat: Whether the site is inside a rematerialised call
+      (``jax.checkpoint``, flax ``nn.remat``): the model asks for its
+      activations to be recomputed rather than kept.
+  """
+
+  eqn: Any
+  roles: tuple[str, ...]
+  infos: tuple[Info, ...]
+  outs: tuple[int, ...]
+  out_avals: tuple[Any, ...]
+  rules: tuple[str, ...]
+  stack: Stack = ()
+  remat: bool = False
+
+  @property
+  def name(self) -> str:
+    return "the loss" if self.eqn is None else _jax.name(self.eqn)
+
+  def param_positions(self) -> list[int]:
+    return [i for i, r in enumerate(self.roles) if r == PARAM]
+
+  def param_avals(self) -> list[Any]:
+    """The abstract values of the param inputs (per iteration inside scans)."""
+    if self.eqn is None:
+      return list(self.out_avals)
+    return [self.eqn.invars[p].aval for p in self.param_positions()]
+
+  def zero_avals(self, tapped: bool) -> list[Any]:
+    """What :class:`Forward` adds zeros to: the param inputs if ``tapped``, else the outputs."""
+    return self.param_avals() if tapped else list(self.out_avals)
+
+
+def is_float(aval: Any) -> bool:
+  return jnp.issubdtype(aval.dtype, jnp.floating)
+
+
+# ----------------------------------------------------------------------------
+# Views: which part of which leaf a param value is
+# ----------------------------------------------------------------------------
+
+
+def view_of(eqn: Any, infos: list[Info]) -> Info:
+  """What an equation's output depends on, when its inputs depend on params only."""
+  deps = frozenset().union(*(i.deps for i in infos))
+  params = [i for i in infos if i.kind == PARAM]
+  if not _jax.is_view(eqn) or len(params) != 1 or len(eqn.outvars) != 1:
+    return Info(PARAM, deps)
+  src, out = eqn.invars[0].aval, eqn.outvars[0].aval
+  if not (is_float(src) and is_float(out)) or infos[0].kind != PARAM:
+    return Info(PARAM, deps)
+  info = params[0]
+  same_values = _jax.is_slice(eqn) or math.prod(src.shape) == math.prod(out.shape)
+  if info.view is None:  # still a scan's const, if it was one
+    return Info(PARAM, deps, scan_const=info.scan_const and same_values)
+  if _jax.is_slice(eqn):
+    return _slice_of(eqn, info, deps)
+  if not same_values:  # broadcast_in_dim that repeats values
+    return Info(PARAM, deps, scan_const=info.scan_const)
+  axes = info.axes
+  perm, gone = _jax.transpose_permutation(eqn), _jax.squeeze_dimensions(eqn)
+  if axes is not None and perm is not None:
+    axes = tuple(axes[p] for p in perm)
+  elif axes is not None and gone is not None:
+    gone = {d % src.ndim for d in gone}
+    axes = tuple(a for j, a in enumerate(axes) if j not in gone)
+  elif tuple(src.shape) != tuple(out.shape):
+    axes = None  # still the leaf's values, but not axis by axis
+  return dataclasses.replace(info, deps=deps, axes=axes)
+
+
+def _slice_of(eqn: Any, info: Info, deps: frozenset[int]) -> Info:
+  """A static slice of a view: a view of a region of the leaf (or of nothing known)."""
+  bounds = _jax.slice_bounds(eqn)
+  if bounds is None:
+    return Info(PARAM, deps)
+  starts, limits, strides = bounds
+  if info.axes is None or (strides is not None and any(s != 1 for s in strides)):
+    return Info(PARAM, deps, scan_const=info.scan_const)
+  region = dict((a, (lo, hi)) for a, lo, hi in info.region)
+  shape = eqn.invars[0].aval.shape
+  for j, (lo, hi) in enumerate(zip(starts, limits, strict=True)):
+    if (lo, hi) != (0, shape[j]):
+      base = region.get(info.axes[j], (0, None))[0]
+      region[info.axes[j]] = (base + lo, base + hi)
+  return dataclasses.replace(
+    info, deps=deps, region=tuple(sorted((a, lo, hi) for a, (lo, hi) in region.items()))
+  )
+
+
+def disjoint(a: Info, b: Info) -> bool:
+  """Whether two views of regions of one leaf share no element."""
+  ra, rb = (
+    dict((x, (lo, hi)) for x, lo, hi in a.region),
+    dict((x, (lo, hi)) for x, lo, hi in b.region),
+  )
+  return any(ax in rb and (ra[ax][1] <= rb[ax][0] or rb[ax][1] <= ra[ax][0]) for ax in ra)
+
+
+# ----------------------------------------------------------------------------
+# Which rule a site's param input can get
+# ----------------------------------------------------------------------------
+
+
+def _gather_is_lookup(eqn: Any) -> bool:
+  """Whether a gather takes whole rows of its operand: ``E[ids]``, ``take(E, ids, 0)``."""
+  parts = _jax.gather_parts(eqn)
+  if parts is None:
+    return False
+  dn = parts.dimension_numbers
+  op, idx = eqn.invars[0].aval, eqn.invars[1].aval
+  rest = tuple(op.shape[1:])
+  lead = idx.ndim - 1
+  return (
+    idx.ndim >= 1
+    and idx.shape[-1] == 1
+    and tuple(dn.collapsed_slice_dims) == (0,)
+    and tuple(dn.start_index_map) == (0,)
+    and not tuple(dn.operand_batching_dims)
+    and parts.slice_sizes == (1,) + rest
+    and tuple(dn.offset_dims) == tuple(range(lead, lead + len(rest)))
+  )
+
+
+def _conv_is_ghostable(eqn: Any) -> bool:
+  parts = _jax.conv_parts(eqn)
+  return parts is not None and parts.batch_group_count == 1 and parts.dimension_numbers is not None
+
+
+def rule_for(eqn: Any, roles: tuple[str, ...], pos: int) -> str:
+  if eqn is None:
+    return "generic"
+  if _jax.dot_dimension_numbers(eqn) is not None and len(roles) == 2 and roles[1 - pos] == DATA:
+    return "dot"
+  if pos == 0 and len(roles) == 2 and roles[1] != PARAM and _gather_is_lookup(eqn):
+    return "gather"
+  if pos == 1 and len(roles) == 2 and roles[0] == DATA and _conv_is_ghostable(eqn):
+    return "conv"
+  return "generic"
+
+
+def site_roles(eqn: Any, infos: Sequence[Info]) -> tuple[str, ...]:
+  if eqn is None:
+    return (PARAM,)
+  return tuple(
+    PARAM if i.kind == PARAM and is_float(v.aval) else DATA if i.kind == DATA else CONST
+    for i, v in zip(infos, eqn.invars, strict=True)
+  )
+
+
+def float_outs(eqn: Any, aval: Any) -> tuple[int, ...]:
+  """The positions of a site's floating-point outputs (``aval``: the loss's, for ``None``)."""
+  avals = [aval] if eqn is None else [v.aval for v in eqn.outvars]
+  return tuple(j for j, a in enumerate(avals) if is_float(a))
+
+
+def is_site(eqn: Any, infos: Sequence[Info]) -> bool:
+  """Whether an equation takes a float param value and a data value, with a float output, or
+  is a lookup of fixed rows (:func:`is_fixed_lookup`)."""
+  return (
+    any(i.kind == PARAM and is_float(v.aval) for i, v in zip(infos, eqn.invars, strict=True))
+    and any(is_float(v.aval) for v in eqn.outvars)
+    and (any(i.kind == DATA for i in infos) or is_fixed_lookup(eqn, infos))
+  )
+
+
+def is_fixed_lookup(eqn: Any, infos: Sequence[Any]) -> bool:
+  """Whether an equation looks up rows of a param table at ids that do not depend on the
+  example (``wpe[jnp.arange(T)]``, ``jnp.take(wpe, jnp.arange(T), axis=0)``).
+
+  ``infos`` are the inputs' classes (or, for a site, its ``roles``). Such a
+  lookup is a site of its own (with no data input): the lookup rule then
+  applies to the table, with the fixed ids, instead of the table's
+  per-example gradient being formed from the rows' gradients.
+  """
+  kinds = [getattr(i, "kind", i) for i in infos]
+  return kinds == [PARAM, CONST] and _gather_is_lookup(eqn)
+
+
+def site_outputs(
+  site: Site, pvals: Sequence[Any], cvals: Sequence[Any], dvals: Sequence[Any]
+) -> list[Any]:
+  """The floating-point outputs of ``site`` for the given inputs (of one example).
+
+  Inside scans, every input and output has one leading axis per scan.
+  """
+
+  def once(pvals, cvals, dvals):
+    if site.eqn is None:
+      return list(pvals)
+    its = {PARAM: iter(pvals), CONST: iter(cvals), DATA: iter(dvals)}
+    out = _jax.bind(site.eqn, [next(its[r]) for r in site.roles])
+    return [out[j] for j in site.outs]
+
+  for _ in site.stack:
+    once = jax.vmap(once)
+  return once(pvals, cvals, dvals)
