@@ -1,4 +1,4 @@
-"""Ghost norms, step 4: the clipped sum, ``sum_b w_b grad_b``, from the captured sites.
+"""Ghost norms: the clipped sum, ``sum_b w_b grad_b``, from the captured sites.
 
 Book-keeping (:func:`book_keep`) pulls ``sum_b w_b g_b`` back through each
 site (one matmul for a dense layer) and then through the parameters' pass

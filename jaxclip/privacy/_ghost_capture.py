@@ -1,4 +1,4 @@
-"""Ghost norms, step 2: each site's ``a`` and ``g`` for every example, and its param inputs.
+"""Ghost norms: each site's ``a`` and ``g`` for every example, and its param inputs.
 
 :class:`Forward` evaluates one example, adds a zero to each site's float
 outputs (so that the gradient with respect to those zeros is the site's output

@@ -1,4 +1,4 @@
-"""Ghost norms, step 3: the per-example gradients of the parameters no rule covers.
+"""Ghost norms: the per-example gradients of the parameters no rule covers.
 
 Leaves no rule covers (layer-norm scales, biases, a weight used twice) are
 instantiated in groups (:class:`Group`): each example's gradient of the

@@ -1,4 +1,4 @@
-"""Ghost norms, step 2: each example's squared gradient norm from a site's ``a`` and ``g``.
+"""Ghost norms: each example's squared gradient norm from a site's ``a`` and ``g``.
 
 The rules (``dot``, ``conv``, ``lookup`` and a tied table's cross term) work
 from the data inputs ``a`` and output gradients ``g`` that

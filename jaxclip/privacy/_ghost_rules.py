@@ -1,4 +1,4 @@
-"""Ghost norms, step 3: the rule each parameter leaf gets.
+"""Ghost norms: the rule each parameter leaf gets.
 
 Leaves that meet at a site (a value that depends on two of them) form one
 unit. A unit of one leaf whose uses each have a ghost rule and read disjoint

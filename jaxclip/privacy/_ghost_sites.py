@@ -1,4 +1,4 @@
-"""Ghost norms, step 1: the sites of a per-example loss, and which rule each can get.
+"""Ghost norms: the sites of a per-example loss, and which rule each can get.
 
 A per-example loss is traced to a jaxpr. Every value of the program is classed
 as depending on the parameters only (*param*), on the batch (*data*), or on

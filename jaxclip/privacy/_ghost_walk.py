@@ -1,4 +1,4 @@
-"""Ghost norms, step 1: walking a per-example loss's jaxpr, and finding its sites.
+"""Ghost norms: walking a per-example loss's jaxpr, and finding its sites.
 
 :class:`Walker` walks a jaxpr equation by equation, classing each value
 (:mod:`jaxclip.privacy._ghost_sites`); its subclasses say what a site does.
