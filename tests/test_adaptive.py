@@ -15,6 +15,7 @@ import pytest
 
 import jaxclip
 from jaxclip._kernel import _history
+from tests import helpers
 from tests.helpers import assert_dtypes_kept
 
 NAN, INF = float("nan"), float("inf")
@@ -285,9 +286,8 @@ def test_zclip_validates():
 
 
 def test_axis_name_gives_the_unsharded_result():
+  # A subprocess of 4 virtual devices (slow: tests/conftest.py's SLOW_TESTS).
   script = textwrap.dedent("""
-    import os
-    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
     import jax, jax.numpy as jnp, numpy as np, optax, jaxclip
     from jax.sharding import PartitionSpec as P
     mesh = jax.make_mesh((4,), ("d",))
@@ -311,7 +311,11 @@ def test_axis_name_gives_the_unsharded_result():
     print("ok")
   """)
   result = subprocess.run(
-    [sys.executable, "-c", script], capture_output=True, text=True, timeout=240
+    [sys.executable, "-c", script],
+    env=helpers.device_env(4),
+    capture_output=True,
+    text=True,
+    timeout=240,
   )
   assert result.returncode == 0, result.stderr[-3000:]
   assert result.stdout.strip().endswith("ok")

@@ -82,14 +82,12 @@ def test_full_train_step_model_is_about_20m_params():
 def _run_ghost_benchmark(*args: str) -> None:
   """``python -m benchmarks.ghost *args`` in a fresh process, as a user runs it.
 
-  It is compile-bound, and XLA compiles about twice as fast without its backend
-  optimisations.
+  It is compile-bound: it inherits the suite's XLA_FLAGS (tests/conftest.py).
   """
   root = Path(__file__).resolve().parents[1]
   env = {
     **os.environ,
     "PYTHONPATH": os.pathsep.join([str(root), *filter(None, [os.environ.get("PYTHONPATH")])]),
-    "XLA_FLAGS": "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true",
   }
   done = subprocess.run(
     [sys.executable, "-m", "benchmarks.ghost", *args],

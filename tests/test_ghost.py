@@ -25,7 +25,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxclip
-from jaxclip.privacy import _ghost, _ghost_capture
+from jaxclip.privacy import _ghost, _ghost_capture, _ghost_conv, _ghost_sites
 from tests.helpers import mlp_loss, mlp_problem, multi_device_checks
 
 N_DEVICES = 8
@@ -432,6 +432,47 @@ def _check_rnn_plan(plan, remat):
     "['wx']": "dot",
   }, plan
   assert plan.passes == (2 if remat else 1)
+
+
+def test_rnn_step_sites_share_one_output_gradient_and_keep_no_per_step_records():
+  """Issue #39's memory on the RNN above (its numbers are checked against vmap there).
+
+  ``x @ wx + h @ wh + b``: the three sites' outputs meet through sums, so they
+  have one output gradient; the bias, read by every step, is tapped once per
+  example (its gradient summed over the steps), not once per step; ``wx`` and
+  ``wh`` (read by every step, their per-example gradients smaller than the
+  steps' records) have those gradients summed in the backward pass and keep
+  no ``a`` or ``g``.
+  """
+  params, xs, y = _rnn_problem()
+  traced = _ghost.trace(_rnn_loss, params, [xs, y], [0, 1], has_aux=False)
+  sites = traced.plan.sites
+  step = [u for u, s in enumerate(sites) if s.stack and len(s.stack) == 1 and s.stack[0][0] == 0]
+  assert [sites[u].name for u in step] == ["dot_general", "dot_general", "add"]
+  assert {sites[u].joins for u in step} == {step[0]}
+  assert all(s.joins is None for u, s in enumerate(sites) if u not in step)
+  bias = step[2]
+  assert bias in traced.plan.tapped and sites[bias].summed
+  inputs = _ghost.inputs_for(traced, None)
+  # h @ wi, read by every inner step: its gradient (5 x 5) is larger than its 2 x 2 steps' g
+  nested = [u for u, s in enumerate(sites) if len(s.stack) == 2]
+  assert inputs.accumulated == frozenset(step[:2])
+  assert dict(inputs.borrowed) == {}  # the two dots accumulate: neither needs g
+  own = [u for u in range(len(sites)) if u not in traced.plan.tapped]  # with nothing accumulated
+  assert _ghost_sites.borrowed(sites, own) == {step[1]: step[0]}
+  shapes = {}
+
+  def run():  # abstract: shapes only, no compiles
+    cap = _ghost_capture.capture(inputs, sites)
+    shapes.update({u: (len(cap.drecs[u]), [g.shape for g in cap.gs[u]]) for u in step + nested})
+    return 0
+
+  jax.eval_shape(run)
+  n = xs.shape[0]
+  assert shapes[step[0]] == (0, [(n, 3, 5)])  # wx's per-example gradient, no records
+  assert shapes[step[1]] == (0, [(n, 5, 5)])
+  assert shapes[bias] == (0, [(n, 5)])  # one bias row per example, not one per step
+  assert shapes[nested[0]] == (1, [(n, 2, 2, 5)])  # its a and g, for the dot rule
 
 
 def test_flax_linen_scan_over_remat_blocks_gets_the_dot_rule_per_layer():
@@ -954,3 +995,94 @@ def md_ghost_under_spmd_axis_name_gathers_no_examples():
 
 
 test_multi_device = multi_device_checks(globals(), N_DEVICES)
+
+
+@pytest.mark.parametrize(
+  "lhs_shape, rhs_shape, dn, kwargs, fits",
+  [  # the zoo CNN's first layer (patches larger than the input), NCHW dilated, 1-D, 1 x 1
+    (
+      (1, 10, 10, 3),
+      (3, 3, 3, 16),
+      ("NHWC", "HWIO", "NHWC"),
+      dict(strides=(2, 2), pad=((0, 1),) * 2),
+      True,
+    ),
+    (
+      (1, 2, 6, 5),
+      (3, 2, 2, 3),
+      ("NCHW", "OIHW", "NCHW"),
+      dict(strides=(1, 2), pad=((1, 0), (2, -1)), lhs_dil=(2, 1), rhs_dil=(1, 2)),
+      False,
+    ),
+    ((2, 7, 3), (3, 3, 2), ("NWC", "WIO", "NWC"), dict(strides=(1,), pad=((1, 1),)), False),
+    (
+      (1, 6, 6, 4),
+      (1, 1, 4, 5),
+      ("NHWC", "HWIO", "NHWC"),
+      dict(strides=(2, 2), pad=((0, 0),) * 2),
+      True,
+    ),
+  ],
+)
+def test_conv_kernel_gradient_tap_by_tap_equals_the_vjp(lhs_shape, rhs_shape, dn, kwargs, fits):
+  """Issue #39 (the CNN's memory): an accumulated convolution's per-example kernel gradient
+  taken tap by tap, in any layout, equals ``jax.vjp``'s; a NaN in one example's output
+  gradient reaches no other example (the zeros that order the work are shared by the
+  examples)."""
+
+  def conv(x, k):
+    return jax.lax.conv_general_dilated(
+      x,
+      k,
+      kwargs["strides"],
+      kwargs["pad"],
+      kwargs.get("lhs_dil"),
+      kwargs.get("rhs_dil"),
+      dimension_numbers=dn,
+      precision=jax.lax.Precision.HIGHEST,
+    )
+
+  n = 3
+  kx, kk, kg = jax.random.split(jax.random.key(0), 3)
+  xs = jax.random.normal(kx, (n, *lhs_shape))
+  k = jax.random.normal(kk, rhs_shape)
+  (eqn,) = jax.make_jaxpr(conv)(xs[0], k).eqns
+  parts = _ghost_capture._jax.conv_parts(eqn)
+  assert _ghost_conv.patches_fit(eqn, parts) == fits  # the others: here for their layouts
+  gs = jax.random.normal(kg, (n, *eqn.outvars[0].aval.shape))
+  gs = gs.at[0].set(gs[0].at[(0,) * gs[0].ndim].set(jnp.nan))
+  got = jax.jit(jax.vmap(lambda x, g: _ghost_conv.kernel_gradient(parts, k, x, g)))(xs, gs)
+  ref = jax.vmap(lambda x, g: jax.vjp(lambda k: conv(x, k), k)[1](g)[0])(xs, gs)
+  assert got.shape == (n, *rhs_shape)
+  assert np.isnan(np.asarray(got[0])).any()
+  np.testing.assert_allclose(got[1:], ref[1:], rtol=1e-5, atol=1e-5)
+
+
+def test_strided_conv_whose_kernel_gradient_is_taken_tap_by_tap_matches_vmap():
+  """The CNN's first layer at a small size: the kernel's per-example gradient is formed in
+  the backward pass, tap by tap (:func:`test_conv_kernel_gradient_tap_by_tap_equals_the_vjp`),
+  and ghost's sums and norms equal vmap's."""
+
+  def loss(p, x, y):
+    h = jax.lax.conv_general_dilated(
+      x[None], p["k"], (2, 2), ((0, 1), (0, 1)), dimension_numbers=("NHWC", "HWIO", "NHWC")
+    )
+    h = jax.nn.relu(h + p["b"])
+    return jnp.sum((h.reshape(-1) @ p["w"] - y) ** 2)
+
+  keys = jax.random.split(jax.random.key(1), 4)
+  params = {
+    "k": 0.3 * jax.random.normal(keys[0], (3, 3, 3, 16)),
+    "b": jnp.zeros(16),
+    "w": 0.1 * jax.random.normal(keys[1], (8 * 8 * 16, 2)),
+  }
+  x = jax.random.normal(keys[2], (6, 16, 16, 3))
+  y = jax.random.normal(keys[3], (6, 2))
+  traced = _ghost.trace(loss, params, [x, y], [0, 1], has_aux=False)
+  inputs = _ghost.inputs_for(traced, None)
+  (u,) = [u for u, s in enumerate(traced.plan.sites) if s.name == "conv_general_dilated"]
+  assert u in inputs.accumulated
+  assert _ghost_conv.patches_fit(
+    traced.plan.sites[u].eqn, _ghost_capture._jax.conv_parts(traced.plan.sites[u].eqn)
+  )
+  _compare(loss, params, x, y, batch_argnums=(1, 2))

@@ -36,6 +36,7 @@ import numpy as np
 import pytest
 
 import jaxclip
+from jaxclip.privacy import _ghost
 from tests import zoo
 
 BATCH = 8
@@ -138,6 +139,23 @@ def test_ghost_equals_vmap_on_the_zoo_model(name):
     np.testing.assert_allclose(
       np.asarray(a), np.asarray(e), rtol=1e-4, atol=1e-5 * scale, err_msg=path
     )
+
+
+def test_the_lstm_records_one_output_gradient_per_gate_and_one_bias_row_per_example():
+  """``nn.LSTMCell``'s gate ``dense_i(x) + dense_h(h)`` (a bias in ``dense_h``): the two
+  dense sites' outputs meet through sums, so one of them records the gate's output gradient
+  for both; each bias, read by every step, is tapped once per example (issue #39's memory)."""
+  model = zoo.build("linen_lstm", "tiny")
+  traced = _ghost.trace(model.loss_fn, model.params, model.make_batch(2, 0), [0, 1], has_aux=False)
+  sites, plan = traced.plan.sites, traced.plan
+  gates = [u for u, s in enumerate(sites) if s.stack and s.name == "dot_general"]
+  biases = [u for u in plan.tapped if sites[u].stack]
+  assert len(gates) == 8 and len(biases) == 4
+  assert all(sites[u].summed for u in biases)
+  inputs = _ghost.inputs_for(traced, None)
+  assert not inputs.accumulated  # at this size the Gram form is cheaper: a and g are kept
+  borrowed = dict(inputs.borrowed)
+  assert len(borrowed) == 4 and set(borrowed) | set(borrowed.values()) == set(gates)
 
 
 @pytest.mark.parametrize("size", zoo.SIZES)

@@ -20,7 +20,7 @@ import pytest
 
 import jaxclip
 from jaxclip._kernel._platform import _stacks
-from tests import trees
+from tests import helpers, trees
 
 # Gradient-sized leaves (one above the kernel's small-leaf size, the others
 # grouped) and a bias: a clipped copy of any weight would need at least
@@ -70,7 +70,9 @@ def test_standalone_donated_clip_is_in_place():
   tree = trees.make_tree(_SHAPES)
   tx = jaxclip.clip_by_global_norm(1.0)
   state = tx.init(tree)
-  compiled = jax.jit(lambda t: tx.update(t, state)[0], donate_argnums=0).lower(tree).compile()
+  compiled = helpers.compiled(
+    jax.jit(lambda t: tx.update(t, state)[0], donate_argnums=0).lower(tree)
+  )
   assert compiled.memory_analysis().temp_size_in_bytes < _SMALLEST_WEIGHT // 8
 
 
@@ -98,7 +100,9 @@ def test_half_precision_clip_holds_no_float32_copy(clip, dtype):
   tree = jax.tree.map(lambda x: x.astype(dtype), trees.make_tree(_SHAPES))
   tx = clip()
   state = tx.init(tree)
-  compiled = jax.jit(lambda t: tx.update(t, state)[0], donate_argnums=0).lower(tree).compile()
+  compiled = helpers.compiled(
+    jax.jit(lambda t: tx.update(t, state)[0], donate_argnums=0).lower(tree)
+  )
   assert compiled.memory_analysis().temp_size_in_bytes < _SMALLEST_WEIGHT // 8
 
 
@@ -156,9 +160,9 @@ def test_many_leaves_compile_to_about_one_kernel_per_leaf(mixed):
   # Compile time follows the number of HLO fusions; one reduction per small
   # leaf plus a chain of thousands of scalar adds is what made it quadratic.
   tree = trees.make_tree(trees.many_leaf_shapes(256, mixed))
-  scale_only = jax.jit(lambda t: jax.tree.map(lambda x: x * 0.5, t)).lower(tree).compile()
+  scale_only = helpers.compiled(jax.jit(lambda t: jax.tree.map(lambda x: x * 0.5, t)).lower(tree))
   tx = jaxclip.clip_by_global_norm(1.0)
-  clip = jax.jit(lambda t: tx.update(t, tx.init(t))[0]).lower(tree).compile()
+  clip = helpers.compiled(jax.jit(lambda t: tx.update(t, tx.init(t))[0]).lower(tree))
   count = lambda c: c.as_text().count(" fusion(")  # noqa: E731
   assert count(clip) <= count(scale_only) + 256 // 8, (count(clip), count(scale_only))
 
@@ -170,16 +174,16 @@ def test_adaptive_grad_clip_of_many_leaves_compiles_to_a_few_kernels_per_leaf(mi
   # norms, the bound, the clip) and took 100 s to compile 5,000 leaves.
   shapes = trees.many_leaf_shapes(256, mixed)
   g, p = trees.make_tree(shapes), trees.make_tree(shapes, seed=1)
-  product = jax.jit(lambda g, p: jax.tree.map(jnp.multiply, g, p)).lower(g, p).compile()
+  product = helpers.compiled(jax.jit(lambda g, p: jax.tree.map(jnp.multiply, g, p)).lower(g, p))
   tx = jaxclip.adaptive_grad_clip(0.01)
-  agc = jax.jit(lambda g, p: tx.update(g, tx.init(p), p)[0]).lower(g, p).compile()
+  agc = helpers.compiled(jax.jit(lambda g, p: tx.update(g, tx.init(p), p)[0]).lower(g, p))
   count = lambda c: c.as_text().count(" fusion(")  # noqa: E731
   assert count(agc) <= 2.5 * count(product), (count(agc), count(product))
   # Its factor, computed once per stack, and not again in each row's kernel:
   # beside clip_by_norm on the same tree, only the params' inputs and stacks
   # are extra. A factor ending in a select made 2.1x clip_by_norm's program.
   clip = jaxclip.clip_by_norm(1.0)
-  by_norm = jax.jit(lambda g: clip.update(g, clip.init(g))[0]).lower(g).compile()
+  by_norm = helpers.compiled(jax.jit(lambda g: clip.update(g, clip.init(g))[0]).lower(g))
   size = lambda c: c.as_text().count(" = ")  # noqa: E731
   assert size(agc) <= 1.5 * size(by_norm), (size(agc), size(by_norm))
 
@@ -292,7 +296,7 @@ def test_per_leaf_clip_of_many_shapes_compiles_one_kernel_per_shape_not_per_row(
   # 24 shapes of 20 leaves: rows at constant offsets would make about one
   # kernel per (shape, offset), 480 in all; opaque indices one per shape.
   tree = [np.full((4 + i % 24,), 0.1, np.float32) for i in range(480)]
-  scale_only = jax.jit(lambda t: jax.tree.map(lambda x: x * 0.5, t)).lower(tree).compile()
-  clip = jax.jit(lambda t: jaxclip.ops.clip_by_norm(t, 1.0)).lower(tree).compile()
+  scale_only = helpers.compiled(jax.jit(lambda t: jax.tree.map(lambda x: x * 0.5, t)).lower(tree))
+  clip = helpers.compiled(jax.jit(lambda t: jaxclip.ops.clip_by_norm(t, 1.0)).lower(tree))
   assert _distinct_fusions(scale_only) <= 24 + 2
   assert _distinct_fusions(clip) <= 4 * 24, _distinct_fusions(clip)

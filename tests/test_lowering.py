@@ -19,6 +19,7 @@ import pytest
 import jaxclip
 from jaxclip._kernel import _numerics
 from jaxclip._kernel._platform import _reductions, _stacks, _vectors
+from tests import helpers
 
 # Many small leaves of a few shapes (stacked on CPU) and one larger leaf.
 _SHAPES = [(64,)] * 12 + [(8, 4), (4,), (3, 5)] * 6 + [(32, 32)]
@@ -102,7 +103,7 @@ def _loss(clip):
 
 
 def _cost(fn, *args):
-  return _analysis(jax.jit(fn).lower(*args).compile())
+  return _analysis(helpers.compiled(jax.jit(fn).lower(*args)))
 
 
 def _analysis(compiled):
@@ -121,9 +122,8 @@ def _assert_close(actual, expected, rtol=2e-6, atol=2e-6):
 def test_clips_are_active_and_inactive_on_the_test_tree():
   tree = _tree(0)
   for name, (clip, _) in CLIPS.items():
-    changed = [
-      bool(jnp.any(y != x)) for x, y in zip(tree, clip(tree, THRESHOLD[name]), strict=True)
-    ]
+    clipped = jax.jit(clip)(tree, jnp.float32(THRESHOLD[name]))
+    changed = [bool(jnp.any(y != x)) for x, y in zip(tree, clipped, strict=True)]
     if name == "ops.clip_by_global_norm":
       assert all(changed), name
     else:
@@ -135,7 +135,7 @@ def _compiled_grad(name, which):
   """The gradient (tree and threshold) of ``CLIPS[name][which]``'s loss, compiled once: the
   values test and the cost test below share it."""
   fn = jax.jit(jax.grad(_loss(CLIPS[name][which]), argnums=(0, 1)))
-  return fn.lower(_tree(0), jnp.float32(THRESHOLD[name])).compile()
+  return helpers.compiled(fn.lower(_tree(0), jnp.float32(THRESHOLD[name])))
 
 
 @pytest.mark.parametrize("name", sorted(CLIPS))
@@ -337,7 +337,7 @@ def test_small_parts_reduces_each_array_in_one_segment_reduction(op):
   assert all(np.isfinite(g).all() for g in grad(zeros))
 
 
-@pytest.mark.parametrize("k, b", [(5, 8), (8, 8), (9, 4), (1000, 40)])
+@pytest.mark.parametrize("k, b", [(5, 8), (8, 8), (9, 4), (200, 15)])
 def test_entries_reads_every_entry_of_a_vector_at_opaque_indices(k, b):
   v = jnp.arange(k, dtype=jnp.float32) * 1.5 - 7.0
 

@@ -442,7 +442,9 @@ def test_float16_ghost_book_keeping_stays_in_range_with_normalize():
     params = w if not isinstance(clip, dict) else {"w": w}
     loss_fn = f16_loss if not isinstance(clip, dict) else (lambda p, x: f16_loss(p["w"], x))
     ref, got = (
-      jaxclip.per_example_clipped_grad(loss_fn, clip, method=m, normalize=0.0)(params, xs)[0]
+      jax.jit(jaxclip.per_example_clipped_grad(loss_fn, clip, method=m, normalize=0.0))(params, xs)[
+        0
+      ]
       for m in ("vmap", "ghost")
     )
     for a, e in zip(jax.tree.leaves(got), jax.tree.leaves(ref), strict=True):

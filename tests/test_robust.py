@@ -11,6 +11,7 @@ import optax
 import pytest
 
 import jaxclip
+from tests import helpers
 from tests.helpers import assert_tree_allclose
 
 NAN, INF = float("nan"), float("inf")
@@ -179,7 +180,7 @@ def test_all_finite_finds_a_nonfinite_entry_in_any_leaf(bad):
 
 def _compiled_instructions(tx, num_leaves):
   tree = [np.full((64,), 0.1, np.float32) for _ in range(num_leaves)]
-  text = jax.jit(lambda t: tx.update(t, tx.init(t), t)[0]).lower(tree).compile().as_text()
+  text = helpers.compiled(jax.jit(lambda t: tx.update(t, tx.init(t), t)[0]).lower(tree)).as_text()
   return len(re.findall(r"^\s+\S+ = ", text, re.M))
 
 

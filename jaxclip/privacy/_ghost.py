@@ -27,7 +27,9 @@ The engine, one module per step:
 
 * :mod:`~jaxclip.privacy._ghost_sites` and :mod:`~jaxclip.privacy._ghost_walk`:
   the values' classes, the sites and the rule each can get;
-* :mod:`~jaxclip.privacy._ghost_capture`: each site's ``a`` and ``g``;
+* :mod:`~jaxclip.privacy._ghost_capture`: each site's ``a`` and ``g`` (or,
+  formed in the backward pass, its per-example gradient:
+  :mod:`~jaxclip.privacy._ghost_conv` for a convolution, tap by tap);
 * :mod:`~jaxclip.privacy._ghost_norms`: each rule's per-example squared
   norm;
 * :mod:`~jaxclip.privacy._ghost_instantiate`: the per-example gradients of
@@ -55,6 +57,7 @@ from jaxclip.privacy import (
   _ghost_instantiate,
   _ghost_norms,
   _ghost_rules,
+  _ghost_sites,
   _ghost_walk,
 )
 from jaxclip.privacy._ghost_capture import Captured, Inputs
@@ -249,19 +252,7 @@ def clipped_sum(
     in float32 (or wider).
   """
   plan = traced.plan
-  probes = {
-    u: _probe_sumsq(plan.sites[u], k, rule) for u, k, rule in plan.ghost if u in plan.probed
-  }
-  inputs = Inputs(
-    traced.closed,
-    traced.leaves,
-    traced.arg_leaves,
-    traced.batched,
-    spmd_axis_name,
-    plan.tapped,
-    probes,
-  )
-  cap = _ghost_capture.capture(inputs, plan.sites)
+  cap = _ghost_capture.capture(inputs_for(traced, spmd_axis_name), plan.sites)
   norms = _numerics.safe_sqrt(plan_sumsq(plan, cap, leaf_groups, num_groups))
   weights, extra = weights_fn(norms)
   if plan.two_pass:
@@ -270,6 +261,37 @@ def clipped_sum(
   else:
     grads = _ghost_book.book_keep(cap, weights, leaf_groups)
   return grads, norms, extra, cap.aux
+
+
+def inputs_for(traced: Traced, spmd_axis_name: Any) -> Inputs:
+  """What :func:`jaxclip.privacy._ghost_capture.capture` takes to run ``traced``'s plan.
+
+  Besides the plan's tapped and probed sites: the ghost boundaries whose
+  per-example gradients are formed in the backward pass
+  (:func:`jaxclip.privacy._ghost_norms.accumulates`), and the sites that
+  take another's output gradient (:func:`jaxclip.privacy._ghost_sites.borrowed`).
+  """
+  plan = traced.plan
+  probes = {
+    u: _probe_sumsq(plan.sites[u], k, rule) for u, k, rule in plan.ghost if u in plan.probed
+  }
+  accumulated = frozenset(
+    u
+    for u, k, _ in plan.ghost
+    if u not in plan.probed and _ghost_norms.accumulates(plan.sites[u], k)
+  )
+  own = [u for u in range(len(plan.sites)) if u not in plan.tapped | plan.probed | accumulated]
+  return Inputs(
+    traced.closed,
+    traced.leaves,
+    traced.arg_leaves,
+    traced.batched,
+    spmd_axis_name,
+    plan.tapped,
+    probes,
+    _ghost_sites.borrowed(plan.sites, own),
+    accumulated,
+  )
 
 
 def plan_sumsq(
@@ -294,6 +316,10 @@ def plan_sumsq(
     g = group(plan.sites[u].infos[k].view)
     if u in plan.probed:  # taken in the backward pass, per scan iteration
       part = cap.gs[u][0]
+      parts[g] = parts[g] + jnp.sum(part.reshape(cap.n, -1), axis=1).astype(acc)
+      continue
+    if u in cap.accumulated:  # the per-example gradient, formed in the backward pass
+      part = _numerics.abs_sq(_numerics.upcast_for_accumulation(cap.gs[u][k]))
       parts[g] = parts[g] + jnp.sum(part.reshape(cap.n, -1), axis=1).astype(acc)
       continue
     parts[g] = parts[g] + _rule_sumsq(cap, u, k, rule).astype(acc)

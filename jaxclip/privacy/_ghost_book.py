@@ -103,7 +103,8 @@ def _site_pullback(cap: Captured, u: int) -> Callable[[jax.Array], list[Any]]:
   """``weights ->`` the cotangents of site ``u``'s param inputs for ``sum_b weights_b g_b``."""
   gs, pvals = cap.gs[u], cap.pvals[u]
   if u in cap.tapped:  # the per-example gradients of its param inputs, weighted and summed
-    return lambda w: [_weighted_sum(g, w, p) for g, p in zip(gs, pvals, strict=True)]
+    spread = _ghost_instantiate.spread if cap.sites[u].summed else lambda x, p: x
+    return lambda w: [spread(_weighted_sum(g, w, p), p) for g, p in zip(gs, pvals, strict=True)]
   site, cvals, dvals = cap.sites[u], cap.cvals[u], cap.drecs[u]
   fn = lambda pv: _batched_outputs(site, pv, cvals, dvals, cap.n, cap.spmd_axis_name)
   vjp = _ghost_instantiate.site_vjp(site, fn, pvals)

@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxclip._kernel import _numerics, _sharding
+from jaxclip.privacy import _ghost_conv
 from jaxclip.privacy import _ghost_sites as _sites
 from jaxclip.privacy import _jax_internals as _jax
 from jaxclip.privacy._ghost_sites import CONST, DATA, PARAM, Info, Pair, Site, Stack
@@ -32,9 +33,12 @@ class Forward(Walker):
   The zeros ``zs[u]`` go to the float outputs of site ``u`` (the gradient with
   respect to them is the site's output gradient ``g``), or, for a site in
   ``tapped``, to its param inputs (the gradient is then the example's
-  gradient of those inputs, and nothing is recorded). A site in ``probed``
-  gets one scalar zero, whose gradient is the site's squared norm (see
-  :func:`_probe`), and records nothing.
+  gradient of those inputs, and nothing is recorded; summed over the scan
+  iterations, the zeros closed over by the scans, where those inputs are
+  the same value in every iteration). A site in ``probed`` gets one scalar
+  zero, whose gradient is the site's squared norm (see :func:`_probe`), and
+  records nothing. A site whose ``zs[u]`` is empty takes another's output
+  gradient (``borrowed`` in :class:`Inputs`) and gets no zero.
 
   Args:
     zs: For each site from ``base`` on, the zeros added to it.
@@ -43,6 +47,13 @@ class Forward(Walker):
     probed: For each probed site, ``fn(pvals, dvals, gs)``: one example's
       squared norm from the site's param and data inputs and its output
       gradients (of one scan iteration).
+    accumulated: Sites of one param input whose zero goes to that input:
+      the gradient with respect to it, the example's gradient of that
+      input, is formed in the backward pass from the site's data input and
+      output gradient (:func:`_probe`), with nothing recorded
+      (:func:`jaxclip.privacy._ghost_norms.accumulates`). Where the input is
+      the same value in every iteration of the site's scans, the zero is
+      closed over by them, and the gradient is summed over the iterations.
   """
 
   def __init__(
@@ -51,23 +62,27 @@ class Forward(Walker):
     sites: Sequence[Site],
     tapped: frozenset[int] = frozenset(),
     probed: Mapping[int, Callable[..., Any]] | None = None,
+    accumulated: frozenset[int] = frozenset(),
     **kwargs: Any,
   ):
     super().__init__(sites, **kwargs)
     self.zs = zs
     self.tapped = tapped
     self.probed = probed or {}
+    self.accumulated = accumulated
 
   def site(self, eqn: Any, vals: list[Any], infos: list[Info], aval: Any = None) -> list[Any]:
     index = len(self.records)
     roles = _sites.site_roles(eqn, infos)
-    if eqn is not None and self.base + index in self.probed:
+    u = self.base + index
+    fn = self.probed.get(u) or (_param_gradient(eqn, roles) if u in self.accumulated else None)
+    if eqn is not None and fn is not None:
       self.records.append([])
       out = _jax.bind(eqn, vals)
       floats = _sites.float_outs(eqn, aval)
       (z,) = self.zs[index]
       probed = _probe(
-        self.probed[self.base + index],
+        fn,
         [out[j] for j in floats],
         [v for v, r in zip(vals, roles, strict=True) if r == PARAM],
         [v for v, r in zip(vals, roles, strict=True) if r == DATA],
@@ -83,15 +98,27 @@ class Forward(Walker):
       return _jax.bind(eqn, vals)
     self.records.append([v for v, r in zip(vals, roles, strict=True) if r == DATA])
     out = list(vals) if eqn is None else _jax.bind(eqn, vals)
-    for j, z in zip(_sites.float_outs(eqn, aval), self.zs[index], strict=True):
-      out[j] = out[j] + z
+    if self.zs[index]:  # none where the site takes another's output gradient (``borrowed``)
+      for j, z in zip(_sites.float_outs(eqn, aval), self.zs[index], strict=True):
+        out[j] = out[j] + z
     return out
 
-  def site_zeros(self, u0: int, u1: int) -> list[Any]:
-    return list(self.zs[u0 - self.base : u1 - self.base])
+  def site_zeros(self, u0: int, u1: int) -> tuple[list[Any], frozenset[int]]:
+    into = self.tapped | self.accumulated  # zeros added to param inputs
+    fixed = (u for u in range(u0, u1) if u in into and self.sites[u].summed)
+    return list(self.zs[u0 - self.base : u1 - self.base]), frozenset(u - u0 for u in fixed)
 
   def child(self, zs: Any, *, base: int, stack: Stack, scans: int) -> Forward:
-    return Forward(zs, self.sites, self.tapped, self.probed, base=base, stack=stack, scans=scans)
+    return Forward(
+      zs,
+      self.sites,
+      self.tapped,
+      self.probed,
+      self.accumulated,
+      base=base,
+      stack=stack,
+      scans=scans,
+    )
 
   def call(self, eqn: Any, body: tuple[Any, list[Any]], ins: list[Pair]) -> list[Pair]:
     if _jax.is_remat(eqn):
@@ -122,17 +149,41 @@ class Forward(Walker):
     return list(zip(outs, found["infos"], strict=True))
 
 
+def _param_gradient(eqn: Any, roles: Sequence[str]) -> Callable[..., Any]:
+  """``(pvals, dvals, gs) ->`` one example's gradient of a site's one param input (of one
+  scan iteration), for :func:`_probe`.
+
+  A convolution's kernel gradient is taken one kernel tap at a time where its
+  input's patches would be no larger than its input and output together
+  (:mod:`jaxclip.privacy._ghost_conv`); otherwise, as at any other site, by
+  ``jax.vjp`` of the site's primitive.
+  """
+  parts = _jax.conv_parts(eqn)
+  if parts is not None and list(roles) == [DATA, PARAM] and _ghost_conv.patches_fit(eqn, parts):
+    return lambda pvals, dvals, gs: _ghost_conv.kernel_gradient(parts, pvals[0], dvals[0], gs[0])
+
+  def fn(pvals, dvals, gs):
+    def outputs(p):
+      ds = iter(dvals)
+      return _jax.bind(eqn, [p if r == PARAM else next(ds) for r in roles])[0]
+
+    return jax.vjp(outputs, pvals[0])[1](gs[0])[0]
+
+  return fn
+
+
 def _probe(
   fn: Callable[..., Any], outs: list[Any], pvals: list[Any], dvals: list[Any], z: Any
 ) -> list[Any]:
   """``outs``, unchanged; the gradient with respect to ``z`` is ``fn(pvals, dvals, gs)``.
 
   ``gs`` are the gradients with respect to ``outs``, which pass through
-  unchanged: the backward pass computes the site's squared norm where its
-  ``a`` and ``g`` meet, and nothing of the site outlives that step (inside a
-  rematerialised layer, ``a`` is recomputed there as the model asks). Inside
-  a ``lax.scan`` the gradient with respect to a per-iteration ``z`` is that
-  iteration's norm.
+  unchanged: the backward pass computes the site's squared norm (or, for an
+  accumulated site, its param input's gradient) where its ``a`` and ``g``
+  meet, and nothing of the site outlives that step (inside a rematerialised
+  layer, ``a`` is recomputed there as the model asks). Inside a ``lax.scan``
+  the gradient with respect to a per-iteration ``z`` is that iteration's
+  value; with respect to a ``z`` the scan closes over, their sum.
   """
 
   dtype = z.dtype
@@ -188,6 +239,9 @@ class Inputs(NamedTuple):
       the backward pass instead of their output gradients.
     probed: The sites whose squared norms are taken in the backward pass
       (see :class:`Forward`).
+    borrowed: ``{site: site}``: the sites that take another's output
+      gradient, the same value (:func:`jaxclip.privacy._ghost_sites.borrowed`).
+    accumulated: As in :class:`Forward`.
   """
 
   closed: Any
@@ -197,6 +251,8 @@ class Inputs(NamedTuple):
   spmd_axis_name: Any
   tapped: frozenset[int] = frozenset()
   probed: Mapping[int, Callable[..., Any]] = types.MappingProxyType({})
+  borrowed: Mapping[int, int] = types.MappingProxyType({})
+  accumulated: frozenset[int] = frozenset()
 
   def infos(self) -> list[Info]:
     return input_infos([jnp.ndim(x) for x in self.leaves], self.batched)
@@ -216,8 +272,9 @@ class Captured(NamedTuple):
       then one axis per enclosing scan).
     gs: Per site, the gradient of each example's loss with respect to each
       float output (same leading axes); for a site in ``tapped``, with
-      respect to each param input instead; for a probed site, its squared
-      norms (one per example and scan iteration).
+      respect to each param input instead (summed over the scan iterations,
+      with no axis for them, where the site is ``summed``); for a probed
+      site, its squared norms (one per example and scan iteration).
     pvals: Per site, its param inputs (one axis per enclosing scan).
     cvals: Per site, its const inputs.
     params_pass: ``leaves -> (pvals, cvals)``.
@@ -225,7 +282,9 @@ class Captured(NamedTuple):
       ``params_pass``).
     aux: The aux leaves the loss returns for every example.
     spmd_axis_name: Passed to ``vmap``.
-    tapped: As in :class:`Inputs`.
+    tapped: As in :class:`Inputs`, with the accumulated sites (their ``gs``
+      are their param inputs' gradients too).
+    accumulated: As in :class:`Inputs`.
     weighted: With probed sites, ``weights -> sum_b weights_b grad_b`` (the
       parameters' gradients, in their dtypes): the second backward pass.
   """
@@ -243,6 +302,7 @@ class Captured(NamedTuple):
   spmd_axis_name: Any
   tapped: frozenset[int] = frozenset()
   weighted: Callable[[jax.Array], list[Any]] | None = None
+  accumulated: frozenset[int] = frozenset()
 
 
 def capture(inputs: Inputs, sites: Sequence[Site]) -> Captured:
@@ -263,8 +323,9 @@ def capture(inputs: Inputs, sites: Sequence[Site]) -> Captured:
     pull=pull,
     aux=aux,
     spmd_axis_name=inputs.spmd_axis_name,
-    tapped=inputs.tapped,
+    tapped=inputs.tapped | inputs.accumulated,
     weighted=weighted,
+    accumulated=inputs.accumulated,
   )
 
 
@@ -292,7 +353,7 @@ def _site_gradients(
 
   def losses(leaves, zs):
     def one(zs_b, data_b):
-      walker = Forward(zs_b, sites, inputs.tapped, inputs.probed)
+      walker = Forward(zs_b, sites, inputs.tapped, inputs.probed, inputs.accumulated)
       ins = list(zip(list(leaves) + merge(data_b), in_infos, strict=True))
       outs = walker.run(inputs.closed, ins)
       return outs[0], (outs[1:], walker.records)
@@ -300,25 +361,27 @@ def _site_gradients(
     return jax.vmap(one, spmd_axis_name=inputs.spmd_axis_name)(zs, data)
 
   acc = _numerics.tree_accumulation_dtype(inputs.leaves)
-  zs = [
-    tuple(
-      _batch_zeros((n,) + tuple(length for _, length in s.stack) + a.shape, a.dtype, data[0])
-      for a in (
-        [jax.ShapeDtypeStruct((), acc)] if u in inputs.probed else s.zero_avals(u in inputs.tapped)
-      )
-    )
-    for u, s in enumerate(sites)
-  ]
+
+  def zeros(u, s):
+    if u in inputs.borrowed:
+      return ()
+    tapped = u in inputs.tapped or u in inputs.accumulated
+    stack = () if tapped and s.summed else tuple(length for _, length in s.stack)
+    avals = [jax.ShapeDtypeStruct((), acc)] if u in inputs.probed else s.zero_avals(tapped)
+    return tuple(_batch_zeros((n, *stack, *a.shape), a.dtype, data[0]) for a in avals)
+
+  zs = [zeros(u, s) for u, s in enumerate(sites)]
   # Inside shard_map the zeros must vary as the examples do: the gradient with
   # respect to a value that is the same on every device is summed over them.
   vary = frozenset().union(*map(_sharding.varying_axes, inputs.leaves + inputs.arg_leaves))
   if vary:
     zs = _sharding.cast_varying(zs, tuple(sorted(vary, key=str)))
+  lend = lambda gs: [gs[inputs.borrowed.get(u, u)] for u in range(len(gs))]
   if not inputs.probed:  # the zeros only
     loss, vjp, (aux, drecs) = jax.vjp(lambda zs: losses(inputs.leaves, zs), zs, has_aux=True)
-    return drecs, vjp(jnp.ones_like(loss))[0], aux, None
+    return drecs, lend(vjp(jnp.ones_like(loss))[0]), aux, None
   loss, vjp, (aux, drecs) = jax.vjp(losses, inputs.leaves, zs, has_aux=True)
-  gs = vjp(jnp.ones_like(loss))[1]
+  gs = lend(vjp(jnp.ones_like(loss))[1])
   return drecs, gs, aux, lambda weights: vjp(weights.astype(loss.dtype))[0]
 
 

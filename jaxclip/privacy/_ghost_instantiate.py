@@ -38,12 +38,21 @@ class Group(NamedTuple):
   bounds: tuple[Boundary, ...]
 
 
-def disjoint_views(sites: Sequence[Site], leaf: int, bounds: Sequence[Boundary]) -> bool:
-  """Whether every use of the leaf is a view of its own part of it, in the same scans."""
+def disjoint_views(
+  sites: Sequence[Site], leaf: int, bounds: Sequence[Boundary], summed: frozenset[int] = frozenset()
+) -> bool:
+  """Whether every use of the leaf is a view of its own part of it, in the same scans.
+
+  A use shared by a scan's iterations counts as one where its site is in
+  ``summed`` (its gradient summed over them in the backward pass).
+  """
   infos = [sites[u].infos[k] for u, k in bounds]
   return (
     bool(infos)
-    and all(i.view == leaf and i.deps == {leaf} and not i.shared for i in infos)
+    and all(
+      i.view == leaf and i.deps == {leaf} and (not i.shared or u in summed)
+      for i, (u, _) in zip(infos, bounds, strict=True)
+    )
     and len({sites[u].stack for u, _ in bounds}) == 1
     and all(_ghost_sites.disjoint(a, b) for j, a in enumerate(infos) for b in infos[j + 1 :])
   )
@@ -67,14 +76,17 @@ class _Layout(NamedTuple):
   order: list[Boundary]
 
 
-def _layout(sites: Sequence[Site], group: Group) -> _Layout:
+def _layout(sites: Sequence[Site], group: Group, tapped: frozenset[int]) -> _Layout:
   by_site: dict[int, list[int]] = {}
   for u, k in group.bounds:
     by_site.setdefault(u, []).append(k)
+  summed = frozenset(u for u in tapped if sites[u].summed)
   direct = frozenset(
     i
     for i in group.leaves
-    if disjoint_views(sites, i, [(u, k) for u, k in group.bounds if i in sites[u].infos[k].deps])
+    if disjoint_views(
+      sites, i, [(u, k) for u, k in group.bounds if i in sites[u].infos[k].deps], summed
+    )
   )
   pulled = [i for i in group.leaves if i not in direct]
   order = [(u, k) for u in by_site for k in by_site[u] if not sites[u].infos[k].deps <= direct]
@@ -96,7 +108,7 @@ def instantiated_sumsq(
   is; a pulled-back leaf's gradient is its own).
   """
   sites = cap.sites
-  lay = _layout(sites, group)
+  lay = _layout(sites, group, cap.tapped)
   pull = _boundary_pull(cap, lay) if lay.pulled else None
 
   def per_example(xs):
@@ -116,6 +128,8 @@ def instantiated_sumsq(
           total = total + _sq(ct)
         elif deps <= lay.direct:
           total = total + column(min(deps), _sq(ct))
+        elif u in cap.tapped and sites[u].summed:  # summed over the iterations
+          cts.append(spread(ct, cap.pvals[u][k]))
         else:
           cts.append(ct)
     if pull is not None:
@@ -140,6 +154,17 @@ def instantiated_sumsq(
     # in another layout, many times slower for convolutions on XLA:CPU).
     return jax.vmap(per_example, spmd_axis_name=cap.spmd_axis_name)(xs)
   return jax.lax.map(per_example, xs, batch_size=chunk)
+
+
+def spread(x: jax.Array, like: jax.Array) -> jax.Array:
+  """A gradient summed over a site's scan iterations, as the gradient of ``like`` (the site's
+  param input in every iteration, the same value in each): all of it on the first iteration.
+
+  The parameters' pass pulls each iteration's gradient back to the same
+  leaf, so the sum may sit on any one of them.
+  """
+  lead = jnp.ndim(like) - jnp.ndim(x)
+  return jnp.zeros_like(like).at[(0,) * lead].set(x.astype(jnp.result_type(like)))
 
 
 def _symbolic_chunks(fn: Callable[[Any], jax.Array], xs: Any, n: Any, limit: int) -> jax.Array:

@@ -100,6 +100,38 @@ def dot_sumsq(site: Site, pos: int, a: jax.Array, g: jax.Array, shared: int = 0)
   return _mixed_sumsq(a.reshape(n, nb, -1, a.shape[-1]), g.reshape(n, nb, -1, g.shape[-1]))
 
 
+def accumulates(site: Site, k: int) -> bool:
+  """Whether a boundary's per-example gradient is formed in the backward pass.
+
+  That is a ``dot`` or ``conv`` boundary of float32 or wider whose rule would
+  form each example's gradient anyway (the Gram form costing more flops),
+  where that gradient is smaller than the site's output gradients: it is
+  then formed where ``a`` and ``g`` meet
+  (:class:`jaxclip.privacy._ghost_capture.Forward`), and neither is kept
+  past that step for the site (its ``a`` may still be kept by the model's
+  own backward pass, so only ``g`` is counted). Inside scans, a weight every
+  iteration reads gets one gradient per example (each iteration's term
+  added up there), and one sliced per iteration gets one per iteration.
+  """
+  rule = site.rules[k]
+  if site.eqn is None or rule not in ("dot", "conv") or len(site.infos) != 1:
+    return False
+  if site.infos[k].shared and not site.summed:  # shared by some of its scans only
+    return False
+  avals = [v.aval for v in site.eqn.invars] + list(site.out_avals)
+  if any(jnp.finfo(a.dtype).bits < 32 for a in avals):
+    return False
+  if rule == "dot":
+    (_, t, c, f), rows = dot_dims(site, site.param_positions()[k])[0], _levels(site, k)[1]
+    formed = not gram_is_cheaper(t * rows, c, f)
+  else:
+    _, positions, taps, outs = conv_dims(site)
+    formed = not gram_is_cheaper(positions, taps, outs)
+  iterations = math.prod(n for _, n in site.stack)
+  grad = math.prod(site.param_avals()[k].shape) * (1 if site.summed else iterations)
+  return formed and grad < iterations * sum(math.prod(a.shape) for a in site.out_avals)
+
+
 def gram_is_cheaper(t: int, c: int, f: int) -> bool:
   """Whether ``<A A^T, G G^T>`` (``t^2 (c + f)`` flops) costs less than ``A^T G`` (``t c f``)."""
   return t * (c + f) <= c * f

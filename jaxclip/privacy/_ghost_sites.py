@@ -78,6 +78,9 @@ class Site:
     remat: Whether the site is inside a rematerialised call
       (``jax.checkpoint``, flax ``nn.remat``): the model asks for its
       activations to be recomputed rather than kept.
+    joins: The first of the sites whose outputs meet this one's through sums
+      alone (:func:`join_outputs`), or ``None``: their output gradients are
+      the same value.
   """
 
   eqn: Any
@@ -88,6 +91,7 @@ class Site:
   rules: tuple[str, ...]
   stack: Stack = ()
   remat: bool = False
+  joins: int | None = None
 
   @property
   def name(self) -> str:
@@ -105,6 +109,18 @@ class Site:
   def zero_avals(self, tapped: bool) -> list[Any]:
     """What :class:`Forward` adds zeros to: the param inputs if ``tapped``, else the outputs."""
     return self.param_avals() if tapped else list(self.out_avals)
+
+  @property
+  def summed(self) -> bool:
+    """Whether every param input is the same value in every iteration of the site's scans.
+
+    Tapped (see :class:`jaxclip.privacy._ghost_capture.Forward`), such a site
+    gets one zero closed over by the scans, and the gradient with respect to
+    it is the sum of the iterations' (one bias row per example, not one per
+    iteration).
+    """
+    every = frozenset(range(len(self.stack)))
+    return bool(self.stack) and self.eqn is not None and all(i.shared == every for i in self.infos)
 
 
 def is_float(aval: Any) -> bool:
@@ -251,6 +267,60 @@ def is_fixed_lookup(eqn: Any, infos: Sequence[Any]) -> bool:
   """
   kinds = [getattr(i, "kind", i) for i in infos]
   return kinds == [PARAM, CONST] and _gather_is_lookup(eqn)
+
+
+def join_outputs(jaxpr: Any, sites: list[Site], first: int) -> None:
+  """Marks the sites ``first`` on, of equations of ``jaxpr``, whose outputs meet through sums.
+
+  A site's output used once, by a sum of two values of its shape and dtype
+  (``dense_i(x) + dense_h(h)`` in an LSTM's gate, a bias added after), has
+  the sum's output gradient; so has each output along a chain of such sums.
+  Sites whose outputs reach the same value that way have one output gradient:
+  each gets ``joins``, the first of them (see :func:`borrowed`).
+  """
+  uses: dict[Any, int] = {}
+  for v in [v for e in jaxpr.eqns for v in e.invars] + list(jaxpr.outvars):
+    if not _jax.is_literal(v):
+      uses[v] = uses.get(v, 0) + 1
+  into: dict[Any, Any] = {}  # a value -> the output of the sum it goes into
+  for e in jaxpr.eqns:
+    out = e.outvars[0]
+    if _jax.is_add(e) and all(
+      not _jax.is_literal(v) and (v.aval.shape, v.aval.dtype) == (out.aval.shape, out.aval.dtype)
+      for v in e.invars
+    ):
+      into.update((v, out) for v in e.invars)
+
+  def end(v):
+    while uses.get(v) == 1 and v in into:
+      v = into[v]
+    return v
+
+  mine = {id(e) for e in jaxpr.eqns}
+  meet: dict[Any, list[int]] = {}
+  for u in range(first, len(sites)):
+    eqn = sites[u].eqn
+    if eqn is not None and id(eqn) in mine and len(eqn.outvars) == 1 and sites[u].outs == (0,):
+      meet.setdefault(end(eqn.outvars[0]), []).append(u)
+  for us in meet.values():
+    for u in us if len(us) > 1 else ():
+      sites[u] = dataclasses.replace(sites[u], joins=us[0])
+
+
+def borrowed(sites: Sequence[Site], own: Sequence[int]) -> dict[int, int]:
+  """``{site: site whose output gradient it takes}``, among the sites ``own`` that need their
+  output gradients (neither tapped nor probed): the first of each :func:`join_outputs` group
+  gets a zero added to its output; the others get none and take its gradient."""
+  first: dict[int, int] = {}
+  out = {}
+  for u in sorted(own):
+    j = sites[u].joins
+    if j is not None:
+      if j in first:
+        out[u] = first[j]
+      else:
+        first[j] = u
+  return out
 
 
 def site_outputs(

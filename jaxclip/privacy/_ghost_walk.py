@@ -194,11 +194,13 @@ class Walker:
       u1 += 1
     nc, nk = shape.nc, shape.nk
     vals = self.computed([x for x, _ in ins], shape.body_infos)
-    zs = self.site_zeros(u0, u1)
+    zs, fixed = self.site_zeros(u0, u1)
     scans = [self.scans]
 
     def step(carry, x):
       xv, zv = x
+      if fixed:  # zeros closed over: their gradient is summed over the iterations
+        zv = [zs[j] if j in fixed else z for j, z in enumerate(zv)]
       sub = self.child(zv, base=u0, stack=stack, scans=self.scans)
       outs = sub.walk(
         shape.closed.jaxpr,
@@ -221,7 +223,7 @@ class Walker:
     carry, (ys, unique) = jax.lax.scan(
       step,
       vals[nc : nc + nk],
-      (vals[nc + nk :], zs),
+      (vals[nc + nk :], zs if not fixed else [() if j in fixed else z for j, z in enumerate(zs)]),
       length=shape.length,
       reverse=shape.reverse,
       unroll=shape.unroll,
@@ -235,9 +237,10 @@ class Walker:
     """Notes a higher-order equation the engine cannot read, which touches the parameters or
     the batch (``why``: in a few words)."""
 
-  def site_zeros(self, u0: int, u1: int) -> list[Any] | None:
-    """The zeros added to the outputs of sites ``u0`` to ``u1`` (``None``: none added)."""
-    return None
+  def site_zeros(self, u0: int, u1: int) -> tuple[list[Any] | None, frozenset[int]]:
+    """The zeros added to sites ``u0`` to ``u1`` (``None``: none added), and the positions among
+    them of those that are the same for every iteration of the scan being entered."""
+    return None, frozenset()
 
   def child(self, zs: Any, *, base: int, stack: Stack, scans: int) -> Walker:
     """A walker of the same kind for a scan's body."""
@@ -266,6 +269,12 @@ class Analyzer(Walker):
 
   def computes(self, info: Info) -> bool:
     return False
+
+  def walk(self, jaxpr: Any, consts: Sequence[Any], ins: Sequence[Pair]) -> list[Pair]:
+    first = len(self.sites)
+    outs = super().walk(jaxpr, consts, ins)
+    _sites.join_outputs(jaxpr, self.sites, first)
+    return outs
 
   def unreadable(self, eqn: Any, why: str) -> None:
     if why not in self.unknown:

@@ -82,6 +82,8 @@ VIEWS = frozenset(
   }
 )
 SLICE, TRANSPOSE, SQUEEZE = "slice", "transpose", "squeeze"
+# Sums of two values: the gradient of each input is the output's.
+ADDS = frozenset({"add", "add_any"})
 DOT, GATHER, CONV = "dot_general", "gather", "conv_general_dilated"
 
 # Parameter names.
@@ -266,6 +268,11 @@ def squeeze_dimensions(eqn: Any) -> tuple[int, ...] | None:
   if name(eqn) != SQUEEZE or _DIMENSIONS not in eqn.params:
     return None
   return tuple(eqn.params[_DIMENSIONS])
+
+
+def is_add(eqn: Any) -> bool:
+  """Whether an equation is the sum of its two inputs."""
+  return name(eqn) in ADDS and len(eqn.invars) == 2
 
 
 def is_slice(eqn: Any) -> bool:
