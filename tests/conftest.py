@@ -99,9 +99,10 @@ SHARED_FIXTURE_FILES = (
 # code, train the zoo's models, models built from flax and equinox layers and
 # the loops users write (flax TrainState, nnx.Optimizer, equinox, donation,
 # export, orbax checkpoints), run optax's own clipping suite or a property
-# search, or read a compiled program (the tests marked ``hlo``). The
-# README's test command runs everything; ``-m "not slow"`` is the inner loop
-# (CONTRIBUTING.md): the library's own tests and doctests.
+# search (hypothesis's ``@given``, in any file), or read a compiled program
+# (the tests marked ``hlo``). The README's test command runs everything;
+# ``-m "not slow"`` is the inner loop (CONTRIBUTING.md): the library's own
+# tests and doctests.
 # test_slow_marker_covers_the_whole_program_checks checks the lists.
 SLOW_FILES = (
   "tests/test_benchmarks.py",
@@ -136,10 +137,11 @@ SLOW_TESTS = (
 )
 
 
-def is_slow(nodeid: str, hlo: bool = False) -> bool:
-  """Whether a test (``hlo``: marked so) is a whole-program check (``-m slow``)."""
+def is_slow(nodeid: str, hlo: bool = False, search: bool = False) -> bool:
+  """Whether a test (``hlo``: marked so; ``search``: a hypothesis property search) is a
+  whole-program check (``-m slow``)."""
   path, _, name = nodeid.partition("::")
-  return hlo or path in SLOW_FILES or name.startswith(SLOW_TESTS)
+  return hlo or search or path in SLOW_FILES or name.startswith(SLOW_TESTS)
 
 
 # Tests that share a compiled program through a module-level cache, per
@@ -181,7 +183,9 @@ def pytest_xdist_make_scheduler(config, log):
 
 def pytest_collection_modifyitems(config, items):
   for item in items:
-    if is_slow(item.nodeid, hlo=item.get_closest_marker("hlo") is not None):
+    hlo = item.get_closest_marker("hlo") is not None
+    search = getattr(getattr(item, "obj", None), "is_hypothesis_test", False)
+    if is_slow(item.nodeid, hlo=hlo, search=search):
       item.add_marker(pytest.mark.slow)
   items.sort(key=lambda item: -_seconds(item))  # stable: the rest keep their order
 

@@ -126,6 +126,7 @@ def test_slow_marker_covers_the_whole_program_checks():
   assert conftest.is_slow("tests/test_ghost_zoo.py::test_ghost_equals_vmap_on_the_zoo_model[x]")
   assert conftest.is_slow("tests/test_training_loops.py::test_nnx_optimizer_under_donation")
   assert conftest.is_slow("tests/test_ops.py::test_x", hlo=True)
+  assert conftest.is_slow("tests/test_ops.py::test_x", search=True)
   assert not conftest.is_slow("tests/test_ops.py::test_clip_by_value")
   assert not conftest.is_slow("tests/test_kernel.py::test_grouped_norm_matches_float64_reference")
   assert conftest.is_slow("tests/test_ghost.py::test_gpt_with_tied_head_matches_vmap")
