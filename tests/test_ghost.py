@@ -1058,18 +1058,16 @@ def test_conv_kernel_gradient_tap_by_tap_equals_the_vjp(lhs_shape, rhs_shape, dn
   np.testing.assert_allclose(got[1:], ref[1:], rtol=1e-5, atol=1e-5)
 
 
-def test_strided_conv_whose_kernel_gradient_is_taken_tap_by_tap_matches_vmap():
-  """The CNN's first layer at a small size: the kernel's per-example gradient is formed in
-  the backward pass, tap by tap (:func:`test_conv_kernel_gradient_tap_by_tap_equals_the_vjp`),
-  and ghost's sums and norms equal vmap's."""
+def _strided_conv_loss(p, x, y):
+  h = jax.lax.conv_general_dilated(
+    x[None], p["k"], (2, 2), ((0, 1), (0, 1)), dimension_numbers=("NHWC", "HWIO", "NHWC")
+  )
+  h = jax.nn.relu(h + p["b"])
+  return jnp.sum((h.reshape(-1) @ p["w"] - y) ** 2)
 
-  def loss(p, x, y):
-    h = jax.lax.conv_general_dilated(
-      x[None], p["k"], (2, 2), ((0, 1), (0, 1)), dimension_numbers=("NHWC", "HWIO", "NHWC")
-    )
-    h = jax.nn.relu(h + p["b"])
-    return jnp.sum((h.reshape(-1) @ p["w"] - y) ** 2)
 
+def _strided_conv_problem():
+  """The CNN's first layer at a small size: params, images, targets."""
   keys = jax.random.split(jax.random.key(1), 4)
   params = {
     "k": 0.3 * jax.random.normal(keys[0], (3, 3, 3, 16)),
@@ -1078,11 +1076,33 @@ def test_strided_conv_whose_kernel_gradient_is_taken_tap_by_tap_matches_vmap():
   }
   x = jax.random.normal(keys[2], (6, 16, 16, 3))
   y = jax.random.normal(keys[3], (6, 2))
-  traced = _ghost.trace(loss, params, [x, y], [0, 1], has_aux=False)
+  return params, x, y
+
+
+def test_strided_conv_whose_kernel_gradient_is_taken_tap_by_tap_matches_vmap():
+  """The kernel's per-example gradient is formed in the backward pass, tap by tap
+  (:func:`test_conv_kernel_gradient_tap_by_tap_equals_the_vjp`), and ghost's sums and norms
+  equal vmap's."""
+  params, x, y = _strided_conv_problem()
+  traced = _ghost.trace(_strided_conv_loss, params, [x, y], [0, 1], has_aux=False)
   inputs = _ghost.inputs_for(traced, None)
   (u,) = [u for u, s in enumerate(traced.plan.sites) if s.name == "conv_general_dilated"]
   assert u in inputs.accumulated
   assert _ghost_conv.patches_fit(
     traced.plan.sites[u].eqn, _ghost_capture._jax.conv_parts(traced.plan.sites[u].eqn)
   )
-  _compare(loss, params, x, y, batch_argnums=(1, 2))
+  _compare(_strided_conv_loss, params, x, y, batch_argnums=(1, 2))
+
+
+@pytest.mark.hlo
+@pytest.mark.parametrize("platform", ["cuda", "tpu"])
+def test_tap_by_tap_conv_gradient_lowers_for_gpu_and_tpu(platform):
+  # The zero that orders the taps (a custom_vmap) lowers for every platform, and the
+  # program carries none of the kernel's XLA:CPU workarounds.
+  params, x, y = _strided_conv_problem()
+  fn = jaxclip.per_example_clipped_grad(
+    _strided_conv_loss, 1.0, batch_argnums=(1, 2), method="ghost"
+  )
+  text = jax.export.export(jax.jit(fn), platforms=(platform,))(params, x, y).mlir_module()
+  assert "stablehlo.optimization_barrier" not in text
+  assert "stablehlo.convolution" in text
