@@ -101,17 +101,20 @@ def _run_ghost_benchmark(*args: str) -> None:
   assert done.returncode == 0, done.stderr[-3000:]
 
 
+def _table(text: str) -> tuple[list[str], list[list[str]]]:
+  """The header and the rows, as cells, of the table in ``text`` (its lines that start ``| ``)."""
+  lines = [line for line in text.splitlines() if line.startswith("| ")]
+  header, *rows = ([c.strip() for c in line.strip("|").split("|")] for line in lines)
+  return header, rows
+
+
 def test_ghost_benchmark_quick_run_writes_table_and_plot(tmp_path):
   _run_ghost_benchmark("--quick", "--out", str(tmp_path))
   text = (tmp_path / "ghost.md").read_text()
   assert "- machine: " in text and f"jax {jax.__version__}" in text
-  lines = [line for line in text.splitlines() if line.startswith("| ")]
-  header = [c.strip() for c in lines[0].strip("|").split("|")]
+  header, cells = _table(text)
   assert header == ghost.HEADER
-  rows = [
-    dict(zip(header, (c.strip() for c in line.strip("|").split("|")), strict=True))
-    for line in lines[1:]
-  ]
+  rows = [dict(zip(header, row, strict=True)) for row in cells]
   assert [(int(r["B"]), int(r["T"])) for r in rows] == [
     (b, t) for t in ghost.QUICK_SEQ_LENS for b in ghost.QUICK_BATCHES
   ]
@@ -148,13 +151,9 @@ def test_zoo_benchmark_quick_run_writes_its_table(tmp_path):
   _run_ghost_benchmark("--zoo", "--quick", "--models", "jax_scan_mlp", "--out", str(tmp_path))
   text = (tmp_path / "ghost_zoo.md").read_text()
   assert "- machine: " in text and f"jax {jax.__version__}" in text and "load average" in text
-  lines = [line for line in text.splitlines() if line.startswith("| ")]
-  header = [c.strip() for c in lines[0].strip("|").split("|")]
+  header, cells = _table(text)
   assert header == _ghost_zoo.HEADER
-  rows = [
-    dict(zip(header, (c.strip() for c in line.strip("|").split("|")), strict=True))
-    for line in lines[1:]
-  ]
+  rows = [dict(zip(header, row, strict=True)) for row in cells]
   assert [(r["model"], int(r["B"])) for r in rows] == [("jax_scan_mlp", 4)]
   for c in header[3:16]:
     assert float(rows[0][c]) > 0, (c, rows[0])
@@ -171,9 +170,7 @@ def test_ghost_benchmark_memory_only_redraws_the_figure_and_times_nothing(tmp_pa
   ghost.main(["--quick", "--memory-only", "--batch", "2", "--seq", "4", "--out", str(tmp_path)])
   assert not (tmp_path / "ghost.md").exists()
   text = (tmp_path / "ghost_memory.md").read_text()
-  lines = [line for line in text.splitlines() if line.startswith("| ")]
-  header = [c.strip() for c in lines[0].strip("|").split("|")]
-  rows = [[c.strip() for c in line.strip("|").split("|")] for line in lines[1:]]
+  header, rows = _table(text)
   assert [row[:2] for row in rows] == [["2", "4"]]
   for row in rows:
     cells = dict(zip(header, row, strict=True))
