@@ -8,7 +8,8 @@ in one piece rather than in parallel parts (small programs, one per core).
 So the tests and every subprocess they start (which inherit the environment)
 run with ``--xla_backend_optimization_level=0
 --xla_llvm_disable_expensive_passes --xla_cpu_use_fusion_emitters=false
---xla_cpu_parallel_codegen_split_count=1`` unless ``XLA_FLAGS`` already sets
+--xla_cpu_parallel_codegen_split_count=1`` (``tests/xla_options.py``: the
+emitters' option only where the XLA has it) unless ``XLA_FLAGS`` already sets
 a backend optimisation level (set
 ``XLA_FLAGS=--xla_backend_optimization_level=3`` to test as users compile).
 XLA's HLO passes still run; a test that reads a compiled program's fusions,
@@ -32,17 +33,12 @@ eviction scan of the folder per write) it made the README's command take
 
 import os
 
+from tests import xla_options
+
 # Before JAX starts its backend (it reads XLA_FLAGS then).
 if "--xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
-  os.environ["XLA_FLAGS"] = " ".join(
-    [
-      os.environ.get("XLA_FLAGS", ""),
-      "--xla_backend_optimization_level=0",
-      "--xla_llvm_disable_expensive_passes=true",
-      "--xla_cpu_use_fusion_emitters=false",
-      "--xla_cpu_parallel_codegen_split_count=1",
-    ]
-  ).strip()
+  flags = [os.environ.get("XLA_FLAGS", ""), xla_options.as_flags(xla_options.FAST_COMPILE)]
+  os.environ["XLA_FLAGS"] = " ".join(flags).strip()
 
 import gc  # noqa: E402
 
@@ -133,7 +129,11 @@ SLOW_TESTS = (
   "test_equinox_conv_model_matches_vmap",
   "test_flax_linen_model_with_remat_mixed_precision_and_dropout_keys",
   "test_flax_linen_scan_over_remat_blocks_gets_the_dot_rule_per_layer",
+  "test_conv_rule_with_stride_padding_dilation_and_feature_groups",
   "test_every_transform_chained_with_adam_stays_linear_in_the_leaves",  # compiles, 4 sizes
+  # Each transform in the loops users write (test_training_loops.py chains them all):
+  "test_flax_nnx_optimizer",
+  "test_equinox_training_step",
 )
 
 
@@ -144,10 +144,10 @@ def is_slow(nodeid: str, hlo: bool = False, search: bool = False) -> bool:
   return hlo or search or path in SLOW_FILES or name.startswith(SLOW_TESTS)
 
 
-# Tests that share a compiled program through a module-level cache, per
+# Tests that share a traced program through a module-level cache, per
 # parametrization: the tests with the same id go to one worker as one unit.
 SHARED_COMPILE_TESTS = {
-  "tests/test_lowering.py": (  # _compiled_grad: values and cost analysis
+  "tests/test_lowering.py": (  # _lowered_grad: values and cost analysis
     "test_grad_matches_naive_math[",
     "test_grad_costs_at_most_twice_the_naive_math[",
   ),
@@ -181,6 +181,16 @@ def pytest_xdist_make_scheduler(config, log):
   return Scheduling(config, log)
 
 
+def pytest_ignore_collect(collection_path, config):
+  # The inner loop does not import the files of whole-program checks (docs, notebooks,
+  # the zoo's models...): about a second of each worker's start.
+  if config.getoption("markexpr", "").replace(" ", "") != "notslow":
+    return None
+  if not collection_path.is_relative_to(config.rootpath):
+    return None
+  return collection_path.relative_to(config.rootpath).as_posix() in SLOW_FILES or None
+
+
 def pytest_collection_modifyitems(config, items):
   for item in items:
     hlo = item.get_closest_marker("hlo") is not None
@@ -195,3 +205,16 @@ def strict_promotion():
   """Runs a test with ``jax_numpy_dtype_promotion='strict'``."""
   with jax.numpy_dtype_promotion("strict"):
     yield
+
+
+@pytest.fixture(params=["scaled down", pytest.param("real", marks=pytest.mark.slow)])
+def stacks(request, monkeypatch):
+  """XLA:CPU's stacking constants (``jaxclip._kernel._platform._stacks``) at an eighth of
+  their values, so that a tree of ~100 leaves takes every path of the stacks that ~1,000
+  take (the inner loop), and as they are (``slow``). A test sizes its tree from them."""
+  if request.param == "scaled down":
+    from jaxclip._kernel._platform import _stacks
+
+    for name in ("_STACK", "_FLAT_STACK", "_STATIC_ROWS"):
+      monkeypatch.setattr(_stacks, name, getattr(_stacks, name) // 8)
+  return request.param

@@ -22,17 +22,16 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-# What tests/conftest.py's XLA_FLAGS turn off to compile the suite faster and
-# that changes the compiled program's structure: XLA:CPU's fusion emitters
-# (without them an elementwise op is a kernel of its own, not a fusion). A
-# test that reads a compiled program (its fusions, instructions, buffers)
-# compiles it with them, as users compile (:func:`compiled`).
-AS_USERS_COMPILE = {"xla_cpu_use_fusion_emitters": True}
+from tests import xla_options
 
 
 def compiled(lowered: jax.stages.Lowered) -> jax.stages.Compiled:
-  """``lowered`` compiled with XLA:CPU's fusion emitters, as users compile it."""
-  return lowered.compile(compiler_options=AS_USERS_COMPILE)
+  """``lowered`` compiled with XLA:CPU's fusion emitters, as users compile it.
+
+  For a test that reads a compiled program (its fusions, instructions,
+  buffers): the suite's ``XLA_FLAGS`` turn the emitters off.
+  """
+  return lowered.compile(compiler_options=xla_options.AS_USERS_COMPILE)
 
 
 def tree_allclose(a, b, *, rtol=1e-6, atol=0.0) -> bool:

@@ -13,6 +13,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import jax
 import jax.extend.core as jex
 import jax.numpy as jnp
@@ -83,16 +85,25 @@ def _fake_loss(p, x, y):
   return jnp.sum((h @ p["v"] - y) ** 2)
 
 
-def _compare_methods(loss, params, *args):
-  """Both methods at the median norm (some examples clipped, some not): the same outputs."""
+def _compare_methods(loss, params, *args, falls_back=None):
+  """Both methods at the median norm (some examples clipped, some not): the same outputs;
+  ``method="ghost"`` warns that it runs vmap's program where (and only where) it
+  ``falls_back`` (a text of the warning)."""
   vmap = jax.jit(
     lambda clip, *a: jaxclip.per_example_clipped_grad(loss, clip, return_norms=True)(*a)
   )
   clip = float(np.median(np.asarray(vmap(1.0, params, *args)[2])))
   ref = vmap(clip, params, *args)
-  got = jax.jit(jaxclip.per_example_clipped_grad(loss, clip, method="ghost", return_norms=True))(
-    params, *args
-  )
+  ghost = jax.jit(jaxclip.per_example_clipped_grad(loss, clip, method="ghost", return_norms=True))
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    got = ghost(params, *args)
+  said = [str(w.message) for w in caught if "runs method='vmap'" in str(w.message)]
+  if falls_back is None:
+    assert not said, said
+  else:
+    assert len(said) == 1 and falls_back in said[0], said
+    assert "per_example_clipped_grad(method='ghost')" in said[0]
   assert 0 < int(ref[1]) < args[0].shape[0]
   assert int(got[1]) == int(ref[1])
   assert_tree_allclose(got[0], ref[0], rtol=1e-5, atol=1e-6)
@@ -117,7 +128,7 @@ def test_unknown_higher_order_primitive_falls_back_to_vmap_and_is_named():
     for platform in ("cpu", None):
       plan, why = _ghost.plan_for(traced.plan, method, platform)
       assert plan is None and f"`{FAKE}`" in why, (method, platform, why)
-  _compare_methods(_fake_loss, params, x, y)
+  _compare_methods(_fake_loss, params, x, y, falls_back=f"`{FAKE}`")
 
 
 def test_unknown_primitive_on_constants_only_changes_nothing():
@@ -171,7 +182,7 @@ def test_a_renamed_primitive_falls_back_to_vmap_and_is_named(monkeypatch, loss, 
   else:  # the primitive renamed: its name is no longer in the engine's table
     monkeypatch.setattr(_jax, table, getattr(_jax, table) - gone)
   _assert_falls_back(jaxclip.ghost_plan(loss, params, x, y), named)
-  _compare_methods(loss, params, x, y)
+  _compare_methods(loss, params, x, y, falls_back=named)
 
 
 # ----------------------------------------------------------------------------

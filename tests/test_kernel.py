@@ -236,13 +236,16 @@ def _rare_and_common_shapes():
   # Shapes with a few leaves each (one stack, rows at opaque indices); (5,)
   # leaves fill three stacks, the last overlapping the one before; (3,) leaves
   # fill five; (4,) leaves are enough for rows at constant offsets; 0-d leaves.
+  # The counts follow the stacking constants (conftest's `stacks` fixture).
   rng = np.random.default_rng(1)
-  shapes = [(5,)] * 140 + [(3, 4)] * 7 + [(2, 3, 2)] * 3 + [(70,)] * 6 + [(8, 9)] * 5 + [(4,)] * 520
-  shapes += [(n,) for n in range(90, 95)] * 2 + [(3,)] * 300 + [()] * 9
+  stack, rows = _stacks._STACK, _stacks._STATIC_ROWS
+  shapes = [(5,)] * (2 * stack + stack // 4) + [(3, 4)] * 7 + [(2, 3, 2)] * 3 + [(70,)] * 6
+  shapes += [(8, 9)] * 5 + [(4,)] * (rows + 8) + [(n,) for n in range(90, 95)] * 2
+  shapes += [(3,)] * (4 * stack + stack // 2) + [()] * 9
   return [rng.normal(size=s).astype(np.float32) * rng.choice([0.01, 1.0, 10.0]) for s in shapes]
 
 
-def test_per_leaf_clip_of_rare_and_common_shapes_matches_leaf_by_leaf():
+def test_per_leaf_clip_of_rare_and_common_shapes_matches_leaf_by_leaf(stacks):
   leaves = _rare_and_common_shapes()
   counts = collections.Counter(x.shape for x in leaves)
   assert counts[(4,)] >= _stacks._STATIC_ROWS
@@ -264,8 +267,9 @@ def test_per_leaf_clip_of_rare_and_common_shapes_matches_leaf_by_leaf():
   assert [g.shape for g in got] == [x.shape for x in empty]
 
 
-def test_per_leaf_clip_of_stacked_leaves_under_grad_and_vmap():
-  leaves = [x for x in _rare_and_common_shapes() if x.shape in {(5,), (3, 4), (4,)}][:200]
+def test_per_leaf_clip_of_stacked_leaves_under_grad_and_vmap(stacks):
+  common = {(5,), (3, 4), (4,)}
+  leaves = [x for x in _rare_and_common_shapes() if x.shape in common][: 3 * _stacks._STACK + 8]
   loss = lambda t: sum(jnp.sum(jnp.sin(y)) for y in jaxclip.ops.clip_by_norm(t, 1.0))  # noqa: E731
   leaf_loss = lambda x: jnp.sum(jnp.sin(jaxclip.ops.clip_by_norm(x, 1.0)))  # noqa: E731
   grads = jax.jit(jax.grad(loss))(leaves)

@@ -9,14 +9,14 @@ import optax
 import pytest
 
 import jaxclip
+from jaxclip._kernel._platform import _stacks
 from tests.helpers import assert_tree_allclose
 
 
 def _tree(seed, shapes, scale=1.0):
-  keys = jax.random.split(jax.random.key(seed), len(shapes))
+  rng = np.random.default_rng(seed)
   return {
-    f"p{i}": scale * jax.random.normal(k, s)
-    for i, (k, s) in enumerate(zip(keys, shapes, strict=True))
+    f"p{i}": jnp.asarray(scale * rng.normal(size=s), jnp.float32) for i, s in enumerate(shapes)
   }
 
 
@@ -85,27 +85,31 @@ def test_adaptive_grad_clip_needs_params_of_the_updates_shapes():
     tx.update({"w": jnp.ones(2)}, tx.init(None), {"w": jnp.ones(3)})
 
 
-def test_adaptive_grad_clip_over_many_stacked_leaves_matches_optax():
-  # Leaves of one shape are clipped as stacks (one kernel for hundreds of
-  # leaves): 300 of (5,) fill several overlapping stacks, 140 of (4, 3) are
-  # clipped column by column, and the rare and large shapes one by one.
-  shapes = [(5,)] * 300 + [(4, 3)] * 140 + [(2, 3, 4)] * 3 + [(1, 6)] * 2 + [(40, 40)]
+def test_adaptive_grad_clip_over_many_stacked_leaves_matches_optax(stacks):
+  # Leaves of one shape are clipped as stacks (one kernel for many leaves):
+  # (5,) leaves fill several overlapping stacks, (4, 3) leaves are clipped
+  # column by column, and the rare and large shapes one by one.
+  s = _stacks._STACK
+  n = 4 * s + s // 2
+  shapes = [(5,)] * n + [(4, 3)] * (2 * s + s // 4) + [(2, 3, 4)] * 3 + [(1, 6)] * 2 + [(40, 40)]
   g = _tree(0, shapes, 2.0)
   p = _tree(1, shapes)
   # Some units far below their bound, some zero (g and p), so every branch is taken.
-  g["p1"], p["p2"], g["p301"] = 1e-4 * g["p1"], jnp.zeros(5), g["p301"].at[:, 1].set(0.0)
+  g["p1"], p["p2"] = 1e-4 * g["p1"], jnp.zeros(5)
+  g[f"p{n + 1}"] = g[f"p{n + 1}"].at[:, 1].set(0.0)
   ours = jaxclip.adaptive_grad_clip(0.05)
-  b, _ = optax.adaptive_grad_clip(0.05).update(g, optax.EmptyState(), p)
+  b, _ = jax.jit(optax.adaptive_grad_clip(0.05).update)(g, optax.EmptyState(), p)
   for update in (ours.update, jax.jit(ours.update)):  # eager, then jitted
     a, _ = update(g, ours.init(p), p)
     assert_tree_allclose(a, b, rtol=2e-6, atol=1e-7)
     assert bool(jnp.all(a["p1"] == g["p1"]))  # below the bound: unchanged, bit for bit
 
 
-def test_adaptive_grad_clip_of_bfloat16_gradients_over_stacked_leaves():
+def test_adaptive_grad_clip_of_bfloat16_gradients_over_stacked_leaves(stacks):
   # bfloat16 gradients with float32 parameters: norms accumulate in float32,
   # and the product is rounded to bfloat16 once.
-  shapes = [(6,)] * 200 + [(3, 4)] * 70
+  s = _stacks._STACK
+  shapes = [(6,)] * (3 * s + s // 8) + [(3, 4)] * (s + s // 8)
   g = jax.tree.map(lambda x: x.astype(jnp.bfloat16), _tree(2, shapes, 3.0))
   p = _tree(3, shapes)
   a, _ = jax.jit(jaxclip.adaptive_grad_clip(0.1).update)(g, optax.EmptyState(), p)

@@ -55,6 +55,8 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from tests import xla_options
+
 PyTree = Any
 
 
@@ -95,12 +97,7 @@ _IMG = {
 # XLA options for programs run once (the initialisations): XLA:CPU compiles a
 # convolutional net's init about ten times faster without its backend
 # optimisations and fusion emitters, and the parameters are the same.
-CHEAP_COMPILE = {
-  "xla_backend_optimization_level": 0,
-  "xla_llvm_disable_expensive_passes": True,
-  "xla_cpu_use_fusion_emitters": False,
-  "xla_cpu_parallel_codegen_split_count": 1,
-}
+CHEAP_COMPILE = xla_options.FAST_COMPILE
 
 
 def _run_once(fn: Callable, *args: Any) -> Any:

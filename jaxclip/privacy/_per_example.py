@@ -11,6 +11,7 @@ ghost norms (:mod:`jaxclip.privacy._ghost`), and
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -392,6 +393,13 @@ def _clip_chunk(
   if opts.method == "vmap":
     return _vmap_chunk(opts, loss, params, args, idx, mask)
   traced = _ghost.trace(loss, params, args, idx, has_aux=opts.has_aux)
+  if traced.plan.unknown:  # not a choice: the engine cannot read the loss
+    warnings.warn(
+      f"per_example_clipped_grad(method={opts.method!r}) runs method='vmap''s program (every "
+      f"per-example gradient at once): {'; '.join(traced.plan.unknown)}. "
+      "jaxclip.ghost_plan(...) gives the plan.",
+      stacklevel=2,
+    )
   cpu = _ghost.plan_for(traced.plan, opts.method, "cpu")[0]
   other = _ghost.plan_for(traced.plan, opts.method, None)[0]
 
