@@ -98,7 +98,7 @@ def _compare_methods(loss, params, *args, falls_back=None):
   with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
     got = ghost(params, *args)
-  said = [str(w.message) for w in caught if "runs method='vmap'" in str(w.message)]
+  said = [str(w.message) for w in caught if "runs the program of method='vmap'" in str(w.message)]
   if falls_back is None:
     assert not said, said
   else:

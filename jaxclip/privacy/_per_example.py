@@ -113,7 +113,9 @@ def per_example_clipped_grad(
     method: ``"vmap"`` (per-example gradients with ``jax.vmap``),
       ``"ghost"`` (per-example norms without per-example gradients) or
       ``"auto"`` (per layer, whichever the platform's cost model finds
-      cheaper).
+      cheaper). Where the ghost engine cannot read the loss (a higher-order
+      primitive it does not know), either runs ``"vmap"``'s program and
+      warns; :func:`jaxclip.ghost_plan` says why.
     return_norms: Also return each example's gradient norm before clipping
       (for :func:`jaxclip.quantile_clip_norm_update`, or to monitor).
     group_size: Clip groups of this many consecutive examples as one unit
@@ -395,8 +397,8 @@ def _clip_chunk(
   traced = _ghost.trace(loss, params, args, idx, has_aux=opts.has_aux)
   if traced.plan.unknown:  # not a choice: the engine cannot read the loss
     warnings.warn(
-      f"per_example_clipped_grad(method={opts.method!r}) runs method='vmap''s program (every "
-      f"per-example gradient at once): {'; '.join(traced.plan.unknown)}. "
+      f"per_example_clipped_grad(method={opts.method!r}) runs the program of method='vmap' "
+      f"(every per-example gradient at once): {'; '.join(traced.plan.unknown)}. "
       "jaxclip.ghost_plan(...) gives the plan.",
       stacklevel=2,
     )
