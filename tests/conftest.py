@@ -136,6 +136,7 @@ SLOW_TESTS = (
   "test_equinox_training_step",
   # The exact truncated-Poisson PLD (dp_accounting) takes seconds per evaluation:
   "test_calibrate_noise_accounts_for_truncation_exactly_by_pld",
+  "test_dpsgd_accounts_for_truncation_exactly_by_pld",
 )
 
 
