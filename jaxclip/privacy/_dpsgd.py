@@ -40,11 +40,11 @@ def default_max_batch_size(
 ) -> int:
   """The smallest row count whose truncation costs next to nothing in ε.
 
-  ``steps · P[Binomial(N, q) > rows] <= δ / 10``: the truncated-Poisson
+  ``steps · P[Binomial(N + 1, q) > rows] <= δ / 1000``: the truncated-Poisson
   accounting (which charges the truncation whatever happens) then gives
-  about the Poisson ε. Fewer rows cost less compute and more noise: at
-  ``N = 1,000``, ``qN = 50``, 20 steps, rows with ``steps · P = 1%`` (74)
-  need 7% more noise for ε = 1.
+  about the Poisson ε, and RDP's bound holds up to ε = 6.2. Fewer rows cost
+  less compute and more noise: at ``N = 1,000``, ``qN = 50``, 20 steps, rows
+  with ``steps · P = 1%`` (74) need 7% more noise for ε = 1.
   """
   from scipy import stats  # a dependency of dp_accounting
 
@@ -52,8 +52,8 @@ def default_max_batch_size(
   std = math.sqrt(mean * (1 - sampling_rate))
   rows = max(1, math.ceil(mean + 3 * std))
   step = max(1, math.ceil(std / 8))
-  limit = delta / 10
-  while rows < num_examples and steps * stats.binom.sf(rows, num_examples, sampling_rate) > limit:
+  limit, size = delta / 1000, num_examples + 1
+  while rows < num_examples and steps * stats.binom.sf(rows, size, sampling_rate) > limit:
     rows += step
   return min(rows, num_examples)
 
@@ -112,7 +112,7 @@ class DPSGD:
       :meth:`clipped_grad`.
     max_batch_size: The rows a batch is cut to (accounted for); ``None``
       (default): the smallest size that truncates a batch of the run with
-      probability at most :math:`\delta / 10` (so truncation costs next to
+      probability at most :math:`\delta / 1000` (so truncation costs next to
       nothing in :math:`\varepsilon`).
     accountant: ``"pld"`` (default) or ``"rdp"``, for the calibration and
       the accountant.
@@ -240,7 +240,11 @@ class DPSGD:
       num_examples=n,
     )
     self.accountant = PrivacyAccountant(self.delta, accountant=accountant)
-    self._batch_key, self._noise_key, self._count_key = jax.random.split(key, 3)
+    with jax.ensure_compile_time_eval():  # concrete even if built under a trace
+      self._batch_key, self._noise_key, self._count_key = jax.random.split(key, 3)
+      # An int seed for dp_noise's argument check; noise() then sets the state's key to
+      # the run's noise key (all of its bits, where an int seed gives jax 32).
+      self._seed = int(np.asarray(jax.random.bits(self._noise_key, (), jnp.uint32)))
 
   def __repr__(self) -> str:  # the key is secret: not shown
     return (
@@ -277,15 +281,10 @@ class DPSGD:
     ``per_example_clipped_grad`` (``method`` defaults to the run's; keep
     ``group_size`` at 1 unless the examples are users' groups).
     """
-    if "normalize" in kwargs and self.count_stddev is not None:
+    if kwargs.get("normalize") is not None and self.count_stddev is not None:
       raise ValueError("normalize= has no threshold to adapt: use it with a fixed clip.")
     kwargs.setdefault("method", self.method)
     return _per_example.per_example_clipped_grad(loss_fn, self._clip(l2_norm_clip), **kwargs)
-
-  def _noise_seed(self) -> int:
-    """An int seed from the noise key (for ``dp_noise``'s check; its key is replaced)."""
-    words = np.asarray(jax.random.bits(self._noise_key, (1,), jnp.uint32))
-    return int(words[0])
 
   def noise(self, l2_norm_clip: Any = None) -> optax.GradientTransformationExtraArgs:
     """:func:`jaxclip.dp_noise` at the run's noise multiplier, sensitivity and batch size.
@@ -297,7 +296,7 @@ class DPSGD:
     inner = _noise.dp_noise(
       self._clip(l2_norm_clip),
       self.noise_multiplier,
-      seed=self._noise_seed(),
+      seed=self._seed,
       expected_batch_size=self.expected_batch_size,
     )
     noise_key = jax.random.key_data(self._noise_key)
