@@ -137,6 +137,7 @@ SLOW_TESTS = (
   # The exact truncated-Poisson PLD (dp_accounting) takes seconds per evaluation:
   "test_calibrate_noise_accounts_for_truncation_exactly_by_pld",
   "test_dpsgd_accounts_for_truncation_exactly_by_pld",
+  "test_the_accountants_state_round_trips_through_orbax",
 )
 
 

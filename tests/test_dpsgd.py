@@ -302,3 +302,18 @@ def test_dpsgd_trains_under_jit():
     params, state = step(params, state, t)
   dp.record(STEPS)
   assert np.all(np.isfinite(params)) and dp.epsilon() <= 1.0
+
+
+def test_the_accountants_state_round_trips_through_orbax(tmp_path):
+  """Slow (an orbax checkpoint: tests/conftest.py's SLOW_TESTS)."""
+  ocp = pytest.importorskip("orbax.checkpoint")
+  acc = jaxclip.PrivacyAccountant(DELTA, accountant="rdp")
+  acc.record(3.0, Q, steps=20, count_stddev=2.0, num_counts=3)
+  acc.record(2.5, Q, steps=10, max_batch_size=60, num_examples=1000)
+  with ocp.StandardCheckpointer() as ckpt:
+    ckpt.save(tmp_path / "ckpt", {"accountant": acc.state_dict()})
+  with ocp.StandardCheckpointer() as ckpt:
+    restored = ckpt.restore(tmp_path / "ckpt")
+  resumed = jaxclip.PrivacyAccountant(DELTA, accountant="rdp")
+  resumed.load_state_dict(restored["accountant"])
+  assert resumed.state_dict() == acc.state_dict() and resumed.epsilon() == acc.epsilon()
