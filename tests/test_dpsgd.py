@@ -126,7 +126,7 @@ def _dp(**kwargs):
 
 
 def test_dpsgd_calibrates_to_the_target_and_hands_out_consistent_pieces():
-  dp = _dp(key=jax.random.key(7))
+  dp = _dp(key=jax.random.key(7), method="vmap")
   q = B / N
   assert dp.sampling_rate == q
   kw = dict(max_batch_size=N, num_examples=N, accountant="rdp")
@@ -139,10 +139,10 @@ def test_dpsgd_calibrates_to_the_target_and_hands_out_consistent_pieces():
   assert np.std(np.asarray(noisy["w"])) * B == pytest.approx(dp.noise_multiplier, rel=0.03)
   # The batches: rate q, max_batch_size rows, a fresh draw per step, the same for the same step.
   b0, b1 = dp.batch(0), dp.batch(1)
-  assert b0.indices.shape == (N,) and not np.array_equal(b0.mask, b1.mask)
+  assert b0.indices.shape == (N,) and not np.array_equal(b0.indices, b1.indices)
   np.testing.assert_array_equal(dp.batch(0).indices, b0.indices)
-  sizes = jax.vmap(lambda t: dp.batch(t).mask.sum())(jnp.arange(100))
-  assert abs(float(sizes.mean()) - B) < 2.0  # sd of the mean: 0.44
+  sizes = jax.vmap(lambda t: dp.batch(t).mask.sum())(jnp.arange(30))
+  assert abs(float(sizes.mean()) - B) < 3.5  # the mean of 30 draws: sd 0.8
   # The clipped gradient: per_example_clipped_grad at the same clip.
   xs = jax.random.normal(jax.random.key(0), (N, 3)) * 10
   loss = lambda w, x: jnp.dot(w, x)
@@ -165,7 +165,7 @@ def test_per_layer_clip_noise_reads_the_whole_sensitivity():
 
 def test_dpsgd_keys_are_secret_and_drawn_from_the_os():
   a, b = _dp(), _dp()  # no key: each from os.urandom
-  assert not np.array_equal(a.batch(0).mask, b.batch(0).mask)
+  assert not np.array_equal(a.batch(0).indices, b.batch(0).indices)
   zeros = {"w": jnp.zeros(64)}
   na = a.noise().update(zeros, a.noise().init(zeros))[0]["w"]
   nb = b.noise().update(zeros, b.noise().init(zeros))[0]["w"]
