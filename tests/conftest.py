@@ -134,6 +134,10 @@ SLOW_TESTS = (
   # Each transform in the loops users write (test_training_loops.py chains them all):
   "test_flax_nnx_optimizer",
   "test_equinox_training_step",
+  # The exact truncated-Poisson PLD (dp_accounting) takes seconds per evaluation:
+  "test_calibrate_noise_accounts_for_truncation_exactly_by_pld",
+  "test_dpsgd_accounts_for_truncation_exactly_by_pld",
+  "test_the_accountants_state_round_trips_through_orbax",
 )
 
 
