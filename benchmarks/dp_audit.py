@@ -64,6 +64,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
 import platform
 import secrets
@@ -185,7 +186,7 @@ def _concat(a: dict, b: dict) -> dict:
 
 
 def _max_rows(cfg: Config, n: int) -> int:
-  """Rows of a Poisson batch of ``n`` examples: the mean plus 8 standard deviations, at most ``n``."""
+  """Rows of a Poisson batch of ``n`` examples: mean + 8 standard deviations, at most ``n``."""
   mean = cfg.sampling_rate * n
   return min(n, int(np.ceil(mean + 8 * np.sqrt(mean * (1 - cfg.sampling_rate)) + 1)))
 
@@ -213,9 +214,7 @@ def train(
   if grad_fn is None:
     grad_fn = jaxclip.per_example_clipped_grad(example_loss, cfg.clip)
   tx = optax.chain(
-    jaxclip.dp_noise(
-      cfg.clip, noise_multiplier, seed=noise_seed, expected_batch_size=expected
-    ),
+    jaxclip.dp_noise(cfg.clip, noise_multiplier, seed=noise_seed, expected_batch_size=expected),
     optax.sgd(cfg.learning_rate),
   )
   params = {"w": jnp.zeros(cfg.features), "c": jnp.zeros(canary_slots)}
@@ -226,9 +225,7 @@ def train(
     batch = jaxclip.poisson_batch(key, n, cfg.sampling_rate, rows)
     mask = batch.mask if absent is None else batch.mask & (batch.indices != absent)
     rows_ = {k: v[batch.indices] for k, v in data.items()}
-    total, _ = grad_fn(
-      params, rows_["x"], rows_["slot"], rows_["s"], rows_["y"], example_mask=mask
-    )
+    total, _ = grad_fn(params, rows_["x"], rows_["slot"], rows_["s"], rows_["y"], example_mask=mask)
     updates, state = tx.update(total, state, params)
     return (optax.apply_updates(params, updates), state), batch.overflow
 
@@ -293,7 +290,7 @@ def one_run_audits(cfg: Config, sigma: float, pipelines: tuple[str, ...]) -> dic
   for pipeline in pipelines:
     start = time.perf_counter()
     seed = PUBLIC_SEED if pipeline == "public seed" else secret_seed()
-    noise = 0.0 if pipeline == "no noise" else sigma
+    noise = 0.0 if pipeline == "no noise" else sigma / UNDER_NOISED.get(pipeline, 1)
     params, overflow = program(data, jnp.float32(noise), jnp.uint32(seed), secret_key())
     scores = np.asarray(params["c"])
     if pipeline == "public seed":  # the attacker subtracts the noise it regenerates
@@ -343,12 +340,17 @@ def nan_runs_audit(cfg: Config, sigma: float, *, clip: str) -> dict:
   return {**audit(cfg, *_split(scores, included)), "overflow": int(jnp.sum(overflow))}
 
 
+UNDER_NOISED = {"σ / 2": 2, "σ / 4": 4, "σ / 8": 8}
 PIPELINES: dict[str, str] = {
   "correct": "secret seed and sampling key (OS entropy), the calibrated σ",
   "public seed": "noise seed 0 (public): the attacker regenerates the noise and subtracts it",
   "no noise": "σ = 0 while the calibrated σ's ε is claimed",
   "NaN example": "a hand-written clip without a guard; one run per canary, NaN or not",
   "NaN example, jaxclip's clip": "the same runs through per_example_clipped_grad",
+  **{
+    name: f"too little noise: σ / {k} while σ's ε is claimed (the audit's resolution)"
+    for name, k in UNDER_NOISED.items()
+  },
 }
 BROKEN = ("public seed", "no noise", "NaN example")
 
@@ -371,20 +373,42 @@ def run(cfg: Config, pipelines: tuple[str, ...] = tuple(PIPELINES)) -> dict:
   rows = {p: rows[p] for p in pipelines}
   for pipeline, r in rows.items():
     r["flagged"] = r["epsilon_lb"] > claimed
+    if pipeline in UNDER_NOISED:
+      r["true_epsilon"] = jaxclip.dp_epsilon(
+        sigma / UNDER_NOISED[pipeline], q, cfg.steps, cfg.delta
+      )
+    elif pipeline in BROKEN:
+      r["true_epsilon"] = math.inf  # the noise is known or absent, or one example leaks a bit
+    elif pipeline == "correct":
+      r["true_epsilon"] = claimed
+    else:  # jaxclip's clip with a NaN example: the claimed ε if it contributes nothing, else ∞
+      r["true_epsilon"] = None
     print(pipeline, r, flush=True)
-  return {"sigma": sigma, "claimed": claimed, "rows": rows}
+  half = cfg.canaries // 2
+  ceiling = auditing.CanaryScoreAuditor(np.ones(half), np.zeros(cfg.canaries - half))
+  return {
+    "sigma": sigma,
+    "claimed": claimed,
+    "rows": rows,
+    "ceiling": float(ceiling.epsilon_one_run(cfg.significance, cfg.delta)),
+  }
 
 
 HEADER = [
   "pipeline",
   "canaries in / out",
   "claimed ε",
+  "ε of what ran",
   "audited ε ≥ (one run, 95%)",
+  "flagged",
   "f-DP audit",
   "AUROC",
-  "flagged",
   "s",
 ]
+
+
+def _eps(value: float | None) -> str:
+  return "?" if value is None else "∞" if math.isinf(value) else f"{value:.3f}"
 
 
 def markdown(cfg: Config, result: dict, meta: dict) -> str:
@@ -404,17 +428,22 @@ def markdown(cfg: Config, result: dict, meta: dict) -> str:
     f"{cfg.run_examples} rows per canary, scored by whether it ends NaN. The bound is "
     "`jax_privacy.auditing.CanaryScoreAuditor.epsilon_one_run` (Steinke et al. 2023) at "
     f"significance {cfg.significance}; a pipeline is flagged when it exceeds the claimed ε. "
-    "`f-DP audit`: `epsilon_one_run_fdp` (Mahloujifar et al. 2024, under a Gaussian "
-    "trade-off curve), for information.",
+    f"With {cfg.canaries:,} canaries, half in, a perfect attack would certify at most "
+    f"ε ≥ {result['ceiling']:.2f}: the audit's ceiling. `ε of what ran`: `dp_epsilon` of "
+    "the noise the pipeline added (∞: the noise is known or absent, or one example "
+    "releases a bit; `?` for jaxclip's clip with a NaN example: the claimed ε if such an "
+    "example contributes nothing, ∞ if it leaks, which the audit tests). `f-DP audit`: "
+    "`epsilon_one_run_fdp` (Mahloujifar et al. 2024, under a Gaussian trade-off curve), "
+    "for information. `s`: seconds of the row (compiles included).",
     "",
     "| " + " | ".join(HEADER) + " |",
     "|" + "---|" * len(HEADER),
   ]
   for name, r in result["rows"].items():
     lines.append(
-      f"| {name} | {r['in']} / {r['out']} | {claimed:.3f} | {r['epsilon_lb']:.3f} | "
-      f"{r['epsilon_fdp']:.3f} | {r['auroc']:.3f} | {'yes' if r['flagged'] else 'no'} | "
-      f"{r['seconds']:.1f} |"
+      f"| {name} | {r['in']} / {r['out']} | {claimed:.3f} | {_eps(r['true_epsilon'])} | "
+      f"{r['epsilon_lb']:.3f} | {'yes' if r['flagged'] else 'no'} | "
+      f"{r['epsilon_fdp']:.3f} | {r['auroc']:.3f} | {r['seconds']:.1f} |"
     )
   lines += ["", "The pipelines:", ""]
   lines += [f"- **{name}**: {PIPELINES[name]}." for name in result["rows"]]
@@ -422,12 +451,22 @@ def markdown(cfg: Config, result: dict, meta: dict) -> str:
   return "\n".join(lines) + "\n"
 
 
+def _cpu_name() -> str:
+  try:
+    with open("/proc/cpuinfo") as f:
+      for line in f:
+        if line.startswith("model name"):
+          return line.split(":", 1)[1].strip()
+  except OSError:
+    pass
+  return platform.processor() or platform.machine()
+
+
 def _meta(load0: float, seconds: float) -> dict:
   import jax_privacy
 
   return {
-    "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
-    f"{jax.devices()[0].platform}",
+    "machine": f"{_cpu_name()}, {os.cpu_count()} cores, {jax.devices()[0].platform}",
     "versions": f"jax {jax.__version__}, jax_privacy {jax_privacy.__version__}, "
     f"python {platform.python_version()}",
     "load average": f"{load0:.2f} at the start, {os.getloadavg()[0]:.2f} at the end",
@@ -441,13 +480,16 @@ def main(argv: list[str] | None = None) -> str:
   )
   p.add_argument("--quick", action="store_true", help="a smoke test: few canaries and steps")
   p.add_argument("--canaries", type=int, default=None, help="canaries (default 1000)")
+  p.add_argument(
+    "--only", nargs="+", default=None, choices=list(PIPELINES), help="audit only these pipelines"
+  )
   p.add_argument("--out", default=os.path.join(HERE, "dp_audit.md"))
   args = p.parse_args(argv)
   cfg = QUICK if args.quick else Config()
   if args.canaries:
     cfg = dataclasses.replace(cfg, canaries=args.canaries)
   load0, start = os.getloadavg()[0], time.perf_counter()
-  result = run(cfg)
+  result = run(cfg, tuple(args.only or PIPELINES))
   text = markdown(cfg, result, _meta(load0, time.perf_counter() - start))
   with open(args.out, "w") as f:
     f.write(text)
