@@ -25,6 +25,34 @@ from jaxclip.privacy._ghost_rules import Plan
 from jaxclip.privacy._ghost_sites import Site
 
 
+def kept(cap: Captured, keep: jax.Array) -> Captured:
+  """``cap`` with every example not in ``keep`` selected away for the book-keeping.
+
+  Its output gradients (and a tapped site's per-example gradients) become
+  zeros, and its float data records copies of the first kept example's: a
+  NaN or infinite record at weight 0 would give ``0 * nan = nan`` in the
+  pull-back. (Copies of a kept row, not zeros: a site's derivative may be
+  infinite at zero data.)
+  """
+  onehot = jnp.arange(cap.n) == jnp.argmax(keep)
+
+  def rows(x):
+    return keep.reshape((-1,) + (1,) * (x.ndim - 1))
+
+  def zeroed(x):
+    return jnp.where(rows(x), x, jnp.zeros((), x.dtype))
+
+  def stood_in(x):
+    if not jnp.issubdtype(x.dtype, jnp.inexact):
+      return x
+    first = jnp.sum(jnp.where(onehot.reshape(rows(x).shape), x, jnp.zeros((), x.dtype)), axis=0)
+    return jnp.where(rows(x), x, first)
+
+  gs = [[zeroed(g) for g in site_gs] for site_gs in cap.gs]
+  drecs = [[stood_in(d) for d in site_d] for site_d in cap.drecs]
+  return cap._replace(gs=gs, drecs=drecs)
+
+
 def two_pass(cap: Captured, weights: jax.Array, leaf_groups: Sequence[int] | None) -> list[Any]:
   """The second, weighted backward pass; with clip groups, one per group (each group's leaves
   taken from the pass weighted by its weights)."""
