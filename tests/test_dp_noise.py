@@ -90,7 +90,7 @@ def test_noise_statistics_fresh_each_step_independent_across_leaves_and_seeded()
 def test_per_layer_clip_norms_are_a_prefix_of_the_updates():
   tree = _tree()
   clip = {"w": 1.0, "b": 2.0, "layer": 2.0}  # S = 3
-  tx = jaxclip.dp_noise(clip, 1.0)
+  tx = jaxclip.dp_noise(clip, 1.0, seed=0)
   out, _ = tx.update(tree, tx.init(tree))
   assert_tree_allclose(out, _expected(tree, jax.random.key(0), 3.0, 1), rtol=1e-6)
   with pytest.raises(ValueError, match="prefix"):
@@ -154,11 +154,11 @@ def test_traced_hyperparameters_and_inject_hyperparams_match_the_concrete_transf
   assert_tree_allclose(got_state, want_state, rtol=0)
   # A schedule of the noise multiplier: the third step adds the third key's draws at z(2).
   sched = optax.linear_schedule(1.0, 2.0, 10)
-  injected = optax.inject_hyperparams(jaxclip.dp_noise)(
-    l2_norm_clip=1.0, noise_multiplier=sched, expected_batch_size=4.0
+  injected = optax.inject_hyperparams(jaxclip.dp_noise, static_args=("seed",))(
+    l2_norm_clip=1.0, noise_multiplier=sched, expected_batch_size=4.0, seed=0
   )
   state = injected.init(tree)
-  plain_state = jaxclip.dp_noise(1.0, 1.0).init(tree)
+  plain_state = jaxclip.dp_noise(1.0, 1.0, seed=0).init(tree)
   for _ in range(3):
     out, state = jax.jit(injected.update)(tree, state)
     want, plain_state = jaxclip.dp_noise(1.0, float(sched(2)), expected_batch_size=4.0).update(
