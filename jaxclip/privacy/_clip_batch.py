@@ -115,15 +115,23 @@ def check_normalize(normalize: Any, l2_norm_clip: Any, name: str = "l2_norm_clip
     _validation.check_hparam(c, f"{name} (with normalize)", lo=0, finite=True)
 
 
-def _group_sumsq(parts: list[jax.Array], groups: ClipGroups, n: Any, acc: Any) -> jax.Array:
-  """Per-leaf squared norms ``(n,)`` summed per group: ``(n, groups)``."""
-  sums = [
-    sum(p for p, k in zip(parts, groups.of_leaf, strict=True) if k == j)
-    for j in range(len(groups.bounds))
-  ]
-  # A group without leaves: zeros sharded as the others (under an Explicit mesh).
-  zeros = jnp.zeros_like(parts[0]) if parts else jnp.zeros((n,), acc)
-  return jnp.stack([zeros if isinstance(s, int) else s for s in sums], axis=1)
+def _scaled_norms(leaves: list[Any], groups: ClipGroups, acc: Any) -> _numerics.ScaledNorms:
+  """Each example's overflow- and underflow-safe norm (:func:`jaxclip._kernel._numerics.
+  per_example_scaled_norms`), in scaled form: ``(n,)``, or ``(n, groups)`` per group."""
+  if not leaves:
+    return _numerics.ScaledNorms(*(jnp.zeros((0,), d) for d in (jnp.int32, acc, acc)))
+  if not groups.per_group:
+    return _numerics.per_example_scaled_norms(leaves, acc)
+  n = leaves[0].shape[0]
+  per_group = []
+  for j in range(len(groups.bounds)):
+    mine = [g for g, k in zip(leaves, groups.of_leaf, strict=True) if k == j]
+    if mine:
+      per_group.append(_numerics.per_example_scaled_norms(mine, acc))
+    else:  # a group without leaves: zeros sharded as the others (under an Explicit mesh)
+      zero = jnp.zeros_like(jnp.sum(jnp.zeros_like(leaves[0], acc).reshape(n, -1), axis=1))
+      per_group.append(_numerics.ScaledNorms(zero.astype(jnp.int32), zero, zero))
+  return _numerics.ScaledNorms(*(jnp.stack(f, axis=1) for f in zip(*per_group, strict=True)))
 
 
 def _per_example_clip(grads, l2_norm_clip, *, mask=None, accumulate=False, normalize=None):
@@ -149,15 +157,10 @@ def _per_example_clip(grads, l2_norm_clip, *, mask=None, accumulate=False, norma
   groups = (
     l2_norm_clip if isinstance(l2_norm_clip, ClipGroups) else ClipGroups([l2_norm_clip], None, None)
   )
-  parts = (jnp.sum(_numerics.abs_sq(g).reshape(g.shape[0], -1), axis=1).astype(acc) for g in leaves)
-  if groups.per_group:
-    n = leaves[0].shape[0] if leaves else 0
-    sumsq = _group_sumsq(list(parts), groups, n, acc)
-  else:
-    sumsq = sum(parts)
-  norms = _numerics.safe_sqrt(sumsq)
+  scaled = _scaled_norms(leaves, groups, acc)
+  norms = scaled.norms
   bound = groups.bound(acc)
-  multipliers, (num_clipped, num_nonfinite) = scale_factors(norms, bound, mask, normalize)
+  multipliers, (num_clipped, num_nonfinite) = scale_factors(scaled, bound, mask, normalize)
   keep = finite_rows(norms) if jnp.ndim(norms) else None
   if mask is not None:
     keep = mask if keep is None else keep & mask
@@ -245,7 +248,24 @@ def normalize_multipliers(norms, bound, gamma, mask=None):
   return factor, _count(clipped)
 
 
-def scale_factors(norms, bound, mask=None, normalize=None):
+def _normalize_scaled(scaled: _numerics.ScaledNorms, bound: Any, gamma: Any) -> jax.Array:
+  """:func:`normalize_multipliers`'s factor ``C / (norm + gamma)`` from the scaled form
+  ``norm = 2**e sqrt(s)``: ``(C / (sqrt(s) + gamma 2**-e)) 2**-e``, so a norm beyond the
+  dtype's range (saturated in ``norms``) still gets the factor that brings it to ``C``."""
+  root = _numerics.safe_sqrt(scaled.sumsq)
+  dtype = root.dtype
+  bound = jnp.maximum(jnp.asarray(bound, dtype), 0)
+  den = root + _numerics.times_pow2(
+    jnp.broadcast_to(jnp.asarray(gamma, dtype), root.shape), -scaled.exponent
+  )
+  tiny, big = jnp.finfo(dtype).tiny, jnp.finfo(dtype).max
+  positive = den > 0
+  ratio = _numerics.safe_divide(bound, jnp.maximum(den, tiny), positive, otherwise=0)
+  factor = _numerics.times_pow2(ratio, -scaled.exponent)
+  return jnp.where(jnp.isfinite(scaled.norms), jnp.minimum(factor, big), jnp.nan).astype(dtype)
+
+
+def scale_factors(norms, bound, mask=None, normalize=None, floor=None):
   """Each example's factor and ``(num_clipped, num_nonfinite)``.
 
   The factor is :func:`clip_multipliers`'s, or :func:`normalize_multipliers`'s
@@ -255,15 +275,31 @@ def scale_factors(norms, bound, mask=None, normalize=None):
   in ``num_nonfinite`` (one scalar count of examples). A factor of 0 is not
   enough on its own: the caller must *select* such an example's gradient away
   (``0 * nan`` is ``nan``). ``mask`` drops padding examples from both counts.
+
+  ``norms`` may be a :class:`jaxclip._kernel._numerics.ScaledNorms`: the
+  factors are then computed from its scaled form, exact for a norm beyond the
+  dtype's range (whose ``norms`` entry is saturated). ``floor`` (with
+  ``normalize``) is the least norm the factor divides by: for norms that
+  may be under-read by up to ``floor * sqrt(eps)`` (squares flushed to zero),
+  so that the factor cannot lift an example past ``C``.
   """
-  norms = jnp.asarray(norms)
+  scaled = norms if isinstance(norms, _numerics.ScaledNorms) else None
+  norms = jnp.asarray(scaled.norms if scaled is not None else norms)
   ok = finite_rows(norms)
   finite = jnp.where(_rows(ok, norms), norms, jnp.zeros((), norms.dtype))
+  if scaled is not None:
+    scaled = _numerics.ScaledNorms(
+      scaled.exponent, jnp.where(_rows(ok, norms), scaled.sumsq, 0), finite
+    )
   if normalize is None:
-    factors, _ = clip_multipliers(finite, bound)
+    factors = clip_multipliers(finite, bound)[0] if scaled is None else scaled.clip_factor(bound)
     clipped = factors < 1.0
   else:
-    factors, _ = normalize_multipliers(finite, bound, normalize)
+    if scaled is None:
+      at_least = finite if floor is None else jnp.maximum(finite, jnp.asarray(floor, finite.dtype))
+      factors = normalize_multipliers(at_least, bound, normalize)[0]
+    else:
+      factors = _normalize_scaled(scaled, bound, normalize)
     den = finite + jnp.asarray(normalize, norms.dtype)
     clipped = den > jnp.maximum(jnp.asarray(bound, norms.dtype), 0)
   factors = jnp.where(_rows(ok, norms), factors, jnp.zeros((), factors.dtype))
@@ -331,7 +367,9 @@ def per_example_global_norm_clip(
 
   Returns:
     ``(clipped_sum, num_clipped)``: the sum over the batch of the clipped
-    per-example gradients (each leaf without its batch axis, in its dtype), and
+    per-example gradients (each leaf without its batch axis; in float32 for
+    bfloat16 and float16 leaves, as optax's, so noise is added before any
+    rounding; in its dtype otherwise), and
     how many examples were scaled down (a pytree like ``l2_norm_clip``, a
     count per group, for per-group bounds). With
     ``return_num_nonfinite=True``, ``(clipped_sum, num_clipped,
@@ -370,7 +408,7 @@ def per_example_global_norm_clip(
   _check_batch_dim(grads, "per_example_global_norm_clip")
   groups = clip_groups(l2_norm_clip, grads)
   clipped_sum, num_clipped, _, num_bad = _per_example_clip(
-    grads, groups if groups.per_group else l2_norm_clip, normalize=normalize
+    grads, groups if groups.per_group else l2_norm_clip, normalize=normalize, accumulate=True
   )
   if axis_name is not None:
     clipped_sum, num_clipped, num_bad = jax.lax.psum((clipped_sum, num_clipped, num_bad), axis_name)
@@ -423,7 +461,8 @@ def per_example_layer_norm_clip(
 
   Returns:
     ``(clipped_sum, num_clipped)``: two pytrees with ``grads``' structure, the
-    summed clipped gradients and, per leaf, how many examples were clipped
+    summed clipped gradients (float32 for bfloat16 and float16 leaves) and,
+    per leaf, how many examples were clipped
     (with ``normalize``: scaled down). With ``return_num_nonfinite=True``,
     ``(clipped_sum, num_clipped, num_nonfinite)``.
 
@@ -452,7 +491,9 @@ def per_example_layer_norm_clip(
   groups = ClipGroups(
     [global_l2_norm_clip * share**0.5 for share in shares], tuple(range(len(leaves))), treedef
   )
-  clipped_sum, num_clipped, _, num_bad = _per_example_clip(grads, groups, normalize=normalize)
+  clipped_sum, num_clipped, _, num_bad = _per_example_clip(
+    grads, groups, normalize=normalize, accumulate=True
+  )
   num_clipped = groups.unflatten(num_clipped, 0)
   if axis_name is not None:
     clipped_sum, num_clipped, num_bad = jax.lax.psum((clipped_sum, num_clipped, num_bad), axis_name)

@@ -369,8 +369,7 @@ def plan_sumsq(
       parts[g] = parts[g] + jnp.sum(part.reshape(cap.n, -1), axis=1).astype(acc)
       continue
     if u in cap.accumulated:  # the per-example gradient, formed in the backward pass
-      part = _numerics.abs_sq(_numerics.upcast_for_accumulation(cap.gs[u][k]))
-      parts[g] = parts[g] + jnp.sum(part.reshape(cap.n, -1), axis=1).astype(acc)
+      parts[g] = parts[g] + _ghost_norms.safe_sumsq(cap.gs[u][k]).astype(acc)
       continue
     parts[g] = parts[g] + _rule_sumsq(cap, u, k, rule).astype(acc)
   for pair in plan.tied:

@@ -11,6 +11,7 @@ ghost norms (:mod:`jaxclip.privacy._ghost`), and
 from __future__ import annotations
 
 import dataclasses
+import math
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -305,12 +306,12 @@ class _Options:
     return (len(self.groups.bounds),) if self.per_group else ()
 
   def factors(
-    self, norms: jax.Array, mask: jax.Array | None
+    self, norms: jax.Array, mask: jax.Array | None, floor: float | None = None
   ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
     """Each unit's (and group's) weight, 0 where masked or not finite, and the counts
     ``(scaled down, not finite)``."""
     bound = self.groups.bound(norms.dtype)
-    weights, count = _clip_batch.scale_factors(norms, bound, mask, self.normalize)
+    weights, count = _clip_batch.scale_factors(norms, bound, mask, self.normalize, floor)
     if mask is not None:
       weights = jnp.where(rows(mask, weights), weights, 0)
     return weights, count
@@ -487,9 +488,17 @@ def _ghost_chunk(
   opts: _Options, traced: _ghost.Traced, mask: jax.Array | None
 ) -> tuple[Any, jax.Array, jax.Array, Any]:
   """The clipped sum from ghost norms and book-keeping, by ``traced.plan``."""
+  floor = None
+  if opts.normalize is not None:
+    # Each scaled part of a ghost norm is exact or, below the normal range, flushed: the
+    # squared norm is under-read by at most tiny per part. Dividing by at least
+    # sqrt(parts * tiny / eps) keeps C / norm from lifting such an example past C.
+    info = jnp.finfo(_numerics.tree_accumulation_dtype(traced.leaves))
+    parts = 2 * (len(traced.plan.sites) + len(traced.leaves)) + 1
+    floor = math.sqrt(parts * float(info.tiny) / float(info.eps))
   grads, norms, count, aux_leaves = _ghost.clipped_sum(
     traced,
-    lambda norms: opts.factors(norms, mask),
+    lambda norms: opts.factors(norms, mask, floor),
     spmd_axis_name=opts.spmd_axis_name,
     leaf_groups=opts.groups.of_leaf,
     num_groups=len(opts.groups.bounds),
