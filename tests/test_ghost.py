@@ -751,13 +751,19 @@ def test_return_norms_are_the_pre_clip_norms_in_batch_order():
     np.testing.assert_allclose(got, want, rtol=1e-5, err_msg=str(option))
 
 
-def test_non_finite_example_shows_in_the_sum_as_with_vmap():
+def test_non_finite_example_contributes_zero_as_with_vmap():
   params, x, y = mlp_problem(batch=6, seed=7)
-  x = x.at[2, 0].set(jnp.nan)
+  bad = x.at[2, 0].set(jnp.nan)
+  keep = np.arange(6) != 2
   for method in ("vmap", "ghost"):
-    fn = jaxclip.per_example_clipped_grad(mlp_loss, 1.0, batch_argnums=(1, 2), method=method)
-    total, _ = jax.jit(fn)(params, x, y)
-    assert all(np.isnan(np.asarray(t)).any() for t in jax.tree.leaves(total)), method
+    fn = jaxclip.per_example_clipped_grad(
+      mlp_loss, 1.0, batch_argnums=(1, 2), method=method, return_num_nonfinite=True
+    )
+    total, _, num_nonfinite = jax.jit(fn)(params, bad, y)
+    want = jax.jit(fn)(params, x[keep], y[keep])[0]
+    assert int(num_nonfinite) == 1, method
+    for a, e in zip(jax.tree.leaves(total), jax.tree.leaves(want), strict=True):
+      np.testing.assert_allclose(a, e, rtol=1e-5, atol=1e-6, err_msg=method)
 
 
 def test_a_parameter_in_a_loop_jax_cannot_differentiate_names_the_primitive():

@@ -614,7 +614,7 @@ def per_example_scaled_norms(leaves: Sequence[Any], acc: Any = None) -> ScaledNo
   fast = per_example(abs_sq, "sum", leaves)
   size = sum(_dims_size(g.shape[1:]) or 2**31 for g in leaves)
   needs = needs_rescaling(fast, size)
-  zeros = jnp.zeros(fast.shape, jnp.int32)
+  zeros = jnp.zeros_like(fast, jnp.int32)  # varying as fast is, inside shard_map
 
   def slow(fast, needs):
     m = per_example(max_term, "max", leaves)
