@@ -180,9 +180,25 @@ def _mixed_sumsq(a: jax.Array, g: jax.Array) -> jax.Array:
     a: ``(examples, n, T, C)``.
     g: ``(examples, n, T, F)``.
   """
-  ea, eg = _exponent(a), _exponent(g)
-  a, g = _down(a, ea), _down(g, eg)
-  return _up(_mixed_sumsq_scaled(a, g), 2 * (ea + eg))
+
+  # Row by row (each of the T rows, per example and dot batch index): a_t = 2**ea_t a'_t and
+  # g_t = 2**eg_t g'_t, then g'_t weighted by 2**(ea_t + eg_t - top), top the largest such
+  # exponent of the example. A row whose a is huge while its g is 0 (so its term is 0) cannot
+  # set the scale and flush every other row's squares.
+  def rows(x):
+    m = jnp.max(jnp.abs(x), axis=-1, keepdims=True)
+    return m, _numerics.scale_exponent(m)
+
+  (ma, ea), (mg, eg) = rows(a), rows(g)
+  live = (ma > 0) & (mg > 0) & jnp.isfinite(ma) & jnp.isfinite(mg)
+  low = jnp.iinfo(jnp.int32).min // 4
+  r = jnp.where(live, ea + eg, low)
+  top = jnp.max(r.reshape(r.shape[0], -1), axis=1)
+  top = jnp.where(top == low, 0, top)
+  shift = r - top.reshape((-1,) + (1,) * (r.ndim - 1))
+  a = _numerics.times_pow2(a, -ea)
+  g = _numerics.times_pow2(_numerics.times_pow2(g, -eg), jnp.maximum(shift, low // 2))
+  return _up(_mixed_sumsq_scaled(a, g), 2 * top)
 
 
 def _mixed_sumsq_scaled(a: jax.Array, g: jax.Array) -> jax.Array:
