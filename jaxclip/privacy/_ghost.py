@@ -52,6 +52,7 @@ import numpy as np
 
 from jaxclip._kernel import _numerics, _sharding
 from jaxclip.privacy import (
+  _batching,
   _ghost_book,
   _ghost_capture,
   _ghost_instantiate,
@@ -293,7 +294,7 @@ def _two_pass_kept(
   def rerun():
     onehot = jnp.arange(keep.shape[0]) == jnp.argmax(keep)
     clean = [
-      jnp.where(keep.reshape((-1,) + (1,) * (x.ndim - 1)), x, _batching_first_row(x, onehot))
+      jnp.where(keep.reshape((-1,) + (1,) * (x.ndim - 1)), x, _batching.first_real_row(x, onehot))
       if b
       else x
       for x, b in zip(traced.arg_leaves, traced.batched, strict=True)
@@ -304,13 +305,6 @@ def _two_pass_kept(
     return _ghost_book.two_pass(again, weights, leaf_groups)
 
   return jax.lax.cond(jnp.all(keep), as_captured, rerun)
-
-
-def _batching_first_row(x: jax.Array, onehot: jax.Array) -> jax.Array:
-  """Row ``argmax(onehot)`` of ``x``, as a masked sum (safe on a sharded batch axis)."""
-  from jaxclip.privacy import _batching  # noqa: PLC0415 (a cycle: _batching imports _jax)
-
-  return _batching.first_real_row(x, onehot)
 
 
 def inputs_for(traced: Traced, spmd_axis_name: Any) -> Inputs:
