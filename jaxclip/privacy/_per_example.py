@@ -89,12 +89,19 @@ def per_example_clipped_grad(
                                   :math:`\|g\| + \gamma > 0`)
   a non-finite gradient or norm   contributes zeros; counted as clipped
                                   and in ``num_nonfinite``
+  huge finite gradient            clipped to ``C`` under ``vmap`` (its norm
+                                  is computed scaled); under ghost norms, a
+                                  squared norm past float32's range (a norm
+                                  above ~1.8e19) counts as non-finite
   ``normalize=0``, zero gradient  contributes zeros, factor 0 (not 0/0),
-                                  not counted; so does a gradient whose
-                                  float32 squared norm underflows to 0
-  ``normalize=0``, tiny gradient  scaled to norm ``C``; the factor
-                                  :math:`C / \|g\|` is capped at float32's
-                                  largest number
+                                  not counted
+  ``normalize=0``, tiny gradient  scaled to norm ``C`` (``vmap`` measures
+                                  its norm scaled, never flushed); ghost
+                                  norms divide by at least
+                                  :math:`\sqrt{\text{parts} \cdot
+                                  \text{tiny} / \text{eps}}` (~1e-15 in
+                                  float32), so a norm under-read below the
+                                  normal range cannot pass ``C``
   ``normalize``, infinite ``C``   refused (``ValueError``): no finite
                                   sensitivity
   a group with no leaves          norm 0, as a zero gradient
