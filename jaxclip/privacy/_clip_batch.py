@@ -296,7 +296,10 @@ def scale_factors(norms, bound, mask=None, normalize=None, floor=None):
     clipped = factors < 1.0
   else:
     if scaled is None:
-      at_least = finite if floor is None else jnp.maximum(finite, jnp.asarray(floor, finite.dtype))
+      at_least = finite
+      if floor is not None:  # a zero norm stays zero: its factor is 0 (or C / gamma)
+        floored = jnp.maximum(finite, jnp.asarray(floor, finite.dtype))
+        at_least = jnp.where(finite > 0, floored, finite)
       factors = normalize_multipliers(at_least, bound, normalize)[0]
     else:
       factors = _normalize_scaled(scaled, bound, normalize)
