@@ -118,8 +118,8 @@ def check_normalize(normalize: Any, l2_norm_clip: Any, name: str = "l2_norm_clip
 def _scaled_norms(leaves: list[Any], groups: ClipGroups, acc: Any) -> _numerics.ScaledNorms:
   """Each example's overflow- and underflow-safe norm (:func:`jaxclip._kernel._numerics.
   per_example_scaled_norms`), in scaled form: ``(n,)``, or ``(n, groups)`` per group."""
-  if not leaves:
-    return _numerics.ScaledNorms(*(jnp.zeros((0,), d) for d in (jnp.int32, acc, acc)))
+  if not leaves:  # no parameters: one norm of 0 (the caller knows the batch)
+    return _numerics.ScaledNorms(*(jnp.zeros((), d) for d in (jnp.int32, acc, acc)))
   if not groups.per_group:
     return _numerics.per_example_scaled_norms(leaves, acc)
   n = leaves[0].shape[0]
