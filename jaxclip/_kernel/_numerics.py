@@ -647,6 +647,18 @@ def saturated_float32(x: Any) -> jax.Array:
   return jnp.where(jnp.isfinite(x), jnp.clip(x, -big, big), x).astype(jnp.float32)
 
 
+def saturate(x: Any) -> jax.Array:
+  """``x`` with finite overflows held at its dtype's largest magnitude: ``inf`` -> ``finfo.max``.
+
+  For statistics (EMAs of norms and of their squares) fed only finite
+  values: a sum that overflowed is saturated, so that one huge finite norm
+  cannot leave a statistic ``inf`` for good. NaN stays NaN.
+  """
+  x = jnp.asarray(x)
+  big = jnp.finfo(x.dtype).max
+  return jnp.where(jnp.isnan(x), x, jnp.clip(x, -big, big))
+
+
 def per_example_norms(leaves: Sequence[Any], acc: Any = None) -> jax.Array:
   """The ``(batch,)`` overflow-safe L2 norms of :func:`per_example_scaled_norms`.
 

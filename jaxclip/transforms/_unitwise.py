@@ -109,7 +109,12 @@ def unitwise_norm(x: ArrayLike, axis: Axis = None) -> jax.Array:
   """
   x = jnp.asarray(_validation.numeric_leaves(x, "unitwise_norm", "x"))
   norm = _numerics.leaf_norm(x, 2, _unitwise_axes(x.shape, axis), keepdims=True)
-  return jnp.broadcast_to(norm.astype(jnp.finfo(x.dtype).dtype), x.shape)
+  real = jnp.finfo(x.dtype).dtype
+  # A finite norm beyond the real dtype's range (a bfloat16 or float16 leaf)
+  # saturates at its largest value rather than becoming inf.
+  big = float(jnp.finfo(real).max)
+  norm = jnp.where(jnp.isfinite(norm), jnp.minimum(norm, big), norm)
+  return jnp.broadcast_to(norm.astype(real), x.shape)
 
 
 def _unitwise_factor(g_norm: jax.Array, max_norm: jax.Array, div_eps: ArrayLike) -> jax.Array:

@@ -247,7 +247,8 @@ def combine_scalars(parts: list[jax.Array], op: str) -> jax.Array:
   if len(parts) == 1:
     return parts[0]
   stacked = jnp.stack(parts)
-  return jnp.max(stacked) if op == "max" else jnp.sum(stacked)
+  # dtype=: an int32 count stays int32 under jax_enable_x64.
+  return jnp.max(stacked) if op == "max" else jnp.sum(stacked, dtype=stacked.dtype)
 
 
 # ----------------------------------------------------------------------------
