@@ -260,7 +260,9 @@ def adaptive_grad_clip(
 
 def _agc_factor(g_norm, size, p_norm, clipping, eps):
   del size
-  max_norm = jnp.asarray(clipping, g_norm.dtype) * jnp.maximum(
+  # A traced negative clipping acts as 0 (zero updates), as the norm clips'
+  # negative thresholds do; a NaN one gives NaN.
+  max_norm = jnp.maximum(jnp.asarray(clipping, g_norm.dtype), 0) * jnp.maximum(
     p_norm.astype(g_norm.dtype), jnp.asarray(eps, g_norm.dtype)
   )
   return _unitwise_factor(g_norm, max_norm, 1e-6)
