@@ -499,6 +499,25 @@ def scaled_norm(m: jax.Array, s: jax.Array, e: jax.Array, ord: float = 2) -> jax
   return jnp.where(finite, jnp.minimum(norm, jnp.finfo(norm.dtype).max), norm)
 
 
+def combine_scaled(
+  maxima: jax.Array, exps: jax.Array, sums: jax.Array, ord: float = 2
+) -> jax.Array:
+  """The norm of parts each scaled on its own: ``sums[i]`` of entries divided by ``2**exps[i]``.
+
+  Each part's sum is brought to the largest part's exponent (a part of only
+  zeros counts for nothing), then :func:`scaled_norm`.
+  """
+  m = jnp.max(maxima)
+  nonzero = maxima > 0
+  floor = jnp.iinfo(jnp.int32).min // 4
+  exps = jnp.where(nonzero, exps, floor)
+  top = jnp.max(exps)
+  shift = exps - top
+  shifted = times_pow2(sums, 2 * shift if ord == 2 else shift)
+  total = jnp.sum(jnp.where(nonzero, shifted, 0))
+  return scaled_norm(m, total, jnp.where(jnp.any(nonzero), top, 0), ord)
+
+
 def max_term(x: jax.Array) -> jax.Array:
   """A magnitude that cannot overflow, within ``sqrt(2)`` of ``|x|``: ``max(|re|, |im|)``.
 

@@ -107,6 +107,18 @@ def tree_norm(
   leaves = jax.tree.leaves(tree)
 
   def rescue():
+    if axis_name is None:
+      return _numerics.combine_scaled(
+        *_platform.scaled_sums(
+          [_numerics.as_array(x) for x in leaves],
+          term,
+          _numerics.max_term,
+          acc,
+          _numerics.scaled_down,
+          _numerics.scale_exponent,
+        ),
+        ord,
+      )
     m = total_of(tree, _numerics.max_term, "max")
     e = _numerics.scale_exponent(m)
     s = total_of(tree, term, "sum", (_numerics.scaled_down, e))

@@ -261,6 +261,53 @@ def _grouped_sums_jvp(plan, term, op, acc, fn, primals, tangents):
   return _grouped_sums(plan, term, op, acc, fn, *primals), tangent_out
 
 
+def scaled_sums(
+  leaves: list[jax.Array],
+  term: Term,
+  max_term: Term,
+  acc: Any,
+  scale_fn: Callable[..., jax.Array],
+  exponent_fn: Callable[[jax.Array], jax.Array],
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """``(maxima, exponents, sums)``: a rescaled norm's partial sums, each part scaled on its own.
+
+  The parts are :func:`shares_by_group`'s. Each part's largest ``max_term``
+  gives its own exponent ``e`` (``exponent_fn``), and its sum is that of
+  ``term(scale_fn(x, e))``. Why each its own: leaves scaled by one shared
+  scalar make XLA:CPU fuse their reductions as siblings (they share an
+  operand), which reserves temporary buffers of a tenth of the tree's bytes;
+  a part's exponent computed from its own values is shared by no other.
+  """
+  maxima, exps, sums = [], [], []
+  for how, members in _group_plan(leaves):
+    if how is None or how == "concat":
+      flat = [jax.lax.reshape(leaves[i], (leaves[i].size,)) for i in members]
+      x = (
+        leaves[members[0]]
+        if how is None
+        else (flat[0] if len(flat) == 1 else jax.lax.concatenate(flat, 0))
+      )
+      m = share(x, max_term, "max").astype(acc)
+      e = exponent_fn(m)
+      total = share(scale_fn(x, e), term, "sum")
+    else:
+      m = combine_scalars([share(leaves[i], max_term, "max").astype(acc) for i in members], "max")
+      e = exponent_fn(m)
+      total = None
+      for i in members:
+        t = term(scale_fn(leaves[i], e))
+        if how:
+          t = jax.lax.reshape(t, (t.size,))
+          if t.size < how:
+            t = jax.lax.pad(t, jnp.zeros((), t.dtype), ((0, how - t.size, 0),))
+        total = t if total is None else jax.lax.add(total, t)
+      total = reduce(total, "sum")
+    maxima.append(m)
+    exps.append(e)
+    sums.append(total.astype(acc))
+  return jnp.stack(maxima), jnp.stack(exps), jnp.stack(sums)
+
+
 def combine_scalars(parts: list[jax.Array], op: str) -> jax.Array:
   """The sum (``op="sum"``) or max of scalars, as one reduction."""
   if len(parts) == 1:
