@@ -135,6 +135,10 @@ SLOW_TESTS = (
   # Each transform in the loops users write (test_training_loops.py chains them all):
   "test_flax_nnx_optimizer",
   "test_equinox_training_step",
+  # Finite in, finite out (test_finite.py): the cross-product of magnitudes and dtypes.
+  "test_every_transform_finite_at_every_magnitude_and_dtype",
+  "test_every_transform_finite_in_float64",
+  "test_every_op_finite_in_every_dtype",
 )
 
 

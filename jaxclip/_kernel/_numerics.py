@@ -43,7 +43,9 @@ def accumulation_dtype(dtype: Any) -> jnp.dtype:
   dtype = jnp.dtype(dtype)
   real = jnp.finfo(dtype).dtype  # complex64 -> float32, complex128 -> float64
   if real == jnp.dtype(jnp.float64):
-    return real
+    # Canonical: float32 with x64 off (a NumPy float64 leaf), so that no
+    # float64 is requested (and no truncation warned about).
+    return jnp.dtype(jax.dtypes.canonicalize_dtype(real))
   return jnp.dtype(jnp.float32)
 
 
@@ -137,6 +139,13 @@ def _canonical_axes(ndim: int, axis: Axes) -> tuple[int, ...] | None:
       raise ValueError(f"axis {a} is out of bounds for a leaf of rank {ndim}.")
     out.append(a % ndim)
   return tuple(out)
+
+
+def kept_shape(shape: tuple[int, ...], axis: Axes) -> tuple[int, ...]:
+  """``shape`` with the dimensions of ``axis`` (all if ``None``) set to 1: a kept-dims norm's."""
+  axes = _canonical_axes(len(shape), axis)
+  axes = range(len(shape)) if axes is None else axes
+  return tuple(1 if i in axes else d for i, d in enumerate(shape))
 
 
 def _convert(x: jax.Array, dtype: Any) -> jax.Array:
@@ -294,13 +303,18 @@ def clip_scale(norm: jax.Array, max_norm: Any) -> jax.Array:
   ``norm == max_norm == 0``     ``0`` (zeros stay zeros, gradient 0)
   ``max_norm == inf``           ``1``
   ``max_norm < 0`` (traced)     acts as ``0``
+  ``max_norm`` is ``nan``       ``nan`` (traced; visible, as optax)
   ``norm`` is ``inf``/``nan``   ``nan``
   ============================  =========
   """
   norm = jnp.asarray(norm)
-  max_norm = jnp.maximum(jnp.asarray(max_norm, norm.dtype), 0)
+  max_norm = jnp.asarray(max_norm, norm.dtype)
+  # A NaN threshold (traced: a schedule gone bad) gives NaN, visibly, as
+  # optax's clip does; it would otherwise fail the comparison and not clip.
+  valid = jnp.isfinite(norm) & jnp.logical_not(jnp.isnan(max_norm))
+  max_norm = jnp.maximum(max_norm, 0)
   clipping = norm >= max_norm
-  numerator = jnp.where(jnp.isfinite(norm), jnp.where(clipping, max_norm, 1), jnp.nan)
+  numerator = jnp.where(valid, jnp.where(clipping, max_norm, 1), jnp.nan)
   return safe_divide(numerator, norm, clipping & (norm > 0)).astype(norm.dtype)
 
 
@@ -338,7 +352,7 @@ def safe_divide(
 
 
 def apply_scale(x: jax.Array, scale: jax.Array) -> jax.Array:
-  """``x * scale`` formed in :func:`compute_dtype`, returned in ``x.dtype``.
+  """``x * scale`` formed in :func:`compute_dtype`, in ``x.dtype``; ``x`` where ``scale == 1``.
 
   ``scale`` is a scalar or broadcasts against ``x`` with the same rank (a
   norm taken with ``keepdims=True``).
@@ -349,7 +363,12 @@ def apply_scale(x: jax.Array, scale: jax.Array) -> jax.Array:
   if scale.shape != x.shape:
     dims = tuple(range(x.ndim - scale.ndim, x.ndim))
     scale = jax.lax.broadcast_in_dim(scale, x.shape, dims)
-  return _convert(jax.lax.mul(_convert(x, dtype), scale), x.dtype)
+  product = _convert(jax.lax.mul(_convert(x, dtype), scale), x.dtype)
+  # A factor of exactly 1 passes the entry through bit for bit: XLA:CPU
+  # flushes a subnormal times 1.0 to zero. The select is elementwise in the
+  # scale's own kernel, no pass of its own.
+  one = jax.lax.eq(scale, jax.lax.full_like(scale, 1))
+  return jax.lax.select(one, x, product)
 
 
 def scale_entries_above(x: jax.Array, bound: jax.Array, factor: jax.Array) -> jax.Array:
@@ -478,6 +497,25 @@ def scaled_norm(m: jax.Array, s: jax.Array, e: jax.Array, ord: float = 2) -> jax
   # Where m == 0 a constant 0, so that the derivative at zero is 0 (as safe_sqrt's).
   norm = jnp.where(finite & (m > 0), times_pow2(root, e), jnp.where(finite, 0, m))
   return jnp.where(finite, jnp.minimum(norm, jnp.finfo(norm.dtype).max), norm)
+
+
+def combine_scaled(
+  maxima: jax.Array, exps: jax.Array, sums: jax.Array, ord: float = 2
+) -> jax.Array:
+  """The norm of parts each scaled on its own: ``sums[i]`` of entries divided by ``2**exps[i]``.
+
+  Each part's sum is brought to the largest part's exponent (a part of only
+  zeros counts for nothing), then :func:`scaled_norm`.
+  """
+  m = jnp.max(maxima)
+  nonzero = maxima > 0
+  floor = jnp.iinfo(jnp.int32).min // 4
+  exps = jnp.where(nonzero, exps, floor)
+  top = jnp.max(exps)
+  shift = exps - top
+  shifted = times_pow2(sums, 2 * shift if ord == 2 else shift)
+  total = jnp.sum(jnp.where(nonzero, shifted, 0))
+  return scaled_norm(m, total, jnp.where(jnp.any(nonzero), top, 0), ord)
 
 
 def max_term(x: jax.Array) -> jax.Array:
@@ -645,6 +683,18 @@ def saturated_float32(x: Any) -> jax.Array:
     return x
   big = float(jnp.finfo(jnp.float32).max)
   return jnp.where(jnp.isfinite(x), jnp.clip(x, -big, big), x).astype(jnp.float32)
+
+
+def saturate(x: Any) -> jax.Array:
+  """``x`` with finite overflows held at its dtype's largest magnitude: ``inf`` -> ``finfo.max``.
+
+  For statistics (EMAs of norms and of their squares) fed only finite
+  values: a sum that overflowed is saturated, so that one huge finite norm
+  cannot leave a statistic ``inf`` for good. NaN stays NaN.
+  """
+  x = jnp.asarray(x)
+  big = jnp.finfo(x.dtype).max
+  return jnp.where(jnp.isnan(x), x, jnp.clip(x, -big, big))
 
 
 def per_example_norms(leaves: Sequence[Any], acc: Any = None) -> jax.Array:

@@ -86,9 +86,11 @@ def tree_norm(
   acc = _numerics.tree_accumulation_dtype(tree)
   op, term = _numerics.norm_op(ord), _numerics.norm_term(ord)
 
-  def total_of(tree, term, op):
+  def total_of(tree, term, op, scale=None):
     def partials(leaves):
-      return _platform.shares_by_group([_numerics.as_array(x) for x in leaves], term, op, acc)
+      return _platform.shares_by_group(
+        [_numerics.as_array(x) for x in leaves], term, op, acc, scale
+      )
 
     if axis_name is None:
       parts = partials(jax.tree.leaves(tree))
@@ -102,13 +104,25 @@ def tree_norm(
   total = total_of(tree, term, op)
   if ord == math.inf:
     return total
-  leaves, treedef = jax.tree.flatten(tree)
+  leaves = jax.tree.leaves(tree)
 
   def rescue():
+    if axis_name is None:
+      return _numerics.combine_scaled(
+        *_platform.scaled_sums(
+          [_numerics.as_array(x) for x in leaves],
+          term,
+          _numerics.max_term,
+          acc,
+          _numerics.scaled_down,
+          _numerics.scale_exponent,
+        ),
+        ord,
+      )
     m = total_of(tree, _numerics.max_term, "max")
     e = _numerics.scale_exponent(m)
-    scaled = treedef.unflatten([_numerics.scaled_down(_numerics.as_array(x), e) for x in leaves])
-    return _numerics.scaled_norm(m, total_of(scaled, term, "sum"), e, ord)
+    s = total_of(tree, term, "sum", (_numerics.scaled_down, e))
+    return _numerics.scaled_norm(m, s, e, ord)
 
   return _numerics.rescued_norm(total, ord, _tree_size(leaves), rescue)
 
