@@ -120,7 +120,8 @@ def _attack(model, name, dtype):
     y = 1e18
   elif name != "normal":
     return None
-  return jnp.asarray(x, dtype), jnp.asarray(y, dtype)
+  with np.errstate(over="ignore"):  # 2e19 is inf in float16: an attack all the same
+    return jnp.asarray(x, dtype), jnp.asarray(y, dtype)
 
 
 ATTACKS = (
@@ -316,19 +317,22 @@ WRAPPERS = {
 
 @pytest.mark.parametrize("wrapper, dtype", list(itertools.product(WRAPPERS, DTYPES)))
 def test_optax_dropins_bounded(wrapper, dtype):
-  fn, sensitivity = WRAPPERS[wrapper]
+  wrapped, sensitivity = WRAPPERS[wrapper]
+  fn = jax.jit(lambda g: wrapped(g, return_num_nonfinite=True))
   failures = []
   with _dtype_context(dtype):
     dt = jnp.dtype(dtype)
     rows = jax.tree.map(lambda a: jnp.asarray(a, dt), _grad_rows(dtype))
-    base = fn(rows, return_num_nonfinite=True)
+    base = fn(rows)
     base_sum = _flat64(base[0])
     for name in ATTACKS:
       x = _adversarial_grad(name)
       if x is None:
         continue
-      both = jax.tree.map(lambda r, a: jnp.concatenate([r, jnp.asarray(a, dt)[None]]), rows, x)
-      got = fn(both, return_num_nonfinite=True)
+      with np.errstate(over="ignore"):
+        x = jax.tree.map(lambda a: jnp.asarray(a, dt), x)
+      both = jax.tree.map(lambda r, a: jnp.concatenate([r, a[None]]), rows, x)
+      got = fn(both)
       delta = np.linalg.norm(_flat64(got[0]) - base_sum)
       allowed = sensitivity * (1 + TOL[dtype]) + TOL[dtype] * np.linalg.norm(base_sum)
       if not delta <= allowed:
