@@ -15,7 +15,13 @@ and uses the same optimizer (SGD with momentum). The private runs:
   noise multiplier comes from :func:`jaxclip.calibrate_noise` (dp_accounting's
   PLD accountant), and :func:`jaxclip.dp_epsilon` prints the ε it gives.
 
-They differ in how each example's gradient is bounded:
+Each private run goes through one :class:`jaxclip.DPSGD`, built from the
+dataset size, ``B``, the steps, ``(ε, δ)`` and its clip: it calibrates ``σ``
+(the batches' truncation to ``max_batch_size`` rows, and the adaptive clip's
+count, accounted for) and hands out the clipped gradient, the noise (its
+sensitivity read from the same clip), each step's Poisson batch and the
+accountant, which records the steps that ran. They differ in how each
+example's gradient is bounded:
 
 * **fixed C**: clipped to ``C = suggest_threshold(norms).max_norm``, the median
   per-example gradient norm at initialisation, measured on the public split
@@ -24,14 +30,17 @@ They differ in how each example's gradient is bounded:
   follows the median norm (:func:`jaxclip.quantile_clip_norm_update`, Andrew
   et al. 2021, from the centred count of the norms below ``C`` noised with
   ``σ_b = B / 20``). The count is released too, so the gradient noise is
-  raised to keep the same ε (``calibrate_noise(..., count_stddev=B / 20)``);
+  raised to keep the same ε (``DPSGD(..., count_stddev=B / 20)``);
 * **normalized**: every gradient scaled to ``C·g/(‖g‖ + γ)`` (automatic
   clipping, Bu et al. 2023; ``normalize=γ``), ``C`` the fixed arm's, so the
   two see updates of the same scale and share the learning rate.
 
-Randomness: one key each for initialisation, the data, the batches (shared by
-every run) and the count; each private run's noise has its own ``dp_noise``
-seed. Steps are jitted, ``lax.scan`` over chunks (one progress-bar tick each).
+Randomness: ``--seed`` gives the initialisation and the data. The batches, the
+noise and the counts come from one key drawn from the operating system's
+entropy each run, secret, since whoever knows it can regenerate the noise and
+the batches and undo the privacy; every run shares it, so every run sees the
+same batches (and the same noise draws, scaled by its own ``σC``). Steps are
+jitted, ``lax.scan`` over chunks (one progress-bar tick each).
 The recorded losses and accuracies are diagnostics, not private.
 
 Run (``pip install -e ".[examples,dp]"``)::
@@ -46,6 +55,7 @@ from __future__ import annotations
 import argparse
 import functools
 import math
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -95,28 +105,35 @@ class Config(NamedTuple):
 
 
 class Privacy(NamedTuple):
-  """What the accountant chose: the noise multipliers, the fixed C, and the padded rows."""
+  """The private runs' DPSGD objects: the fixed C's (the normalized run's too), the adaptive's."""
 
-  sigma: float  # gradient noise multiplier of the fixed and normalized runs
-  sigma_adaptive: float  # of the adaptive run, whose count is released too
-  count_stddev: float  # σ_b = B / 20
-  fixed_clip: float
-  rows: int  # max_batch_size
-  p_overflow: float  # P[a draw is truncated], per step
+  fixed: jaxclip.DPSGD
+  adaptive: jaxclip.DPSGD
+
+  @property
+  def fixed_clip(self) -> float:
+    return self.fixed.l2_norm_clip
+
+  @property
+  def rows(self) -> int:  # max_batch_size: the same for both (the same run, sizes, δ)
+    return self.fixed.max_batch_size
+
+  @property
+  def sigma(self) -> float:  # the fixed and normalized runs' noise multiplier
+    return self.fixed.noise_multiplier
+
+  @property
+  def sigma_adaptive(self) -> float:  # the adaptive run's, whose counts are released too
+    return self.adaptive.noise_multiplier
+
+  @property
+  def count_stddev(self) -> float:
+    return self.adaptive.count_stddev
 
 
-def max_batch_size(n: int, q: float, steps: int, delta: float) -> tuple[int, float]:
-  """The smallest row count with ``steps · P[Binomial(n + 1, q) > rows] ≤ 10⁻⁵ δ``, and that P.
-
-  Truncation then adds ``(1 + e^ε) · steps · P`` to δ (see :func:`jaxclip.poisson_batch`).
-  """
-  from scipy import stats  # a dependency of dp_accounting
-
-  mean, std = n * q, math.sqrt(n * q * (1 - q))
-  rows = max(1, math.ceil(mean + 4 * std))
-  while rows < n + 1 and steps * stats.binom.sf(rows, n + 1, q) > delta * 1e-5:
-    rows += max(1, math.ceil(std / 4))
-  return min(rows, n), float(stats.binom.sf(rows, n + 1, q))
+def secret_key() -> jax.Array:
+  """A key from the OS's entropy (os.urandom): nobody can regenerate the noise or the batches."""
+  return jax.random.wrap_key_data(jnp.asarray(np.frombuffer(os.urandom(8), np.uint32)))
 
 
 # --- data and model -------------------------------------------------------------
@@ -191,19 +208,19 @@ def public_norms(params: dict[str, Any], data: Data) -> np.ndarray:
 
 
 def choose_privacy(config: Config, params: dict[str, Any], data: Data) -> Privacy:
-  q = config.batch / config.train_size
-  count_stddev = config.batch / 20
-  rows, p_overflow = max_batch_size(config.train_size, q, config.steps, config.delta)
-  calibrate = functools.partial(
-    jaxclip.calibrate_noise, config.epsilon, config.delta, q, config.steps
+  key = secret_key()  # one secret key: every run sees the same batches
+  run = dict(
+    num_examples=config.train_size,
+    expected_batch_size=config.batch,
+    steps=config.steps,
+    target_epsilon=config.epsilon,
+    delta=config.delta,
+    key=key,
   )
+  fixed_clip = jaxclip.suggest_threshold(public_norms(params, data), 50).max_norm
   return Privacy(
-    sigma=calibrate(),
-    sigma_adaptive=calibrate(count_stddev=count_stddev),
-    count_stddev=count_stddev,
-    fixed_clip=jaxclip.suggest_threshold(public_norms(params, data), 50).max_norm,
-    rows=rows,
-    p_overflow=p_overflow,
+    fixed=jaxclip.DPSGD(**run, l2_norm_clip=fixed_clip),
+    adaptive=jaxclip.DPSGD(**run, l2_norm_clip=config.initial_clip, count_stddev=config.batch / 20),
   )
 
 
@@ -223,6 +240,7 @@ class History(NamedTuple):
   eval_accuracy: np.ndarray
   test_accuracy: float
   seconds: float
+  epsilon: float  # the run's accountant after its steps (0 for the non-private run)
 
 
 def plain_loss(params, x, y, mask, b):
@@ -230,53 +248,49 @@ def plain_loss(params, x, y, mask, b):
   return jnp.sum(jnp.where(mask, losses, 0)) / b, losses
 
 
-def make_step(kind: str, config: Config, rows: int, data: Data, keys: dict, sigma, count, adaptive):
+def make_step(kind: str, config: Config, dp: jaxclip.DPSGD, data: Data):
   """The step ``(carry, i) -> (carry, record)``; carry = (params, opt state, noise state, C).
 
-  ``kind`` is ``"plain"``, ``"clip"`` or ``"normalize"``; the fixed and adaptive runs share
-  ``"clip"``, the adaptive one with ``adaptive`` True (traced, so they share one program).
+  ``kind`` is ``"plain"``, ``"fixed"``, ``"adaptive"`` or ``"normalize"``; ``dp``
+  gives the batches (every run's: the same key) and, in the private runs, the
+  clipped gradient, the noise and the adaptive clip's update.
   """
   tx = optax.sgd(config.learning_rate, momentum=config.momentum)
-  b, q = config.batch, config.batch / config.train_size
+  b = config.batch
 
   def step(carry, i):
     params, opt_state, noise_state, clip_norm = carry
-    batch = jaxclip.poisson_batch(
-      jax.random.fold_in(keys["batches"], i), config.train_size, q, rows
-    )
+    batch = dp.batch(i)
     x, y, mask = data.x_train[batch.indices], data.y_train[batch.indices], batch.mask
     real = jnp.maximum(jnp.sum(mask), 1)
+    adaptive = kind == "adaptive"
     if kind == "plain":  # the summed loss of the real examples over B
       grads, losses = jax.grad(plain_loss, has_aux=True)(params, x, y, mask, b)
       norms, clipped = jnp.full(mask.shape, jnp.nan), jnp.nan
     else:
-      grad_fn = jaxclip.per_example_clipped_grad(
+      grad_fn = dp.clipped_grad(
         example_loss,
-        clip_norm,
-        method="ghost",
+        l2_norm_clip=clip_norm if adaptive else None,
         return_norms=True,
         has_aux=True,
         normalize=config.gamma if kind == "normalize" else None,
       )
       total, num_clipped, norms, losses = grad_fn(params, x, y, example_mask=mask)
-      noise = jaxclip.dp_noise(clip_norm, sigma, expected_batch_size=b)
+      noise = dp.noise(clip_norm if adaptive else None)  # C moves: build it here
       grads, noise_state = noise.update(total, noise_state)
       clipped = num_clipped / real
     updates, opt_state = tx.update(grads, opt_state, params)
     params = optax.apply_updates(params, updates)
     new_clip = clip_norm
-    if kind == "clip":
-      moved = jaxclip.quantile_clip_norm_update(
+    if adaptive:
+      new_clip = dp.update_clip(
         clip_norm,
         norms,
+        i,
+        example_mask=mask,
         target_quantile=config.target_quantile,
         learning_rate=config.clip_learning_rate,
-        count_stddev=count,
-        key=jax.random.fold_in(keys["count"], i),
-        example_mask=mask,
-        expected_batch_size=b,
       )
-      new_clip = jnp.where(adaptive, moved, clip_norm)
     record = (
       jnp.sum(jnp.where(mask, losses, 0)) / real,
       clip_norm if kind != "plain" else jnp.nan,
@@ -290,38 +304,35 @@ def make_step(kind: str, config: Config, rows: int, data: Data, keys: dict, sigm
   return step
 
 
-@functools.partial(jax.jit, static_argnames=("kind", "config", "rows"))
-def run_chunk(carry, steps, data, keys, sigma, count, adaptive, *, kind, config, rows):
+@functools.partial(jax.jit, static_argnames=("kind", "config", "dp"))
+def run_chunk(carry, steps, data, *, kind, config, dp):
   """``lax.scan`` of the step over ``steps``: one compiled program per kind of run."""
-  step = make_step(kind, config, rows, data, keys, sigma, count, adaptive)
-  return jax.lax.scan(step, carry, steps)
+  return jax.lax.scan(make_step(kind, config, dp, data), carry, steps)
 
 
 def train(
   config: Config, run: str, privacy: Privacy, progress: Callable[[int], Any] | None = None
 ) -> tuple[History, dict[str, Any]]:
-  """One run; returns its history and final parameters."""
-  k_init, k_data, k_batches, k_count = jax.random.split(jax.random.key(config.seed), 4)
-  keys = {"batches": k_batches, "count": k_count}
+  """One run; returns its history and final parameters (its steps recorded by its DPSGD)."""
+  k_init, k_data = jax.random.split(jax.random.key(config.seed), 4)[:2]
   data = make_data(k_data, config)
   params = init_mlp(k_init, config)
-  adaptive = run == "adaptive C"
-  clip = config.initial_clip if adaptive else privacy.fixed_clip
-  seed = len(RUNS) * config.seed + RUNS.index(run)  # each run's own noise
-  noise_state = jaxclip.dp_noise(1.0, 1.0, seed=seed).init(params)
-  carry = (params, optax.sgd(1.0, momentum=0.9).init(params), noise_state, jnp.float32(clip))
-  hyper = (
-    jnp.float32(privacy.sigma_adaptive if adaptive else privacy.sigma),
-    jnp.float32(privacy.count_stddev),
-    jnp.bool_(adaptive),
+  dp = privacy.adaptive if run == "adaptive C" else privacy.fixed
+  dp.accountant = jaxclip.PrivacyAccountant(dp.delta)  # this run's own record of its steps
+  noise_state = dp.noise().init(params)
+  clip = jnp.float32(dp.l2_norm_clip)
+  carry = (params, optax.sgd(1.0, momentum=0.9).init(params), noise_state, clip)
+  kind = {"non-private": "plain", "fixed C": "fixed", "adaptive C": "adaptive"}.get(
+    run, "normalize"
   )
-  kind = {"non-private": "plain", "normalized": "normalize"}.get(run, "clip")
-  static = dict(kind=kind, config=config, rows=privacy.rows)
+  static = dict(kind=kind, config=config, dp=dp)
   records, evals, start = [], [], time.perf_counter()
   for first in range(0, config.steps, config.chunk):
     n = min(config.chunk, config.steps - first)
-    carry, record = run_chunk(carry, first + jnp.arange(n), data, keys, *hyper, **static)
+    carry, record = run_chunk(carry, first + jnp.arange(n), data, **static)
     records.append(jax.device_get(record))
+    if kind != "plain":
+      dp.record(n)  # the accountant: n more steps ran
     evals.append((first + n, float(accuracy(carry[0], data.x_test, data.y_test))))
     if progress is not None:
       progress(n)
@@ -332,6 +343,7 @@ def train(
     eval_accuracy=np.array([a for _, a in evals]),
     test_accuracy=evals[-1][1],
     seconds=time.perf_counter() - start,
+    epsilon=dp.epsilon() if kind != "plain" else 0.0,
   )
   return history, carry[0]
 
@@ -450,19 +462,21 @@ def main(argv: list[str] | None = None) -> dict[str, History]:
     f"{privacy.sigma:.4f}; adaptive C, whose count (σ_b=B/20={privacy.count_stddev:g}) is "
     f"released too: σ={privacy.sigma_adaptive:.4f}"
   )
+  cut = dict(max_batch_size=privacy.rows, num_examples=config.train_size)
   for name, sigma, count in (
     ("fixed C / normalized", privacy.sigma, None),
     ("adaptive C", privacy.sigma_adaptive, privacy.count_stddev),
   ):
     eps = {
-      a: jaxclip.dp_epsilon(sigma, q, config.steps, config.delta, accountant=a, count_stddev=count)
+      a: jaxclip.dp_epsilon(
+        sigma, q, config.steps, config.delta, accountant=a, count_stddev=count, **cut
+      )
       for a in ("pld", "rdp")
     }
     print(f"{name}: ε={eps['pld']:.3f} (PLD), ε={eps['rdp']:.3f} (RDP)")
-  truncation = (1 + math.exp(config.epsilon)) * config.steps * privacy.p_overflow
   print(
     f"fixed C = {privacy.fixed_clip:.4g} (the median per-example norm on the public split); "
-    f"a draw over {privacy.rows} rows adds {truncation:.2g} to δ"
+    f"the batches' truncation to {privacy.rows} rows is accounted for (truncated Poisson)"
   )
   results: dict[str, History] = {}
   for name in RUNS:
@@ -476,6 +490,8 @@ def main(argv: list[str] | None = None) -> dict[str, History]:
     f"Poisson batch sizes: mean {dp.batch_size.mean():.1f}, min {dp.batch_size.min()}, max "
     f"{dp.batch_size.max()} (expected {config.batch}); truncated draws: {int(dp.overflow.sum())}"
   )
+  spent = ", ".join(f"{name} {h.epsilon:.3f}" for name, h in results.items() if name != RUNS[0])
+  print(f"ε spent, by each run's accountant (PLD, δ={config.delta:g}): {spent}")
   plot(results, config, privacy, args.out)
   command = " ".join(["python examples/dp_sgd.py", *(sys.argv[1:] if argv is None else argv)])
   write_record(args.out, [__file__], command)

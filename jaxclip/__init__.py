@@ -6,10 +6,12 @@ module) that chains with any optax optimizer.
 """
 
 from jaxclip import ops as ops
+from jaxclip.privacy import DPSGD as DPSGD
 from jaxclip.privacy import DPNoiseState as DPNoiseState
 from jaxclip.privacy import GhostLeafPlan as GhostLeafPlan
 from jaxclip.privacy import GhostPlan as GhostPlan
 from jaxclip.privacy import PoissonBatch as PoissonBatch
+from jaxclip.privacy import PrivacyAccountant as PrivacyAccountant
 from jaxclip.privacy import calibrate_noise as calibrate_noise
 from jaxclip.privacy import dp_epsilon as dp_epsilon
 from jaxclip.privacy import dp_noise as dp_noise
@@ -62,10 +64,12 @@ __all__ = (
   "AdaptiveValueClipState",
   "AutoClipState",
   "ClipByGlobalNormState",
+  "DPSGD",
   "DPNoiseState",
   "GhostLeafPlan",
   "GhostPlan",
   "PoissonBatch",
+  "PrivacyAccountant",
   "RecordNormsState",
   "SkipAboveState",
   "SkipNonfiniteState",

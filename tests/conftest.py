@@ -139,6 +139,10 @@ SLOW_TESTS = (
   "test_every_transform_finite_at_every_magnitude_and_dtype",
   "test_every_transform_finite_in_float64",
   "test_every_op_finite_in_every_dtype",
+  # The exact truncated-Poisson PLD (dp_accounting) takes seconds per evaluation:
+  "test_calibrate_noise_accounts_for_truncation_exactly_by_pld",
+  "test_dpsgd_accounts_for_truncation_exactly_by_pld",
+  "test_the_accountants_state_round_trips_through_orbax",
 )
 
 

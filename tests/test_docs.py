@@ -134,7 +134,7 @@ def test_every_python_block_in_the_readme_runs_and_prints_what_it_says(tmp_path)
     "equinox": "eqx.filter_jit",
     "multisteps": "jaxclip.skip_bad_microbatches()",
     "schedule": "optax.inject_hyperparams(jaxclip.clip_by_global_norm)",
-    "dp": "jaxclip.per_example_clipped_grad(",
+    "dp": "jaxclip.DPSGD(",
     "sharded": "AxisType.Explicit",
   }
   where = {name: [i for i, b in enumerate(blocks) if code in b] for name, code in recipes.items()}
@@ -158,3 +158,5 @@ def test_every_python_block_in_the_readme_runs_and_prints_what_it_says(tmp_path)
   # linear_schedule(5, 1, 1000) at the last of three steps (count 2): 5 - 4 * 2 / 1000
   assert abs(float(out["schedule"]) - 4.992) < 1e-5
   assert "('data', None)" in out["sharded"]  # the update keeps the parameter's sharding
+  sigma, eps = map(float, out["dp"].split())  # the noise for epsilon = 1, one step's epsilon
+  assert sigma > 1.0 and 0.0 < eps < 0.2

@@ -352,9 +352,11 @@ def test_dp_sgd_without_noise_or_clipping_is_the_plain_run():
   example = load("dp_sgd")
   pytest.importorskip("scipy")
   config = example.Config(steps=20, train_size=256, test_size=64, hidden=8, batch=32, chunk=20)
-  privacy = example.Privacy(
-    sigma=0.0, sigma_adaptive=0.0, count_stddev=1.6, fixed_clip=1e6, rows=64, p_overflow=0.0
-  )
+  import jaxclip
+
+  dp = jaxclip.DPSGD(256, 32, 20, 1.0, 1e-5, 1e6, max_batch_size=64, accountant="rdp")
+  dp.noise_multiplier = 0.0  # no noise
+  privacy = example.Privacy(fixed=dp, adaptive=dp)
   plain, _ = example.train(config, "non-private", privacy)
   dp, _ = example.train(config, "fixed C", privacy)
   assert np.all(dp.clipped == 0) and np.all(dp.clip_norm == 1e6)

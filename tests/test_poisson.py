@@ -100,3 +100,18 @@ def test_drawn_rows_come_first_in_a_random_order():
   small = jaxclip.poisson_batch(key, N, 0.01, 8)
   np.testing.assert_array_equal(np.asarray(small.indices), order[:8])
   assert bool(small.overflow) and np.asarray(small.mask).all()
+
+
+def test_truncated_rows_are_counted():
+  """Issue #48: a draw cut to max_batch_size says how many drawn examples it left out."""
+  n, q = 10_000, 128 / 10_000
+  keys = jax.random.split(jax.random.key(48), 100)
+  full = jax.vmap(lambda k: jaxclip.poisson_batch(k, n, q, 300))(keys)  # 15 sd above q n
+  cut = jax.vmap(lambda k: jaxclip.poisson_batch(k, n, q, 140))(keys)
+  assert not np.asarray(full.overflow).any() and np.asarray(full.num_truncated).max() == 0
+  drawn = np.asarray(full.mask.sum(axis=1))
+  np.testing.assert_array_equal(np.asarray(cut.num_truncated), np.maximum(drawn - 140, 0))
+  np.testing.assert_array_equal(np.asarray(cut.overflow), drawn > 140)
+  assert cut.num_truncated.dtype == jnp.int32
+  # About one draw in eight exceeds 140 rows (P[Binomial(10000, 0.0128) > 140] = 0.13).
+  assert 3 < int(np.asarray(cut.overflow).sum()) < 30

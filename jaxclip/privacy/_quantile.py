@@ -97,7 +97,11 @@ def quantile_clip_norm_update(
   ``count_stddev=0`` the update reads the exact count and is not private.
   Account for it with :func:`jaxclip.dp_epsilon` or choose the gradient
   noise with :func:`jaxclip.calibrate_noise`, both given ``count_stddev``
-  (``pip install jaxclip[dp]``), as ``examples/dp_sgd.py`` does.
+  (``pip install jaxclip[dp]``), or let :class:`jaxclip.DPSGD` do it, as
+  ``examples/dp_sgd.py`` does. One update per layer or group (a clip norm
+  each) releases :math:`K` counts a step: pass ``num_counts=`` :math:`K`
+  too (:meth:`jaxclip.DPSGD.update_clip` makes the :math:`K` updates, each
+  with its own key).
   :math:`B` is the number of real examples (the length of ``norms``, or the
   ``True`` entries of ``example_mask``).
 
