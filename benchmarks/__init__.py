@@ -30,4 +30,9 @@ test (tiny sizes, a tiny model, few repetitions).
 ``jaxclip.per_example_clipped_grad`` with ``method="vmap"`` and, once it
 exists, ``method="ghost"`` against a plain gradient, on a 0.85M-parameter
 GPT with a tied output head; it writes ``ghost.md`` and ``ghost.png``.
+
+``python -m benchmarks.dp_audit`` is an empirical privacy audit, not a
+timing: DP-SGD through jaxclip with canaries, a lower bound on ε from
+``jax_privacy.auditing``, for the correct pipeline and for broken ones it
+must flag; it writes ``dp_audit.md`` (docs/privacy.md, "Auditing").
 """

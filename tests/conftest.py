@@ -104,6 +104,7 @@ SLOW_FILES = (
   "tests/test_benchmarks.py",
   "tests/test_checkpoint.py",
   "tests/test_docs.py",
+  "tests/test_dp_audit.py",
   "tests/test_examples.py",
   "tests/test_figures.py",
   "tests/test_ghost_zoo.py",
