@@ -360,6 +360,9 @@ def apply_scale(x: jax.Array, scale: jax.Array) -> jax.Array:
   x, scale = jnp.asarray(x), jnp.asarray(scale)
   dtype = compute_dtype(x.dtype)
   scale = _convert(scale, dtype)
+  # A scalar factor's test stays scalar: a broadcast one would carry no
+  # sharding of its own and select refuses it against a sharded leaf.
+  scalar_one = jax.lax.eq(scale, jax.lax.full_like(scale, 1)) if scale.ndim == 0 else None
   if scale.shape != x.shape:
     dims = tuple(range(x.ndim - scale.ndim, x.ndim))
     scale = jax.lax.broadcast_in_dim(scale, x.shape, dims)
@@ -367,7 +370,7 @@ def apply_scale(x: jax.Array, scale: jax.Array) -> jax.Array:
   # A factor of exactly 1 passes the entry through bit for bit: XLA:CPU
   # flushes a subnormal times 1.0 to zero. The select is elementwise in the
   # scale's own kernel, no pass of its own.
-  one = jax.lax.eq(scale, jax.lax.full_like(scale, 1))
+  one = scalar_one if scalar_one is not None else jax.lax.eq(scale, jax.lax.full_like(scale, 1))
   return jax.lax.select(one, x, product)
 
 
