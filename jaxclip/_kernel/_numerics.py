@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxclip._kernel import _platform, _validation
+from jaxclip._kernel import _platform, _sharding, _validation
 from jaxclip._kernel._typing import ArrayLike
 
 Axes = int | Sequence[int] | None
@@ -360,6 +360,19 @@ def apply_scale(x: jax.Array, scale: jax.Array) -> jax.Array:
   x, scale = jnp.asarray(x), jnp.asarray(scale)
   dtype = compute_dtype(x.dtype)
   scale = _convert(scale, dtype)
+  # A scalar factor's test stays scalar: a broadcast one would carry no
+  # sharding of its own and select refuses it against a sharded leaf.
+  # (A per-leaf factor of one entry, a keepdims norm, is tested as a scalar too;
+  # a factor per row or column of a leaf laid out over an Explicit mesh is
+  # multiplied without the test.)
+  scalar_one = (
+    jax.lax.eq(jnp.reshape(scale, ()), jnp.ones((), scale.dtype)) if scale.size == 1 else None
+  )
+  if scalar_one is None and _sharding.layout(x) is not _sharding.LOCAL:
+    if scale.shape != x.shape:
+      dims = tuple(range(x.ndim - scale.ndim, x.ndim))
+      scale = jax.lax.broadcast_in_dim(scale, x.shape, dims)
+    return _convert(jax.lax.mul(_convert(x, dtype), scale), x.dtype)
   if scale.shape != x.shape:
     dims = tuple(range(x.ndim - scale.ndim, x.ndim))
     scale = jax.lax.broadcast_in_dim(scale, x.shape, dims)
@@ -367,7 +380,7 @@ def apply_scale(x: jax.Array, scale: jax.Array) -> jax.Array:
   # A factor of exactly 1 passes the entry through bit for bit: XLA:CPU
   # flushes a subnormal times 1.0 to zero. The select is elementwise in the
   # scale's own kernel, no pass of its own.
-  one = jax.lax.eq(scale, jax.lax.full_like(scale, 1))
+  one = scalar_one if scalar_one is not None else jax.lax.eq(scale, jax.lax.full_like(scale, 1))
   return jax.lax.select(one, x, product)
 
 

@@ -102,9 +102,9 @@ def tree_norm(
   if axis_name is None:
     _no_device_args(replicated, partition_specs)
   total = total_of(tree, term, op)
-  if ord == math.inf:
-    return total
   leaves = jax.tree.leaves(tree)
+  if ord == math.inf or _tree_size(leaves) == 0:
+    return total if ord != 2 else _numerics.safe_sqrt(total)
 
   def rescue():
     if axis_name is None:
@@ -119,7 +119,9 @@ def tree_norm(
         ),
         ord,
       )
-    m = total_of(tree, _numerics.max_term, "max")
+    # The maximum only picks the power of two (the norm is 2**e * sqrt(s) for
+    # any e), so no derivative goes through it, nor through its pmax.
+    m = total_of(jax.lax.stop_gradient(tree), _numerics.max_term, "max")
     e = _numerics.scale_exponent(m)
     s = total_of(tree, term, "sum", (_numerics.scaled_down, e))
     return _numerics.scaled_norm(m, s, e, ord)
@@ -186,7 +188,7 @@ def tree_leaf_norms(
 
   def slow(vector, total, needs):
     maxima, _ = tree_leaf_shares(
-      tree,
+      jax.lax.stop_gradient(tree),
       math.inf,
       axis_name,
       replicated,

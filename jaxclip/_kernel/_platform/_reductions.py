@@ -287,11 +287,14 @@ def scaled_sums(
         if how is None
         else (flat[0] if len(flat) == 1 else jax.lax.concatenate(flat, 0))
       )
-      m = share(x, max_term, "max").astype(acc)
+      m = share(jax.lax.stop_gradient(x), max_term, "max").astype(acc)
       e = exponent_fn(m)
       total = share(scale_fn(x, e), term, "sum")
     else:
-      m = combine_scalars([share(leaves[i], max_term, "max").astype(acc) for i in members], "max")
+      m = combine_scalars(
+        [share(jax.lax.stop_gradient(leaves[i]), max_term, "max").astype(acc) for i in members],
+        "max",
+      )
       e = exponent_fn(m)
       total = None
       for i in members:
