@@ -29,6 +29,7 @@ import datetime
 import importlib.metadata
 import os
 import platform
+import re
 import time
 from pathlib import Path
 from typing import Any
@@ -115,7 +116,12 @@ def run_model(model: zoo.Model, batches: list[int], reps: int) -> list[dict]:
   rows, clip = [], None
   for b in batches:
     x, y = model.make_batch(b, 1)
-    row: dict[str, Any] = {"model": model.name, "B": b, "params": model.num_params()}
+    row: dict[str, Any] = {
+      "model": model.name,
+      "jax": jax.__version__,
+      "B": b,
+      "params": model.num_params(),
+    }
     print(f"  {model.name} B={b} ...", flush=True)
     compiled, outputs = {}, {}
     for name, fn in cases.items():
@@ -186,6 +192,7 @@ def ratios(row: dict, share: float | None) -> dict[str, float | None]:
 
 HEADER = [
   "model",
+  "jax",
   "B",
   "params",
   "grad MiB",
@@ -205,17 +212,54 @@ HEADER = [
   "auto",
   "targets missed",
 ]
-RATIOS = HEADER[11:16]
+RATIOS = HEADER[12:17]
 
 
-def table(rows: list[dict], plans: dict[str, dict]) -> str:
+def earlier_runs(text: str, jax_version: str) -> tuple[list[str], list[list[str]]]:
+  """What a run on ``jax_version`` keeps of the ``ghost_zoo.md`` it rewrites (``text``).
+
+  The rows measured on another jax (a table written before the ``jax``
+  column takes its version from its ``machine`` line), and one line naming
+  each run they come from, so that one table holds a run on each jax.
+  Rows of a table of other columns are not kept.
+  """
+  lines = text.splitlines()
+  meta = []
+  for line in lines[2:]:  # after the title and its blank line, up to the next blank line
+    if not line.startswith("- "):
+      break
+    meta.append(line)
+  runs = [line for line in meta if line.startswith("- earlier run")]
+  info = dict(line[2:].split(": ", 1) for line in meta if not line.startswith("- earlier run"))
+  found = re.search(r"jax (\S+?),", info.get("machine", ""))
+  table_lines = [line for line in lines if line.startswith("| ")]
+  if not table_lines or found is None:
+    return runs, []
+  header, *rows = ([c.strip() for c in line.strip("|").split("|")] for line in table_lines)
+  if "jax" not in header:
+    header.insert(1, "jax")
+    rows = [r[:1] + [found.group(1)] + r[1:] for r in rows]
+  if header != HEADER:
+    return runs, []
+  kept = [r for r in rows if r[1] != jax_version]
+  if any(r[1] == found.group(1) for r in kept):
+    keys = ("command", "date", "machine", "load average (1, 5, 15 min) at start")
+    runs.insert(
+      0,
+      f"- earlier run on jax {found.group(1)} (its rows kept in the table): "
+      + "; ".join(f"{k}: {info[k]}" for k in keys if k in info),
+    )
+  return runs, kept
+
+
+def table(rows: list[dict], plans: dict[str, dict], earlier: list[list[str]] = ()) -> str:
   body = []
   for r in rows:
     share = plans[r["model"]]["share"]
     rat = ratios(r, share)
     missed = [k for k, t in TARGETS.items() if rat[k] is not None and rat[k] > t]
     unknown = [k for k in TARGETS if rat[k] is None]
-    cells = [r["model"], str(r["B"]), f"{r['params']:,}"]
+    cells = [r["model"], r["jax"], str(r["B"]), f"{r['params']:,}"]
     for key in ("temp_mb", "ms"):
       cells += [
         r[m]["status"] if r[m]["status"] != "ok" else _report.num(r[m][key]) for m in METHODS
@@ -241,16 +285,21 @@ def table(rows: list[dict], plans: dict[str, dict]) -> str:
     )
     cells.append(", ".join(missed + [f"{k} n/a" for k in unknown]) or "none")
     body.append(cells)
-  return _report._table(HEADER, body)
+  return _report._table(HEADER, body + list(earlier))
 
 
 def markdown(
-  meta: dict, rows: list[dict], plans: dict[str, dict], models: dict[str, zoo.Model]
+  meta: dict,
+  rows: list[dict],
+  plans: dict[str, dict],
+  models: dict[str, zoo.Model],
+  earlier: tuple[list[str], list[list[str]]] = ([], []),
 ) -> str:
   out = ["# Ghost norms on the model zoo", ""]
-  out += [f"- {k}: {v}" for k, v in meta.items()]
+  out += [f"- {k}: {v}" for k, v in meta.items()] + earlier[0]
   out += [
     "",
+    "`jax`: the jax version the row ran on. "
     "`grad` is the non-private gradient (`jax.grad` of the summed per-example losses); "
     "`vmap`, `ghost` and `auto` are `jaxclip.per_example_clipped_grad(loss_fn, clip, "
     "batch_argnums=(1, 2), method=..., return_norms=True)`, the whole batch at once. `MiB` "
@@ -267,7 +316,12 @@ def markdown(
     f"{TARGETS['auto/vmap time']} (issue #39).",
     "",
   ]
-  out += [table(rows, plans), "", "## Models", ""]
+  if earlier[1]:
+    out[-2] += (
+      " The rows of another jax come from the earlier run named above; the sections below "
+      "are this run's."
+    )
+  out += [table(rows, plans, earlier[1]), "", "## Models", ""]
   for name, m in models.items():
     out.append(f"- `{name}` ({m.num_params():,} float32 params): {m.description}")
   out += ["", "## Leaves ghost_plan instantiates", ""]
@@ -355,8 +409,10 @@ def main(args: Any, argv_text: str) -> str:
     rows += run_model(model, sorted(batches), reps)
   meta["load average (1, 5, 15 min) at end"] = " ".join(f"{x:.2f}" for x in os.getloadavg())
   meta["total benchmark time"] = f"{time.perf_counter() - t_start:.0f} s"
-  text = markdown(meta, rows, plans, models)
+  path = Path(args.out) / "ghost_zoo.md"
+  earlier = earlier_runs(path.read_text(), jax.__version__) if path.exists() else ([], [])
+  text = markdown(meta, rows, plans, models, earlier)
   Path(args.out).mkdir(parents=True, exist_ok=True)
-  (Path(args.out) / "ghost_zoo.md").write_text(text)
+  path.write_text(text)
   print(text)
   return text

@@ -154,14 +154,40 @@ def test_zoo_benchmark_quick_run_writes_its_table(tmp_path):
   header, cells = _table(text)
   assert header == _ghost_zoo.HEADER
   rows = [dict(zip(header, row, strict=True)) for row in cells]
-  assert [(r["model"], int(r["B"])) for r in rows] == [("jax_scan_mlp", 4)]
-  for c in header[3:16]:
+  assert [(r["model"], r["jax"], int(r["B"])) for r in rows] == [
+    ("jax_scan_mlp", jax.__version__, 4)
+  ]
+  for c in header[4:17]:
     assert float(rows[0][c]) > 0, (c, rows[0])
   assert rows[0]["fallback share"].endswith("%") and rows[0]["auto"] != "n/a"
   clipped = re.findall(r"examples clipped: vmap (\d+), ghost (\d+), auto (\d+) of 4", text)
   assert len(clipped) == 1 and len(set(clipped[0])) == 1 and 0 < int(clipped[0][0]) < 4
   assert "## What auto chose" in text
   assert "`jax_scan_mlp` (" in text  # the model and the leaves that fall back are listed
+
+
+def test_zoo_benchmark_keeps_the_rows_of_another_jax():
+  # One table holds a run on each jax: a run rewriting ghost_zoo.md keeps the rows of another
+  # jax (an old table without the jax column takes it from its machine line), not its own.
+  old_header = [h for h in _ghost_zoo.HEADER if h != "jax"]
+  row = ["jax_scan_mlp", "16", "165,120"] + ["1.0"] * 13 + ["0.8%", "ghost's rules", "none"]
+  old = "\n".join(
+    [
+      "# Ghost norms on the model zoo",
+      "",
+      "- command: python -m benchmarks.ghost --zoo",
+      "- machine: AMD EPYC, 2 cores; jax device: cpu (cpu); jax 0.10.2, jaxlib 0.10.2",
+      "",
+      "| " + " | ".join(old_header) + " |",
+      "|" + "---|" * len(old_header),
+      "| " + " | ".join(row) + " |",
+    ]
+  )
+  runs, rows = _ghost_zoo.earlier_runs(old, "0.12.0.1")
+  assert rows == [row[:1] + ["0.10.2"] + row[1:]]
+  assert len(runs) == 1 and runs[0].startswith("- earlier run on jax 0.10.2")
+  assert _ghost_zoo.earlier_runs(old, "0.10.2") == ([], [])  # its own rows are rewritten
+  assert _ghost_zoo.earlier_runs(old.replace("| model |", "| name |"), "0.12.0.1")[1] == []
 
 
 def test_ghost_benchmark_memory_only_redraws_the_figure_and_times_nothing(tmp_path):

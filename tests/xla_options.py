@@ -18,7 +18,9 @@ def _jaxlib_before(major: int, minor: int) -> bool:
 
 
 # XLA:CPU's fusion emitters can be turned off up to jaxlib 0.10; jaxlib
-# 0.11.2's XLA no longer has the option.
+# 0.11.2's XLA no longer has the option, nor has jaxlib 0.12.0.1's (it aborts on
+# the flag). The three other options of FAST_COMPILE are read by jaxlib 0.10.2
+# and 0.12.0.1 alike (each checked alone in XLA_FLAGS).
 FUSION_EMITTERS_OPTION = _jaxlib_before(0, 11)
 
 FAST_COMPILE = {

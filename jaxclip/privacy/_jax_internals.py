@@ -5,6 +5,11 @@ walks the jaxpr of a per-example loss. It recognises some primitives by name
 and reads some of their parameters; those names are JAX's internals and may
 change from one release to the next. They are all here, in the tables below
 and behind the accessors, so that nothing else in the engine spells one.
+Where releases lay a parameter out differently, one accessor reads every
+layout: :func:`scan_counts` (``lax.scan``'s ``num_consts``/``num_carry`` up to
+jax 0.10, its flat tree ``ft_in`` from jax 0.11) and :func:`closed` (bodies
+that are ``ClosedJaxpr`` s up to jax 0.10, ``Jaxpr`` s from jax 0.11).
+``tests/test_jax_layouts.py`` reads each accessor on a known program.
 
 A release that renames something must not give a wrong result:
 
@@ -89,7 +94,12 @@ DOT, GATHER, CONV = "dot_general", "gather", "conv_general_dilated"
 # Parameter names.
 _CALL_BODY = ("jaxpr", "call_jaxpr")  # the first present is the body
 _PREVENT_CSE, _POLICY = "prevent_cse", "policy"
-_SCAN_KEYS = ("num_consts", "num_carry", "length", "jaxpr", "reverse", "unroll")
+_SCAN_KEYS = ("length", "jaxpr", "reverse", "unroll")
+# How a scan says which of its inputs are consts, carries and xs. jax 0.10:
+# two counts, ``num_consts`` and ``num_carry``. jax 0.11 on: ``ft_in``, a flat
+# tree of three groups (consts, carries, xs) whose lengths are the counts.
+_SCAN_COUNTS = ("num_consts", "num_carry")
+_SCAN_FLAT_TREE = "ft_in"
 _PERMUTATION, _DIMENSIONS = "permutation", "dimensions"
 _SLICE_KEYS = ("start_indices", "limit_indices", "strides")
 _DIMENSION_NUMBERS = "dimension_numbers"
@@ -163,6 +173,20 @@ def captures_tracer(eqn: Any) -> bool:
   )
 
 
+def closed(body: Any) -> Any | None:
+  """A sub-jaxpr as a ``ClosedJaxpr``; ``None`` if it is neither closed nor free of constants.
+
+  Up to jax 0.10 the bodies of ``jit``, ``scan`` and the custom derivatives are
+  ``ClosedJaxpr`` s; from jax 0.11 they are ``Jaxpr`` s, their constants
+  hoisted among the equation's inputs.
+  """
+  if isinstance(body, jex.ClosedJaxpr):
+    return body
+  if isinstance(body, jex.Jaxpr) and not body.constvars:
+    return jex.ClosedJaxpr(body, [])
+  return None
+
+
 def _params(eqn: Any, keys: Sequence[str]) -> tuple[Any, ...] | None:
   """The parameters ``keys`` of an equation, or ``None`` if one is missing."""
   if any(k not in eqn.params for k in keys):
@@ -179,12 +203,8 @@ def call_body(eqn: Any) -> tuple[Any, list[Any]] | None:
   """The jaxpr and consts of a call primitive's body; ``None`` for any other equation."""
   if name(eqn) not in CALLS:
     return None
-  inner = next((eqn.params[k] for k in _CALL_BODY if k in eqn.params), None)
-  if isinstance(inner, jex.ClosedJaxpr):
-    return inner.jaxpr, list(inner.consts)
-  if isinstance(inner, jex.Jaxpr) and not inner.constvars:
-    return inner, []
-  return None
+  body = closed(next((eqn.params[k] for k in _CALL_BODY if k in eqn.params), None))
+  return None if body is None else (body.jaxpr, list(body.consts))
 
 
 def is_remat(eqn: Any) -> bool:
@@ -215,14 +235,39 @@ class ScanParts(NamedTuple):
   unroll: Any
 
 
-def scan_parts(eqn: Any) -> ScanParts | None:
-  """The parts of a ``lax.scan`` equation; ``None`` for any other (or an unreadable one)."""
+def scan_counts(eqn: Any) -> tuple[int, int] | None:
+  """How many of a ``lax.scan``'s inputs are consts and carries (the rest are xs).
+
+  Read from ``num_consts``/``num_carry`` (jax 0.10) or from the lengths of the
+  three groups of ``ft_in`` (jax 0.11 on); ``None`` for any other equation, or
+  where neither layout is there or the groups do not add up to the inputs.
+  """
   if not is_scan(eqn):
     return None
-  values = _params(eqn, _SCAN_KEYS)
-  if values is None or not isinstance(values[3], jex.ClosedJaxpr):
+  counts = _params(eqn, _SCAN_COUNTS)
+  if counts is None and _SCAN_FLAT_TREE in eqn.params:
+    try:
+      counts = tuple(len(group) for group in eqn.params[_SCAN_FLAT_TREE].unpack())
+    except (AttributeError, TypeError):
+      return None
+    if len(counts) != 3 or sum(counts) != len(eqn.invars):
+      return None
+  if counts is None or not all(isinstance(n, int) and n >= 0 for n in counts[:2]):
     return None
-  return ScanParts(*values)
+  return counts[0], counts[1]
+
+
+def scan_parts(eqn: Any) -> ScanParts | None:
+  """The parts of a ``lax.scan`` equation; ``None`` for any other (or an unreadable one)."""
+  counts = scan_counts(eqn)
+  values = _params(eqn, _SCAN_KEYS)
+  if counts is None or values is None:
+    return None
+  length, body, reverse, unroll = values
+  body = closed(body)
+  if body is None or len(body.jaxpr.invars) != len(eqn.invars):
+    return None
+  return ScanParts(*counts, length, body, reverse, unroll)
 
 
 def unreadable(eqn: Any) -> str | None:
