@@ -5,7 +5,11 @@ site (one matmul for a dense layer) and then through the parameters' pass
 ``h``, with no second pass over the model. A plan that takes its norms in the
 backward pass (rematerialised sites) runs a second, weighted backward pass
 instead (:func:`two_pass`). With clip groups (per-layer clipping), each leaf
-takes its own group's weights. Float16 book-keeping with weights above 1
+takes its own group's weights. Where the model holds bfloat16 or float16
+values, the sum is formed in float32: the weighted output gradients, the
+pull-back through each site and through ``h`` are evaluated in float32
+(``wide``), so that nothing rounds it to half precision before the noise.
+The second backward pass's float16 book-keeping with weights above 1
 (automatic clipping) is scaled by a power of two into float16's range
 (:func:`_in_range`).
 """
@@ -161,15 +165,7 @@ def _site_pullback(cap: Captured, u: int, wide: bool = False) -> Callable[[jax.A
   bind = _ghost_capture.wide_bind if wide else _jax.bind
   fn = lambda pv: _batched_outputs(site, pv, cvals, dvals, cap.n, cap.spmd_axis_name, bind)
   vjp = _ghost_instantiate.site_vjp(site, fn, pvals)
-  if wide:
-    return lambda w: vjp([_weighted(g, w, wide=True) for g in gs])[0]
-  half = any(_is_float16(g) for g in gs)
-
-  def pulled(w):
-    w, scale = _in_range(w, half, gs)
-    return [_rescaled(x, scale) for x in vjp([_weighted(g, w) for g in gs])[0]]
-
-  return pulled
+  return lambda w: vjp([_weighted(g, w, wide=wide) for g in gs])[0]
 
 
 def mixed_boundaries(plan: Plan, leaf_groups: Sequence[int]) -> list[tuple[int, int]]:
