@@ -284,3 +284,39 @@ def test_float16_sum_past_65504_is_finite_before_the_noise():
   tx = jaxclip.dp_noise(1.0, 1.0, seed=0, expected_batch_size=65_520)
   mean, _ = tx.update(total, tx.init(w), w)
   assert mean.dtype == jnp.float16 and abs(float(mean[0]) - 1.0) < 1e-3
+
+
+def _dense_grad(dtype, method, firsts):
+  """``per_example_clipped_grad`` of ``sum((x @ W) * y)`` with ``method``: example ``b``'s
+  gradient is ``outer(x_b, y_b)``, here ``firsts[b]`` at ``W[0, 0]`` and zeros elsewhere.
+
+  ``W`` is 128 x 128, so that ``method="auto"`` takes ghost norms too: the sum is book-kept
+  through the dense site (its weighted output gradients pulled back through ``x``).
+  """
+  loss = lambda w, x, y: jnp.sum(jnp.dot(x, w) * y).astype(jnp.float32)
+  fn = jax.jit(jaxclip.per_example_clipped_grad(loss, 1.0, method=method))
+  n = len(firsts)
+  x = jnp.zeros((n, 128), dtype).at[:, 0].set(jnp.asarray(firsts, dtype))
+  y = jnp.zeros((n, 128), dtype).at[:, 0].set(1)
+  return fn(jnp.zeros((128, 128), dtype), x, y)[0]
+
+
+@pytest.mark.parametrize("method", ["ghost", "auto"])
+def test_ghost_bfloat16_one_small_example_moves_the_sum_by_its_clipped_norm_only(method):
+  # As above, through ghost norms' book-keeping: D sums to just below a bfloat16 rounding
+  # midpoint (1012 | 1016) and x, of norm 0.01, crosses it. The site's weighted batch sum
+  # was pulled back in bfloat16, and x moved the sum by 4.
+  base = [1.0] * 1013 + [0.99609375]
+  without = _dense_grad(jnp.bfloat16, method, base)
+  with_x = _dense_grad(jnp.bfloat16, method, base + [0.010009765625])
+  assert without.dtype == with_x.dtype == jnp.float32
+  delta = np.linalg.norm(np.asarray(with_x, np.float64) - np.asarray(without, np.float64))
+  assert delta <= 0.010009765625 * (1 + 1e-3)
+  assert float(without[0, 0]) == 1013.99609375  # the float32 sum, not bfloat16's 1012
+
+
+@pytest.mark.parametrize("method", ["ghost", "auto"])
+def test_ghost_float16_sum_past_65504_is_finite(method):
+  total = _dense_grad(jnp.float16, method, [1.0] * 65_520)
+  assert total.dtype == jnp.float32 and float(total[0, 0]) == 65_520.0  # was inf
+  assert float(jnp.sum(jnp.abs(total))) == 65_520.0
