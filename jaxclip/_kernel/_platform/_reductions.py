@@ -281,12 +281,11 @@ def scaled_sums(
   maxima, exps, sums = [], [], []
   for how, members in _group_plan(leaves):
     if how is None or how == "concat":
-      flat = [jax.lax.reshape(leaves[i], (leaves[i].size,)) for i in members]
-      x = (
-        leaves[members[0]]
-        if how is None
-        else (flat[0] if len(flat) == 1 else jax.lax.concatenate(flat, 0))
-      )
+      if how is None:  # one leaf as it lies (it may be sharded: no reshape)
+        x = leaves[members[0]]
+      else:
+        flat = [jax.lax.reshape(leaves[i], (leaves[i].size,)) for i in members]
+        x = flat[0] if len(flat) == 1 else jax.lax.concatenate(flat, 0)
       m = share(jax.lax.stop_gradient(x), max_term, "max").astype(acc)
       e = exponent_fn(m)
       total = share(scale_fn(x, e), term, "sum")
