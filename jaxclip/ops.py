@@ -274,6 +274,7 @@ def clip_by_norm(tree: PyTree, clip_norm: ArrayLike, axes: Any = None) -> PyTree
   """
   tree = _as_tensor(tree, "clip_by_norm")
   _validation.check_hparam(clip_norm, "clip_norm", lo=0)
+  _validation.check_axes(axes)
   _validation.check_inexact_leaves(tree, "clip_by_norm")
 
   return _clip.norm_clip(tree, clip_norm, axes)

@@ -118,6 +118,7 @@ SLOW_FILES = (
 )
 SLOW_TESTS = (
   "test_multi_device[",  # the 8-device subprocess of a file's md_* checks
+  "test_adversarial_full_product[",  # 288 compiled cases (the inner loop runs a slice)
   "test_collectives",
   "test_fsdp_example_runs",
   "test_each_check_reports_on_its_own",  # the md_* runner's own subprocesses
@@ -135,6 +136,10 @@ SLOW_TESTS = (
   # Each transform in the loops users write (test_training_loops.py chains them all):
   "test_flax_nnx_optimizer",
   "test_equinox_training_step",
+  # Finite in, finite out (test_finite.py): the cross-product of magnitudes and dtypes.
+  "test_every_transform_finite_at_every_magnitude_and_dtype",
+  "test_every_transform_finite_in_float64",
+  "test_every_op_finite_in_every_dtype",
   # The exact truncated-Poisson PLD (dp_accounting) takes seconds per evaluation:
   "test_calibrate_noise_accounts_for_truncation_exactly_by_pld",
   "test_dpsgd_accounts_for_truncation_exactly_by_pld",

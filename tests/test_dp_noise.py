@@ -6,6 +6,7 @@ Sharded leaves (``md_*``) run in a subprocess on 8 virtual CPU devices.
 from __future__ import annotations
 
 import functools
+import inspect
 
 import jax
 import jax.numpy as jnp
@@ -90,7 +91,7 @@ def test_noise_statistics_fresh_each_step_independent_across_leaves_and_seeded()
 def test_per_layer_clip_norms_are_a_prefix_of_the_updates():
   tree = _tree()
   clip = {"w": 1.0, "b": 2.0, "layer": 2.0}  # S = 3
-  tx = jaxclip.dp_noise(clip, 1.0)
+  tx = jaxclip.dp_noise(clip, 1.0, seed=0)
   out, _ = tx.update(tree, tx.init(tree))
   assert_tree_allclose(out, _expected(tree, jax.random.key(0), 3.0, 1), rtol=1e-6)
   with pytest.raises(ValueError, match="prefix"):
@@ -154,11 +155,11 @@ def test_traced_hyperparameters_and_inject_hyperparams_match_the_concrete_transf
   assert_tree_allclose(got_state, want_state, rtol=0)
   # A schedule of the noise multiplier: the third step adds the third key's draws at z(2).
   sched = optax.linear_schedule(1.0, 2.0, 10)
-  injected = optax.inject_hyperparams(jaxclip.dp_noise)(
-    l2_norm_clip=1.0, noise_multiplier=sched, expected_batch_size=4.0
+  injected = optax.inject_hyperparams(jaxclip.dp_noise, static_args=("seed",))(
+    l2_norm_clip=1.0, noise_multiplier=sched, expected_batch_size=4.0, seed=0
   )
   state = injected.init(tree)
-  plain_state = jaxclip.dp_noise(1.0, 1.0).init(tree)
+  plain_state = jaxclip.dp_noise(1.0, 1.0, seed=0).init(tree)
   for _ in range(3):
     out, state = jax.jit(injected.update)(tree, state)
     want, plain_state = jaxclip.dp_noise(1.0, float(sched(2)), expected_batch_size=4.0).update(
@@ -225,3 +226,97 @@ def md_sharded_leaves_get_the_single_device_noise_the_same_on_every_replica():
 
 
 test_multi_device = multi_device_checks(globals(), N_DEVICES)
+
+
+# ----------------------------------------------------------------------------
+# Secret randomness, and noise added before rounding (issue #48)
+# ----------------------------------------------------------------------------
+
+
+def test_no_constant_default_seed_two_transforms_add_independent_noise():
+  assert inspect.signature(jaxclip.dp_noise).parameters["seed"].default is None
+  tree = {"w": jnp.zeros(4096)}
+  draws = []
+  for _ in range(2):
+    tx = jaxclip.dp_noise(1.0, 1.0)  # no seed: a key from the OS's entropy
+    draws.append(np.asarray(tx.update(tree, tx.init(tree))[0]["w"]))
+  # An attacker who regenerates the noise subtracts it: independent runs must not repeat it.
+  assert abs(np.corrcoef(draws[0], draws[1])[0, 1]) < 0.1
+  # An explicit seed, int or key, still reproduces a run; the key is as given.
+  key = jax.random.key(1234)
+  for seed in (7, key):
+    a, b = jaxclip.dp_noise(1.0, 1.0, seed=seed), jaxclip.dp_noise(1.0, 1.0, seed=seed)
+    np.testing.assert_array_equal(
+      a.update(tree, a.init(tree))[0]["w"], b.update(tree, b.init(tree))[0]["w"]
+    )
+  state = jaxclip.dp_noise(1.0, 1.0, seed=key).init(tree)
+  np.testing.assert_array_equal(state.dp_noise_key, jax.random.key_data(key))
+  with pytest.raises(ValueError, match="one PRNG key"):
+    jaxclip.dp_noise(1.0, 1.0, seed=jax.random.split(key, 2))
+
+
+def _identity_grad(dtype, rows):
+  """per_example_clipped_grad of ``w . x`` (its gradient is ``x``), params of ``dtype``."""
+  fn = jaxclip.per_example_clipped_grad(lambda w, x: jnp.dot(w, x).astype(jnp.float32), 1.0)
+  w = jnp.zeros(rows.shape[1:], dtype)
+  return w, jax.jit(fn)(w, rows.astype(dtype))[0]
+
+
+def test_bfloat16_one_small_example_moves_the_sum_by_its_clipped_norm_only():
+  # D sums to just below a bfloat16 rounding midpoint (1012 | 1016); x, of norm 0.01, crosses it.
+  base = np.zeros((1014, 2))
+  base[:1013, 0], base[1013, 0] = 1.0, 0.99609375
+  x = np.array([[0.010009765625, 0.0]])
+  w, without = _identity_grad(jnp.bfloat16, jnp.asarray(base))
+  _, with_x = _identity_grad(jnp.bfloat16, jnp.asarray(np.concatenate([base, x])))
+  assert without.dtype == with_x.dtype == jnp.float32  # the sum the noise is added to
+  delta = np.linalg.norm(np.asarray(with_x, np.float64) - np.asarray(without, np.float64))
+  assert delta <= 0.010009765625 * (1 + 1e-3)  # rounded to bfloat16 first, it moved by 4
+  # dp_noise adds the noise to the float32 sum, then casts to the params' dtype.
+  tx = jaxclip.dp_noise(1.0, 1.0, seed=0, expected_batch_size=1015)
+  noisy, _ = tx.update(with_x, tx.init(w), w)
+  assert noisy.dtype == jnp.bfloat16 and np.all(np.isfinite(np.asarray(noisy, np.float32)))
+
+
+def test_float16_sum_past_65504_is_finite_before_the_noise():
+  w, total = _identity_grad(jnp.float16, jnp.ones((65_520, 1)))
+  assert total.dtype == jnp.float32 and float(total[0]) == 65_520.0  # float16 made it inf
+  tx = jaxclip.dp_noise(1.0, 1.0, seed=0, expected_batch_size=65_520)
+  mean, _ = tx.update(total, tx.init(w), w)
+  assert mean.dtype == jnp.float16 and abs(float(mean[0]) - 1.0) < 1e-3
+
+
+def _dense_grad(dtype, method, firsts):
+  """``per_example_clipped_grad`` of ``sum((x @ W) * y)`` with ``method``: example ``b``'s
+  gradient is ``outer(x_b, y_b)``, here ``firsts[b]`` at ``W[0, 0]`` and zeros elsewhere.
+
+  ``W`` is 128 x 128, so that ``method="auto"`` takes ghost norms too: the sum is book-kept
+  through the dense site (its weighted output gradients pulled back through ``x``).
+  """
+  loss = lambda w, x, y: jnp.sum(jnp.dot(x, w) * y).astype(jnp.float32)
+  fn = jax.jit(jaxclip.per_example_clipped_grad(loss, 1.0, method=method))
+  n = len(firsts)
+  x = jnp.zeros((n, 128), dtype).at[:, 0].set(jnp.asarray(firsts, dtype))
+  y = jnp.zeros((n, 128), dtype).at[:, 0].set(1)
+  return fn(jnp.zeros((128, 128), dtype), x, y)[0]
+
+
+@pytest.mark.parametrize("method", ["ghost", "auto"])
+def test_ghost_bfloat16_one_small_example_moves_the_sum_by_its_clipped_norm_only(method):
+  # As above, through ghost norms' book-keeping: D sums to just below a bfloat16 rounding
+  # midpoint (1012 | 1016) and x, of norm 0.01, crosses it. The site's weighted batch sum
+  # was pulled back in bfloat16, and x moved the sum by 4.
+  base = [1.0] * 1013 + [0.99609375]
+  without = _dense_grad(jnp.bfloat16, method, base)
+  with_x = _dense_grad(jnp.bfloat16, method, base + [0.010009765625])
+  assert without.dtype == with_x.dtype == jnp.float32
+  delta = np.linalg.norm(np.asarray(with_x, np.float64) - np.asarray(without, np.float64))
+  assert delta <= 0.010009765625 * (1 + 1e-3)
+  assert float(without[0, 0]) == 1013.99609375  # the float32 sum, not bfloat16's 1012
+
+
+@pytest.mark.parametrize("method", ["ghost", "auto"])
+def test_ghost_float16_sum_past_65504_is_finite(method):
+  total = _dense_grad(jnp.float16, method, [1.0] * 65_520)
+  assert total.dtype == jnp.float32 and float(total[0, 0]) == 65_520.0  # was inf
+  assert float(jnp.sum(jnp.abs(total))) == 65_520.0

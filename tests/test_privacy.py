@@ -438,6 +438,49 @@ def md_mask_in_shard_map_and_under_spmd_axis_name():
         assert math.isclose(float(jnp.sum(jnp.where(mask, 0, norms))), 0.0)
 
 
+def md_nonfinite_example_contributes_zero_in_shard_map_and_under_spmd_axis_name():
+  """A real (unmasked) example whose gradient is inf: zero in the sum, counted once across the
+  devices (issue #48), under shard_map with axis_name and under jit with spmd_axis_name."""
+  params, x, y = mlp_problem(batch=64, seed=6)
+  bad = x.at[21, 0].set(jnp.inf)
+  keep = np.arange(64) != 21
+  ref_total, ref_count, _ = _reference(params, x, y, CLIP, keep)
+  mesh = jax.make_mesh((N_DEVICES,), ("data",))
+  with jax.set_mesh(mesh):
+    sharded = [jax.device_put(a, NamedSharding(mesh, P("data"))) for a in (bad, y)]
+    ps = jax.device_put(params, NamedSharding(mesh, P()))
+    for method in METHODS:
+      local = jaxclip.per_example_clipped_grad(
+        mlp_loss,
+        CLIP,
+        microbatch_size=3,
+        axis_name="data",
+        method=method,
+        return_num_nonfinite=True,
+      )
+      total, count, num_bad = jax.jit(
+        jax.shard_map(
+          lambda p, a, b, local=local: local(p, a, b),
+          mesh=mesh,
+          in_specs=(P(), P("data"), P("data")),
+          out_specs=(P(), P(), P()),
+        )
+      )(params, *sharded)
+      _close(total, ref_total)
+      assert (int(count), int(num_bad)) == (ref_count + 1, 1), (method, int(count), int(num_bad))
+      fn = jaxclip.per_example_clipped_grad(
+        mlp_loss,
+        CLIP,
+        microbatch_size=16,
+        spmd_axis_name="data",
+        method=method,
+        return_num_nonfinite=True,
+      )
+      total, count, num_bad = jax.jit(fn)(ps, *sharded)
+      _close(total, ref_total)
+      assert int(num_bad) == 1, method
+
+
 test_multi_device = multi_device_checks(
   globals(), N_DEVICES, setup=lambda: jax.config.update("jax_numpy_dtype_promotion", "strict")
 )

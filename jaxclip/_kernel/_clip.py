@@ -16,11 +16,21 @@ import numpy as np
 from jaxclip._kernel import _numerics, _validation
 
 
-def value_clip(tree: Any, clip_value_min: Any, clip_value_max: Any) -> Any:
+def value_clip(
+  tree: Any,
+  clip_value_min: Any,
+  clip_value_max: Any,
+  *,
+  fn_name: str = "clip_by_value",
+  modulus: bool = False,
+) -> Any:
   """Every entry clipped to ``[clip_value_min, clip_value_max]`` (see ``ops.clip_by_value``).
 
   Raises ``ValueError`` for a bound that does not broadcast to a leaf's
-  shape (a property of the leaves, known only here).
+  shape (a property of the leaves, known only here). A complex leaf has no
+  order: with ``modulus`` (a symmetric clip, ``min == -max``) each entry's
+  modulus is bounded by ``clip_value_max`` and its phase kept, else it
+  raises ``TypeError`` naming the leaf.
   """
   # The bounds are cast once per dtype and broadcast once per shape: a leaf
   # then traces two ops, which counts at thousands of leaves.
@@ -47,6 +57,14 @@ def value_clip(tree: Any, clip_value_min: Any, clip_value_max: Any) -> Any:
 
   def clip_leaf(path, x):
     x = _numerics.as_array(x)
+    if jnp.iscomplexobj(x):
+      if not modulus:
+        raise TypeError(
+          f"{fn_name}: the leaf at {jax.tree_util.keystr(path) or '<root>'} is complex, and "
+          "complex numbers have no order to clip between two bounds; jaxclip.clip(max_delta) "
+          "bounds each entry's modulus (keeping its phase), the norm clips bound the leaf's norm."
+        )
+      return _modulus_clip(x, clip_value_max)
     pair, bad_shape = bounds_for(x)
     if pair is None:
       raise ValueError(
@@ -58,6 +76,15 @@ def value_clip(tree: Any, clip_value_min: Any, clip_value_max: Any) -> Any:
     return jax.lax.min(jax.lax.max(x, lo), hi)
 
   return jax.tree_util.tree_map_with_path(clip_leaf, tree)
+
+
+def _modulus_clip(z: jax.Array, bound: Any) -> jax.Array:
+  """``z`` with each entry's modulus held to ``bound`` (its phase kept); below it, ``z`` itself."""
+  magnitude = jnp.abs(z)  # XLA's complex abs does not overflow where the squares would
+  bound = jnp.broadcast_to(jnp.asarray(bound).astype(magnitude.dtype), z.shape)
+  over = magnitude > bound
+  factor = jnp.where(over, bound / jnp.where(over, magnitude, 1), 1)
+  return jnp.where(over, z * factor.astype(z.dtype), z)
 
 
 def _bound_for(dtype, bound, up: bool) -> jax.Array:
@@ -85,9 +112,25 @@ def _bound_for(dtype, bound, up: bool) -> jax.Array:
   return jnp.clip(bound, lo, hi).astype(dtype)
 
 
-def norm_clip(tree: Any, clip_norm: Any, axes: Any = None) -> Any:
+def norm_clip(tree: Any, clip_norm: Any, axes: Any = None, arg: str = "clip_norm") -> Any:
   """Each leaf held to L2 norm ``clip_norm`` over ``axes`` (see ``ops.clip_by_norm``)."""
-  leaves, treedef = jax.tree.flatten(tree)
+  paths, treedef = jax.tree_util.tree_flatten_with_path(tree)
+  shape = jnp.shape(clip_norm)
+  for path, x in paths:
+    if _validation.constant_size(x) is None:  # symbolic (jax.export): checked when run
+      continue
+    kept = _numerics.kept_shape(jnp.shape(x), axes)
+    try:
+      fits = jnp.broadcast_shapes(kept, shape) == kept
+    except ValueError:
+      fits = False
+    if not fits:
+      raise ValueError(
+        f"clip_by_norm: {arg} of shape {shape} does not broadcast against the norm of the "
+        f"leaf at {jax.tree_util.keystr(path) or '<root>'} (shape {kept}: the leaf's shape "
+        f"{jnp.shape(x)} with axes={axes!r} reduced to 1)."
+      )
+  leaves = [x for _, x in paths]
   return treedef.unflatten(
     _numerics.scale_by_leaf_norms(_norm_scale, leaves, 2, axes, operands=(clip_norm,))
   )

@@ -19,6 +19,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from jaxclip._kernel import _numerics
+
 
 class History(NamedTuple):
   """A ring buffer of finite float32 values (the fields of a caller's state)."""
@@ -41,7 +43,7 @@ def push(history: History, value: jax.Array) -> History:
   """Records ``value`` (overwriting the oldest once full) if it is finite."""
   values, size, index = history
   capacity = values.shape[0]
-  value = jnp.asarray(value).astype(jnp.float32)
+  value = _numerics.saturated_float32(value)  # a finite float64 norm stays finite
   keep = jnp.isfinite(value)
   written = values.at[index].set(jnp.where(keep, value, values[index]))
   return History(
@@ -65,10 +67,18 @@ def mean_std(history: History, ddof: int = 1) -> tuple[jax.Array, jax.Array]:
   """
   used = mask(history)
   n = history.size.astype(jnp.float32)
-  mean = jnp.sum(jnp.where(used, history.values, 0)) / jnp.maximum(n, 1)
-  dev = jnp.where(used, history.values - mean, 0)
+  # Computed on the values scaled by a power of two near their largest
+  # magnitude, so that neither the sum nor the squared deviations overflow
+  # for finite values (a norm of 1e20 squared is inf in float32); the
+  # results are scaled back, the standard deviation saturated at finfo.max.
+  values = jnp.where(used, history.values, 0)
+  e = _numerics.scale_exponent(jnp.max(jnp.abs(values)))
+  scaled = _numerics.times_pow2(values, -e)
+  mean = jnp.sum(scaled) / jnp.maximum(n, 1)
+  dev = jnp.where(used, scaled - mean, 0)
   var = jnp.sum(dev * dev) / jnp.maximum(n - ddof, 1)
-  return mean, jnp.sqrt(var)
+  back = lambda v: _numerics.saturate(_numerics.times_pow2(v, e))  # noqa: E731
+  return back(mean), back(jnp.sqrt(var))
 
 
 def percentile(history: History, q: jax.Array) -> jax.Array:

@@ -20,12 +20,13 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from jaxclip._kernel import _platform, _validation
+from jaxclip._kernel import _platform, _sharding, _validation
 from jaxclip._kernel._typing import ArrayLike
 
 Axes = int | Sequence[int] | None
@@ -42,7 +43,9 @@ def accumulation_dtype(dtype: Any) -> jnp.dtype:
   dtype = jnp.dtype(dtype)
   real = jnp.finfo(dtype).dtype  # complex64 -> float32, complex128 -> float64
   if real == jnp.dtype(jnp.float64):
-    return real
+    # Canonical: float32 with x64 off (a NumPy float64 leaf), so that no
+    # float64 is requested (and no truncation warned about).
+    return jnp.dtype(jax.dtypes.canonicalize_dtype(real))
   return jnp.dtype(jnp.float32)
 
 
@@ -138,6 +141,13 @@ def _canonical_axes(ndim: int, axis: Axes) -> tuple[int, ...] | None:
   return tuple(out)
 
 
+def kept_shape(shape: tuple[int, ...], axis: Axes) -> tuple[int, ...]:
+  """``shape`` with the dimensions of ``axis`` (all if ``None``) set to 1: a kept-dims norm's."""
+  axes = _canonical_axes(len(shape), axis)
+  axes = range(len(shape)) if axes is None else axes
+  return tuple(1 if i in axes else d for i, d in enumerate(shape))
+
+
 def _convert(x: jax.Array, dtype: Any) -> jax.Array:
   """``x.astype(dtype)`` as one primitive, nothing when the dtype matches.
 
@@ -182,9 +192,10 @@ def leaf_norm(x: jax.Array, ord: float = 2, axis: Axes = None, keepdims: bool = 
   x = jnp.asarray(x)
   axes = _canonical_axes(x.ndim, axis)
   if ord == 2:
-    return safe_sqrt(leaf_sumsq(x, axes, keepdims))
+    return leaf_norm_rescued(x, ord, axes, keepdims, leaf_sumsq(x, axes, keepdims))
   op = "sum" if ord == 1 else "max"
-  return _platform.reduce(safe_abs(x), op, axes, keepdims, of_float16=x.dtype == jnp.float16)
+  fast = _platform.reduce(safe_abs(x), op, axes, keepdims, of_float16=x.dtype == jnp.float16)
+  return fast if ord == math.inf else leaf_norm_rescued(x, ord, axes, keepdims, fast)
 
 
 def norm_term(ord: float) -> Callable[[jax.Array], jax.Array]:
@@ -197,13 +208,15 @@ def norm_op(ord: float) -> str:
   return "max" if ord == math.inf else "sum"
 
 
-def leaf_norm_shares(leaves: list[Any], ord: float, acc: jnp.dtype) -> list[jax.Array]:
+def leaf_norm_shares(
+  leaves: list[Any], ord: float, acc: jnp.dtype, term: Any = None
+) -> list[jax.Array]:
   """Each leaf's share of a tree norm, in ``acc``: ``sum |x|**2``, ``sum |x|`` or ``max |x|``.
 
   One reduction per leaf, no leaf copied. Shares are added (maxed for
   ``ord=inf``) across leaves; the ``2``-norm is the root of their sum.
   """
-  term, op = norm_term(ord), norm_op(ord)
+  term, op = term or norm_term(ord), norm_op(ord)
   return [_platform.share(as_array(x), term, op).astype(acc) for x in leaves]
 
 
@@ -290,13 +303,18 @@ def clip_scale(norm: jax.Array, max_norm: Any) -> jax.Array:
   ``norm == max_norm == 0``     ``0`` (zeros stay zeros, gradient 0)
   ``max_norm == inf``           ``1``
   ``max_norm < 0`` (traced)     acts as ``0``
+  ``max_norm`` is ``nan``       ``nan`` (traced; visible, as optax)
   ``norm`` is ``inf``/``nan``   ``nan``
   ============================  =========
   """
   norm = jnp.asarray(norm)
-  max_norm = jnp.maximum(jnp.asarray(max_norm, norm.dtype), 0)
+  max_norm = jnp.asarray(max_norm, norm.dtype)
+  # A NaN threshold (traced: a schedule gone bad) gives NaN, visibly, as
+  # optax's clip does; it would otherwise fail the comparison and not clip.
+  valid = jnp.isfinite(norm) & jnp.logical_not(jnp.isnan(max_norm))
+  max_norm = jnp.maximum(max_norm, 0)
   clipping = norm >= max_norm
-  numerator = jnp.where(jnp.isfinite(norm), jnp.where(clipping, max_norm, 1), jnp.nan)
+  numerator = jnp.where(valid, jnp.where(clipping, max_norm, 1), jnp.nan)
   return safe_divide(numerator, norm, clipping & (norm > 0)).astype(norm.dtype)
 
 
@@ -334,7 +352,7 @@ def safe_divide(
 
 
 def apply_scale(x: jax.Array, scale: jax.Array) -> jax.Array:
-  """``x * scale`` formed in :func:`compute_dtype`, returned in ``x.dtype``.
+  """``x * scale`` formed in :func:`compute_dtype`, in ``x.dtype``; ``x`` where ``scale == 1``.
 
   ``scale`` is a scalar or broadcasts against ``x`` with the same rank (a
   norm taken with ``keepdims=True``).
@@ -342,10 +360,28 @@ def apply_scale(x: jax.Array, scale: jax.Array) -> jax.Array:
   x, scale = jnp.asarray(x), jnp.asarray(scale)
   dtype = compute_dtype(x.dtype)
   scale = _convert(scale, dtype)
+  # A scalar factor's test stays scalar: a broadcast one would carry no
+  # sharding of its own and select refuses it against a sharded leaf.
+  # (A per-leaf factor of one entry, a keepdims norm, is tested as a scalar too;
+  # a factor per row or column of a leaf laid out over an Explicit mesh is
+  # multiplied without the test.)
+  scalar_one = (
+    jax.lax.eq(jnp.reshape(scale, ()), jnp.ones((), scale.dtype)) if scale.size == 1 else None
+  )
+  if scalar_one is None and _sharding.layout(x) is not _sharding.LOCAL:
+    if scale.shape != x.shape:
+      dims = tuple(range(x.ndim - scale.ndim, x.ndim))
+      scale = jax.lax.broadcast_in_dim(scale, x.shape, dims)
+    return _convert(jax.lax.mul(_convert(x, dtype), scale), x.dtype)
   if scale.shape != x.shape:
     dims = tuple(range(x.ndim - scale.ndim, x.ndim))
     scale = jax.lax.broadcast_in_dim(scale, x.shape, dims)
-  return _convert(jax.lax.mul(_convert(x, dtype), scale), x.dtype)
+  product = _convert(jax.lax.mul(_convert(x, dtype), scale), x.dtype)
+  # A factor of exactly 1 passes the entry through bit for bit: XLA:CPU
+  # flushes a subnormal times 1.0 to zero. The select is elementwise in the
+  # scale's own kernel, no pass of its own.
+  one = scalar_one if scalar_one is not None else jax.lax.eq(scale, jax.lax.full_like(scale, 1))
+  return jax.lax.select(one, x, product)
 
 
 def scale_entries_above(x: jax.Array, bound: jax.Array, factor: jax.Array) -> jax.Array:
@@ -362,3 +398,325 @@ def scale_entries_above(x: jax.Array, bound: jax.Array, factor: jax.Array) -> ja
   factor = jax.lax.broadcast(_convert(jnp.asarray(factor), dtype), x.shape)
   over = jax.lax.gt(magnitude, bound)
   return _convert(jax.lax.select(over, jax.lax.mul(xc, factor), xc), x.dtype)
+
+
+# ----------------------------------------------------------------------------
+# Norms that neither overflow nor underflow
+# ----------------------------------------------------------------------------
+#
+# Every norm is first taken the fast way: one pass of sums of squares (or of
+# |x|) in the accumulation dtype. That sum overflows to ``inf`` once an entry
+# reaches about 1.8e19 in float32, and loses its terms to subnormals (XLA:CPU
+# flushes them to zero) once the entries fall below about 1e-19. Where the
+# fast total is ``inf``, or below ``size * tiny / eps`` (the most the lost
+# terms can matter), the norm is recomputed scaled: ``m = max |x|``, then
+# ``m * sqrt(sum (x / m)**2)``. The choice is a ``lax.cond`` on one scalar
+# (``any`` of the flags), so the common case runs only the fast pass; under
+# ``jax.vmap`` a batched flag makes both branches run.
+#
+# Edges: a NaN entry gives NaN; an ``inf`` entry gives ``inf`` (TF's
+# semantics, the failure stays visible); finite entries whose true norm
+# exceeds the dtype's largest value give that largest value
+# (``finfo.max``), so the clip factor ``c / finfo.max`` is finite and the
+# clipped update too. Entries that are themselves subnormal count as zero on
+# XLA:CPU, which flushes them in every arithmetic op.
+
+
+def _size_bound(size: int | None) -> int:
+  return 2**31 if size is None else max(int(size), 1)
+
+
+def needs_rescaling(total: jax.Array, size: Any) -> jax.Array:
+  """Where a fast sum of ``size`` non-negative terms is not to be trusted.
+
+  ``True`` where ``total`` is ``inf`` (a square overflowed, or an entry is
+  ``inf``) or below ``size * tiny / eps`` (a square may have been lost as a
+  subnormal: each loses at most ``tiny``). ``False`` for NaN: the rescaled
+  norm of a NaN entry is NaN as well.
+
+  Args:
+    total: the fast totals, of a real dtype.
+    size: the number of terms in each total (``None``: unknown, taken as
+      ``2**31``), or a sequence of them, one per entry of a vector ``total``.
+
+  Returns:
+    A boolean array of ``total``'s shape.
+  """
+  total = jnp.asarray(total)
+  info = jnp.finfo(total.dtype)
+  sizes = [size] if size is None or isinstance(size, int) else list(size)
+  low = np.minimum(
+    float(info.max),
+    np.array([_size_bound(n) for n in sizes], np.float64) * float(info.tiny) / float(info.eps),
+  ).astype(total.dtype)
+  low = low[0] if size is None or isinstance(size, int) else low
+  return (total == jnp.inf) | (total < low)
+
+
+def _pow2(k: jax.Array, dtype: Any) -> jax.Array:
+  """``2.0**k`` in ``dtype`` (float32 or float64), exactly, for ``k`` in the normal range."""
+  dtype = jnp.dtype(dtype)
+  info = jnp.finfo(dtype)
+  bits, itype = (23, jnp.int32) if dtype == jnp.float32 else (52, jnp.int64)
+  biased = jnp.clip(k, info.minexp, info.maxexp - 1).astype(itype) - (info.minexp - 1)
+  return jax.lax.bitcast_convert_type(jax.lax.shift_left(biased, itype(bits)), dtype)
+
+
+def times_pow2(x: jax.Array, k: jax.Array) -> jax.Array:
+  """``x * 2**k`` by two exact multiplications by normal powers of two.
+
+  Division by a large maximum is not safe on XLA:CPU: it multiplies by the
+  reciprocal, a subnormal that it flushes to zero. Powers of two are exact,
+  so ``x * 2**-k * 2**k == x`` wherever nothing over- or underflows.
+  ``x`` is float32 or float64 (real or complex); ``k`` an integer array
+  broadcastable against it.
+  """
+  real = jnp.finfo(x.dtype).dtype
+  limit = 2 * (jnp.finfo(real).maxexp - 2)
+  k = jnp.clip(jnp.asarray(k), -limit, limit)
+  half = jax.lax.div(k, jnp.asarray(2, k.dtype))
+  for part in (half, k - half):
+    factor = _pow2(part, real)
+    x = x * (factor.astype(x.dtype) if jnp.iscomplexobj(x) else factor)
+  return x
+
+
+def scale_exponent(m: jax.Array) -> jax.Array:
+  """The int32 ``e`` with ``m / 2**e`` in ``[0.5, 1)``; ``0`` where ``m`` is 0 or not finite."""
+  ok = (m > 0) & jnp.isfinite(m)
+  return jnp.where(ok, jnp.frexp(jnp.where(ok, m, 1))[1], 0).astype(jnp.int32)
+
+
+def scaled_down(x: jax.Array, e: jax.Array) -> jax.Array:
+  """``x / 2**e`` in the accumulation dtype (complex stays complex); ``e`` broadcasts."""
+  x = _platform.reduction_input(jnp.asarray(x))
+  acc = accumulation_dtype(x.dtype)
+  if jnp.iscomplexobj(x):
+    x = x.astype(jnp.complex128 if acc == jnp.float64 else jnp.complex64)
+  else:
+    x = _convert(x, acc)
+  return times_pow2(x, -e)
+
+
+def scaled_norm(m: jax.Array, s: jax.Array, e: jax.Array, ord: float = 2) -> jax.Array:
+  """The norm ``2**e * sqrt(s)`` (``2**e * s`` for ``ord=1``), saturated at ``finfo.max``.
+
+  ``m`` is the maximum magnitude, ``e`` its :func:`scale_exponent` and ``s``
+  the sum of the terms of the entries divided by ``2**e``. ``m == 0`` gives
+  ``0``, a non-finite ``m`` itself (an ``inf`` or NaN entry).
+  """
+  root = safe_sqrt(s) if ord == 2 else s
+  finite = jnp.isfinite(m)
+  # Where m == 0 a constant 0, so that the derivative at zero is 0 (as safe_sqrt's).
+  norm = jnp.where(finite & (m > 0), times_pow2(root, e), jnp.where(finite, 0, m))
+  return jnp.where(finite, jnp.minimum(norm, jnp.finfo(norm.dtype).max), norm)
+
+
+def combine_scaled(
+  maxima: jax.Array, exps: jax.Array, sums: jax.Array, ord: float = 2
+) -> jax.Array:
+  """The norm of parts each scaled on its own: ``sums[i]`` of entries divided by ``2**exps[i]``.
+
+  Each part's sum is brought to the largest part's exponent (a part of only
+  zeros counts for nothing), then :func:`scaled_norm`.
+  """
+  m = jnp.max(maxima)
+  nonzero = maxima > 0
+  floor = jnp.iinfo(jnp.int32).min // 4
+  exps = jnp.where(nonzero, exps, floor)
+  top = jnp.max(exps)
+  shift = exps - top
+  shifted = times_pow2(sums, 2 * shift if ord == 2 else shift)
+  total = jnp.sum(jnp.where(nonzero, shifted, 0))
+  return scaled_norm(m, total, jnp.where(jnp.any(nonzero), top, 0), ord)
+
+
+def max_term(x: jax.Array) -> jax.Array:
+  """A magnitude that cannot overflow, within ``sqrt(2)`` of ``|x|``: ``max(|re|, |im|)``.
+
+  What the rescaled norms divide by: for a complex ``x`` the modulus itself
+  overflows where its squares do.
+  """
+  x = _platform.reduction_input(jnp.asarray(x))
+  if jnp.iscomplexobj(x):
+    acc = accumulation_dtype(x.dtype)
+    re, im = _convert(jax.lax.real(x), acc), _convert(jax.lax.imag(x), acc)
+    return jax.lax.max(jax.lax.abs(re), jax.lax.abs(im))
+  return safe_abs(x)
+
+
+def rescued_norm(
+  total: jax.Array, ord: float, size: int | None, rescue: Callable[[], jax.Array]
+) -> jax.Array:
+  """The norm from a fast ``total``, recomputed by ``rescue()`` where needed.
+
+  ``total`` holds fast sums (of squares for ``ord=2``, of ``|x|`` for
+  ``ord=1``; maxima for ``ord=inf``, returned as they are: a maximum cannot
+  overflow). Where :func:`needs_rescaling` holds, the norm is ``rescue()``'s
+  (an array of ``total``'s shape, normally :func:`scaled_norm`), elsewhere the
+  root of ``total``. ``rescue`` is only run (``lax.cond``) when some entry
+  needs it.
+  """
+  total = jnp.asarray(total)
+  if ord == math.inf:
+    return total
+  root = safe_sqrt(total) if ord == 2 else total
+  needs = needs_rescaling(total, size)
+  flag = needs if needs.ndim == 0 else jnp.any(needs)
+
+  def slow(root, needs):
+    return jnp.where(needs, rescue().astype(root.dtype), root)
+
+  return jax.lax.cond(flag, slow, lambda root, needs: root, root, needs)
+
+
+def leaf_norm_rescued(
+  x: jax.Array, ord: float, axes: tuple[int, ...] | None, keepdims: bool, fast: jax.Array
+) -> jax.Array:
+  """:func:`leaf_norm` from its fast ``total`` (same ``axes``, ``keepdims``), rescued."""
+  size = constant_size_of(x, axes)
+
+  def rescue():
+    of16 = x.dtype == jnp.float16
+    m = _platform.reduce(max_term(x), "max", axes, True, of_float16=of16)
+    e = scale_exponent(m)
+    s = _platform.reduce(norm_term(ord)(scaled_down(x, e)), "sum", axes, True)
+    norm = scaled_norm(m, s, e, ord)
+    return norm if keepdims else jnp.reshape(norm, fast.shape)
+
+  return rescued_norm(fast, ord, size, rescue)
+
+
+def constant_size_of(x: jax.Array, axes: tuple[int, ...] | None) -> int | None:
+  """The number of entries of ``x`` over ``axes`` (all if ``None``); ``None`` if symbolic."""
+  return _dims_size(x.shape if axes is None else [x.shape[a] for a in axes])
+
+
+def _dims_size(dims) -> int | None:
+  if any(_validation.is_symbolic(d) for d in dims):
+    return None
+  return math.prod(dims)
+
+
+class ScaledNorms(NamedTuple):
+  """Per-example norms in scaled form: ``norm = 2**exponent * sqrt(sumsq)``.
+
+  ``exponent`` (int32) is ``0`` where the fast sum was trusted, else that of
+  the example's largest magnitude (:func:`scale_exponent`); ``sumsq`` is the
+  sum of squares of the entries divided by ``2**exponent``; ``norms`` are
+  the reported norms, saturated at ``finfo.max``.
+  """
+
+  exponent: jax.Array
+  sumsq: jax.Array
+  norms: jax.Array
+
+  def clip_factor(self, max_norm: Any) -> jax.Array:
+    """``min(1, max_norm / norm)`` from the scaled form, finite even where ``norm > finfo.max``.
+
+    Computed as ``(max_norm / sqrt(sumsq)) * 2**-exponent``; a factor below
+    the dtype's normal range is ``0`` on XLA:CPU, which flushes subnormals
+    (the clipped example's norm is then ``0``, within the bound). ``nan`` for a
+    non-finite norm, as :func:`clip_scale`; ``max_norm < 0`` acts as ``0``.
+    """
+    root = safe_sqrt(self.sumsq)
+    c = jnp.maximum(jnp.asarray(max_norm, root.dtype), 0)
+    clipping = self.norms >= c
+    num = jnp.where(jnp.isfinite(self.norms), jnp.where(clipping, c, 1), jnp.nan)
+    ratio = safe_divide(num, root, clipping & (root > 0))
+    scale = jnp.where(clipping & (root > 0), -self.exponent, 0)
+    return times_pow2(ratio, scale).astype(root.dtype)
+
+
+def per_example_scaled_norms(leaves: Sequence[Any], acc: Any = None) -> ScaledNorms:
+  """Each example's L2 norm over ``leaves`` that share a leading batch axis, overflow-safe.
+
+  The fast pass sums each example's squares over every leaf. Where an
+  example's sum :func:`needs_rescaling` (``inf``, or so small that squares
+  were lost to subnormals) while its entries are finite, every example is
+  recomputed scaled (one ``lax.cond`` on the batch's flag) and the rescaled
+  examples take the scaled values.
+
+  Args:
+    leaves: arrays of shape ``(batch, ...)`` (at least one).
+    acc: the accumulation dtype (default: the leaves' shared one).
+
+  Returns:
+    A :class:`ScaledNorms`; ``.norms`` is a ``(batch,)`` array.
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> from jaxclip._kernel._numerics import per_example_scaled_norms
+    >>> g = [jnp.array([[3e20, 4e20], [3.0, 4.0]]), jnp.zeros((2, 1))]
+    >>> per_example_scaled_norms(g).norms
+    Array([5.e+20, 5.e+00], dtype=float32)
+  """
+  leaves = [jnp.asarray(g) for g in leaves]
+  acc = jnp.dtype(acc) if acc is not None else tree_accumulation_dtype(leaves)
+  batch = leaves[0].shape[0]
+
+  def per_example(term, op, arrays):
+    parts = [
+      _platform.reduce(term(g).reshape(batch, -1), op, (1,), False).astype(acc) for g in arrays
+    ]
+    stacked = jnp.stack(parts)
+    return jnp.max(stacked, 0) if op == "max" else jnp.sum(stacked, 0)
+
+  fast = per_example(abs_sq, "sum", leaves)
+  size = sum(_dims_size(g.shape[1:]) or 2**31 for g in leaves)
+  needs = needs_rescaling(fast, size)
+  zeros = jnp.zeros_like(fast, jnp.int32)  # varying as fast is, inside shard_map
+
+  def slow(fast, needs):
+    m = per_example(max_term, "max", leaves)
+    e = scale_exponent(m)
+    scaled = [scaled_down(g, jnp.reshape(e, (batch,) + (1,) * (g.ndim - 1))) for g in leaves]
+    s = per_example(abs_sq, "sum", scaled)
+    return (
+      jnp.where(needs, e, 0),
+      jnp.where(needs, s, fast),
+      jnp.where(needs, scaled_norm(m, s, e), safe_sqrt(fast)),
+    )
+
+  def quick(fast, needs):
+    return zeros, fast, safe_sqrt(fast)
+
+  exponent, sumsq, norms = jax.lax.cond(jnp.any(needs), slow, quick, fast, needs)
+  return ScaledNorms(exponent, sumsq, norms)
+
+
+def saturated_float32(x: Any) -> jax.Array:
+  """``x`` as float32, a finite value beyond float32's range saturated at its ``finfo.max``.
+
+  A norm of float64 leaves kept by a float32 statistic stays finite; ``inf``
+  and NaN stay what they are.
+  """
+  x = jnp.asarray(x)
+  if x.dtype == jnp.float32:
+    return x
+  big = float(jnp.finfo(jnp.float32).max)
+  return jnp.where(jnp.isfinite(x), jnp.clip(x, -big, big), x).astype(jnp.float32)
+
+
+def saturate(x: Any) -> jax.Array:
+  """``x`` with finite overflows held at its dtype's largest magnitude: ``inf`` -> ``finfo.max``.
+
+  For statistics (EMAs of norms and of their squares) fed only finite
+  values: a sum that overflowed is saturated, so that one huge finite norm
+  cannot leave a statistic ``inf`` for good. NaN stays NaN.
+  """
+  x = jnp.asarray(x)
+  big = jnp.finfo(x.dtype).max
+  return jnp.where(jnp.isnan(x), x, jnp.clip(x, -big, big))
+
+
+def per_example_norms(leaves: Sequence[Any], acc: Any = None) -> jax.Array:
+  """The ``(batch,)`` overflow-safe L2 norms of :func:`per_example_scaled_norms`.
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> from jaxclip._kernel._numerics import per_example_norms
+    >>> per_example_norms([jnp.array([[1e-30, 0.0], [3e30, 4e30]])])
+    Array([1.e-30, 5.e+30], dtype=float32)
+  """
+  return per_example_scaled_norms(leaves, acc).norms

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
-from jaxclip._kernel import _numerics, _platform, _sharding
+from jaxclip._kernel import _numerics, _platform, _sharding, _validation
 
 PyTree = Any
 AxisName = Hashable | Sequence[Hashable]
@@ -85,18 +86,53 @@ def tree_norm(
   acc = _numerics.tree_accumulation_dtype(tree)
   op, term = _numerics.norm_op(ord), _numerics.norm_term(ord)
 
-  def shares(leaves):
-    return _platform.shares_by_group([_numerics.as_array(x) for x in leaves], term, op, acc)
+  def total_of(tree, term, op, scale=None):
+    def partials(leaves):
+      return _platform.shares_by_group(
+        [_numerics.as_array(x) for x in leaves], term, op, acc, scale
+      )
+
+    if axis_name is None:
+      parts = partials(jax.tree.leaves(tree))
+      return _platform.combine_scalars(parts, op) if parts else jnp.zeros((), acc)
+    return sum_across_devices(
+      tree, partials, axis_name, replicated, partition_specs, op=op, dtype=acc
+    )
 
   if axis_name is None:
     _no_device_args(replicated, partition_specs)
-    parts = shares(jax.tree.leaves(tree))
-    total = _platform.combine_scalars(parts, op) if parts else jnp.zeros((), acc)
-  else:
-    total = sum_across_devices(
-      tree, shares, axis_name, replicated, partition_specs, op=op, dtype=acc
-    )
-  return _numerics.safe_sqrt(total) if ord == 2 else total
+  total = total_of(tree, term, op)
+  leaves = jax.tree.leaves(tree)
+  if ord == math.inf or _tree_size(leaves) == 0:
+    return total if ord != 2 else _numerics.safe_sqrt(total)
+
+  def rescue():
+    if axis_name is None:
+      return _numerics.combine_scaled(
+        *_platform.scaled_sums(
+          [_numerics.as_array(x) for x in leaves],
+          term,
+          _numerics.max_term,
+          acc,
+          _numerics.scaled_down,
+          _numerics.scale_exponent,
+        ),
+        ord,
+      )
+    # The maximum only picks the power of two (the norm is 2**e * sqrt(s) for
+    # any e), so no derivative goes through it, nor through its pmax.
+    m = total_of(jax.lax.stop_gradient(tree), _numerics.max_term, "max")
+    e = _numerics.scale_exponent(m)
+    s = total_of(tree, term, "sum", (_numerics.scaled_down, e))
+    return _numerics.scaled_norm(m, s, e, ord)
+
+  return _numerics.rescued_norm(total, ord, _tree_size(leaves), rescue)
+
+
+def _tree_size(leaves: list[Any]) -> int | None:
+  """The number of entries of ``leaves`` together (``None`` if one is symbolic)."""
+  sizes = [_validation.constant_size(x) for x in leaves]
+  return None if None in sizes else sum(sizes)
 
 
 def _no_device_args(replicated: Any, partition_specs: Any) -> None:
@@ -124,16 +160,63 @@ def tree_leaf_norms(
   axis_name: AxisName | None = None,
   replicated: Any = None,
   partition_specs: Any = None,
-) -> tuple[list[jax.Array], jax.Array]:
+  *,
+  as_vector: bool = False,
+) -> tuple[Any, jax.Array]:
   """``(norms, global_norm)``: each leaf's ``ord``-norm and the norm of them all.
 
-  See :func:`tree_leaf_shares`, of which these are the square roots for
-  ``ord=2``.
+  From :func:`tree_leaf_shares` (one pass), their roots for ``ord=2``. Where a
+  leaf's share or the total overflowed or underflowed
+  (:func:`jaxclip._kernel._numerics.needs_rescaling`), every leaf is
+  recomputed scaled by its own maximum magnitude (one ``lax.cond``), and
+  the total from the scaled shares: no norm of finite leaves is ``inf``.
   """
-  totals, total = tree_leaf_shares(tree, ord, axis_name, replicated, partition_specs)
-  if ord == 2:
-    return [_numerics.safe_sqrt(t) for t in totals], _numerics.safe_sqrt(total)
-  return totals, total
+  totals, total = tree_leaf_shares(
+    tree, ord, axis_name, replicated, partition_specs, as_vector=as_vector
+  )
+  leaves, treedef = jax.tree.flatten(tree)
+  if ord == math.inf or not leaves:
+    return totals, total
+  vector = totals if as_vector else jnp.stack(totals)
+  sizes = [_validation.constant_size(x) for x in leaves]
+  needs = _numerics.needs_rescaling(vector, sizes)
+  needs_total = _numerics.needs_rescaling(total, _tree_size(leaves))
+  root = _numerics.safe_sqrt if ord == 2 else (lambda t: t)
+
+  def fast(vector, total, needs):
+    return root(vector), root(total)
+
+  def slow(vector, total, needs):
+    maxima, _ = tree_leaf_shares(
+      jax.lax.stop_gradient(tree),
+      math.inf,
+      axis_name,
+      replicated,
+      partition_specs,
+      as_vector=as_vector,
+      term=_numerics.max_term,
+    )
+    m = maxima if as_vector else jnp.stack(maxima)
+    e = _numerics.scale_exponent(m)
+    scaled = treedef.unflatten(
+      [_numerics.scaled_down(_numerics.as_array(x), e[i]) for i, x in enumerate(leaves)]
+    )
+    s, _ = tree_leaf_shares(
+      scaled, ord, axis_name, replicated, partition_specs, as_vector=as_vector
+    )
+    s = s if as_vector else jnp.stack(s)
+    norms = jnp.where(needs, _numerics.scaled_norm(m, s, e, ord), root(vector))
+    # The total from the scaled shares, each relative to the largest maximum's exponent.
+    big = jnp.max(m)
+    top = _numerics.scale_exponent(big)
+    power = e - top if ord == 1 else 2 * (e - top)
+    shares = jnp.where(m > 0, _numerics.times_pow2(s, power), 0)
+    return norms, _numerics.scaled_norm(big, jnp.sum(shares), top, ord)
+
+  norms, total_norm = jax.lax.cond(jnp.any(needs) | needs_total, slow, fast, vector, total, needs)
+  if as_vector:
+    return norms, total_norm
+  return [norms[i] for i in range(len(leaves))], total_norm
 
 
 def tree_leaf_shares(
@@ -144,6 +227,7 @@ def tree_leaf_shares(
   partition_specs: Any = None,
   *,
   as_vector: bool = False,
+  term: Any = None,
 ) -> tuple[Any, jax.Array]:
   """``(shares, total)``: each leaf's share of the ``ord``-norm, and the tree's.
 
@@ -167,13 +251,13 @@ def tree_leaf_shares(
     _no_device_args(replicated, partition_specs)
     if as_vector:
       leaves = [_numerics.as_array(x) for x in leaves]
-      vector = _platform.share_vector(leaves, _numerics.norm_term(ord), op, acc)
+      vector = _platform.share_vector(leaves, term or _numerics.norm_term(ord), op, acc)
       return vector, jnp.max(vector) if op == "max" else jnp.sum(vector)
-    totals = _numerics.leaf_norm_shares(leaves, ord, acc)
+    totals = _numerics.leaf_norm_shares(leaves, ord, acc, term)
   else:
     totals: list[Any] = [None] * len(leaves)
     for (axes, _), members in _leaf_groups(tree, axis_name, replicated, partition_specs).items():
-      parts = _numerics.leaf_norm_shares([leaves[i] for i in members], ord, acc)
+      parts = _numerics.leaf_norm_shares([leaves[i] for i in members], ord, acc, term)
       if axes and op == "sum":
         summed = jax.lax.psum(jnp.stack(parts), axes)
         parts = [summed[j] for j in range(len(members))]

@@ -374,3 +374,15 @@ def check_state(state: Any, state_type: type, fn_name: str) -> None:
       f"{fn_name}'s update needs the state its init returned (a "
       f"{state_type.__name__}), got state={type(state).__name__}: {state!r:.200}."
     )
+
+
+def check_axes(axes: Any, name: str = "axes") -> None:
+  """Raises ``TypeError`` unless ``axes`` is ``None``, an int or a sequence of ints."""
+  items = [axes] if isinstance(axes, (int, np.integer)) else axes
+  ok = axes is None or (
+    not isinstance(axes, (str, bytes))
+    and hasattr(items, "__iter__")
+    and all(isinstance(a, (int, np.integer)) and not isinstance(a, bool) for a in items)
+  )
+  if isinstance(axes, bool) or not ok:
+    raise TypeError(f"{name} must be None, an int or a sequence of ints, got {axes!r}.")

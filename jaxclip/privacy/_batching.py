@@ -237,8 +237,8 @@ def empty_batch(
   units: Units,
   count_shape: tuple[int, ...],
   has_aux: bool,
-) -> tuple[Any, jax.Array, jax.Array, Any]:
-  """Zeros, a count of 0, no norms and an empty aux: what both methods give for no examples."""
+) -> tuple[Any, tuple[jax.Array, jax.Array], jax.Array, Any]:
+  """Zeros, counts of 0, no norms and an empty aux: what both methods give for no examples."""
   example = [
     jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x)[1:], jnp.result_type(x)), a)
     if i in units.idx
@@ -246,8 +246,11 @@ def empty_batch(
     for i, a in enumerate(units.args)
   ]
   shapes = jax.eval_shape(loss, params, *example)
-  total = jax.tree.map(jnp.zeros_like, params)
-  num_clipped = jnp.zeros(count_shape, jax.dtypes.canonicalize_dtype(jnp.int_))
+  total = jax.tree.map(
+    lambda p: jnp.zeros_like(p, _numerics.compute_dtype(jnp.result_type(p))), params
+  )
+  int_ = jax.dtypes.canonicalize_dtype(jnp.int_)
+  num_clipped = jnp.zeros(count_shape, int_), jnp.zeros((), int_)
   norms = jnp.zeros((0,) + count_shape, _numerics.tree_accumulation_dtype(params))
   aux = jax.tree.map(lambda s: jnp.zeros((0,) + s.shape, s.dtype), shapes[1]) if has_aux else None
   return total, num_clipped, norms, aux
@@ -343,8 +346,9 @@ def scan_chunks(
   batch: list[Any],
   full_mask: jax.Array | None,
   count_shape: tuple[int, ...] = (),
-) -> tuple[Any, jax.Array, jax.Array, Any]:
-  """The chunks one after the other under ``lax.scan``, their sums in float32 (or wider)."""
+) -> tuple[Any, tuple[jax.Array, jax.Array], jax.Array, Any]:
+  """The chunks one after the other under ``lax.scan``, their sums in float32 (or wider), and
+  the counts ``(scaled down, not finite)``."""
   xs = [jax.tree.map(chunks.split, b) for b in batch]
   masks = chunks.split(full_mask) if full_mask is not None else None
   # zeros_like keeps each parameter's sharding for the running sum.
@@ -352,13 +356,16 @@ def scan_chunks(
     jax.tree.map(
       lambda p: jnp.zeros_like(p, jnp.promote_types(jnp.result_type(p), jnp.float32)), params
     ),
-    jnp.zeros(count_shape, jax.dtypes.canonicalize_dtype(jnp.int_)),
+    (
+      jnp.zeros(count_shape, jax.dtypes.canonicalize_dtype(jnp.int_)),
+      jnp.zeros((), jax.dtypes.canonicalize_dtype(jnp.int_)),
+    ),
   )
 
   def body(carry, chunk_in):
     batch_args, mask = chunk_in
     part, count, norms, aux = clip_chunk(batch_args, mask)
-    return (jax.tree.map(jnp.add, carry[0], part), carry[1] + count), (norms, aux)
+    return jax.tree.map(jnp.add, carry, (part, count)), (norms, aux)
 
   # Inside shard_map the sums vary over the axes the inputs vary over; the
   # scan carry must have that type from the start.

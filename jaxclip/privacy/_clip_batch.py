@@ -115,44 +115,55 @@ def check_normalize(normalize: Any, l2_norm_clip: Any, name: str = "l2_norm_clip
     _validation.check_hparam(c, f"{name} (with normalize)", lo=0, finite=True)
 
 
-def _group_sumsq(parts: list[jax.Array], groups: ClipGroups, n: Any, acc: Any) -> jax.Array:
-  """Per-leaf squared norms ``(n,)`` summed per group: ``(n, groups)``."""
-  sums = [
-    sum(p for p, k in zip(parts, groups.of_leaf, strict=True) if k == j)
-    for j in range(len(groups.bounds))
-  ]
-  # A group without leaves: zeros sharded as the others (under an Explicit mesh).
-  zeros = jnp.zeros_like(parts[0]) if parts else jnp.zeros((n,), acc)
-  return jnp.stack([zeros if isinstance(s, int) else s for s in sums], axis=1)
+def _scaled_norms(leaves: list[Any], groups: ClipGroups, acc: Any) -> _numerics.ScaledNorms:
+  """Each example's overflow- and underflow-safe norm (:func:`jaxclip._kernel._numerics.
+  per_example_scaled_norms`), in scaled form: ``(n,)``, or ``(n, groups)`` per group."""
+  if not leaves:  # no parameters: one norm of 0 (the caller knows the batch)
+    return _numerics.ScaledNorms(*(jnp.zeros((), d) for d in (jnp.int32, acc, acc)))
+  if not groups.per_group:
+    return _numerics.per_example_scaled_norms(leaves, acc)
+  n = leaves[0].shape[0]
+  per_group = []
+  for j in range(len(groups.bounds)):
+    mine = [g for g, k in zip(leaves, groups.of_leaf, strict=True) if k == j]
+    if mine:
+      per_group.append(_numerics.per_example_scaled_norms(mine, acc))
+    else:  # a group without leaves: zeros sharded as the others (under an Explicit mesh)
+      zero = jnp.zeros_like(jnp.sum(jnp.zeros_like(leaves[0], acc).reshape(n, -1), axis=1))
+      per_group.append(_numerics.ScaledNorms(zero.astype(jnp.int32), zero, zero))
+  return _numerics.ScaledNorms(*(jnp.stack(f, axis=1) for f in zip(*per_group, strict=True)))
 
 
-def _per_example_clip(
-  grads, l2_norm_clip, *, mask=None, accumulate=False, return_norms=False, normalize=None
-):
-  """Clipped sum over axis 0 and the number of clipped examples.
+def _per_example_clip(grads, l2_norm_clip, *, mask=None, accumulate=False, normalize=None):
+  """Clipped sum over axis 0, the number of clipped examples, the norms and the number of
+  non-finite examples.
 
   ``mask`` (bool, one per example) drops padding examples from the sum (even
-  non-finite ones) and from the count; ``accumulate=True`` returns the sums in
-  float32 (or wider) instead of casting back to each leaf's dtype;
-  ``return_norms=True`` also returns each example's norm. ``l2_norm_clip`` is
-  a number or a :class:`ClipGroups`: per group, the count is one entry of a
-  ``(groups,)`` array and the norms are ``(batch, groups)``. ``normalize`` is
-  automatic clipping's ``gamma`` (:func:`scale_factors`).
+  non-finite ones) and from the counts; ``accumulate=True`` returns the sums in
+  float32 (or wider) instead of casting back to each leaf's dtype.
+  ``l2_norm_clip`` is a number or a :class:`ClipGroups`: per group, the count
+  is one entry of a ``(groups,)`` array and the norms are ``(batch, groups)``.
+  ``normalize`` is automatic clipping's ``gamma`` (:func:`scale_factors`).
+
+  An example whose norm is not finite (a NaN or infinite entry, or a square
+  that overflows) is *selected* away, not multiplied by 0 (``0 * nan`` is
+  ``nan``): it contributes exactly zero to every leaf of the sum.
+
+  Returns:
+    ``(summed, num_clipped, norms, num_nonfinite)``.
   """
   leaves = jax.tree.leaves(grads)
   acc = _numerics.tree_accumulation_dtype(grads)
   groups = (
     l2_norm_clip if isinstance(l2_norm_clip, ClipGroups) else ClipGroups([l2_norm_clip], None, None)
   )
-  parts = (jnp.sum(_numerics.abs_sq(g).reshape(g.shape[0], -1), axis=1).astype(acc) for g in leaves)
-  if groups.per_group:
-    n = leaves[0].shape[0] if leaves else 0
-    sumsq = _group_sumsq(list(parts), groups, n, acc)
-  else:
-    sumsq = sum(parts)
-  norms = _numerics.safe_sqrt(sumsq)
+  scaled = _scaled_norms(leaves, groups, acc)
+  norms = scaled.norms
   bound = groups.bound(acc)
-  multipliers, num_clipped = scale_factors(norms, bound, mask, normalize)
+  multipliers, (num_clipped, num_nonfinite) = scale_factors(scaled, bound, mask, normalize)
+  keep = finite_rows(norms) if jnp.ndim(norms) else None
+  if mask is not None:
+    keep = mask if keep is None else keep & mask
 
   def weighted_sum(g, k):
     g = jnp.asarray(g)
@@ -163,8 +174,8 @@ def _per_example_clip(
     m = multipliers if k is None else multipliers[:, k]
     m = m.astype(dtype).reshape((-1,) + (1,) * (g.ndim - 1))
     terms = m * g.astype(dtype)
-    if mask is not None:
-      terms = jnp.where(mask.reshape(m.shape), terms, 0)
+    if keep is not None:  # selected, not multiplied: 0 * nan is nan
+      terms = jnp.where(keep.reshape(m.shape), terms, jnp.zeros((), dtype))
     out = jnp.sum(terms, axis=0)
     return out if accumulate else out.astype(g.dtype)
 
@@ -173,8 +184,7 @@ def _per_example_clip(
   summed = jax.tree.unflatten(
     treedef, [weighted_sum(g, k) for g, k in zip(leaves, of_leaf, strict=True)]
   )
-  out = summed, num_clipped
-  return out + (norms,) if return_norms else out
+  return summed, num_clipped, norms, num_nonfinite
 
 
 def _count(clipped: jax.Array) -> jax.Array:
@@ -182,18 +192,28 @@ def _count(clipped: jax.Array) -> jax.Array:
   return jnp.sum(clipped, axis=0 if clipped.ndim > 1 else None)
 
 
+def _rows(mask: jax.Array, like: jax.Array) -> jax.Array:
+  """A ``(rows,)`` mask shaped to broadcast against ``like`` (``(rows,)`` or ``(rows, groups)``)."""
+  return mask.reshape(mask.shape + (1,) * (like.ndim - 1))
+
+
+def finite_rows(norms: jax.Array) -> jax.Array:
+  """Which examples have a finite norm in every group: ``(batch,)`` for ``(batch[, groups])``."""
+  ok = jnp.isfinite(norms)
+  return jnp.all(ok, axis=1) if ok.ndim > 1 else ok
+
+
 def clip_multipliers(norms, bound, mask=None):
   """Each example's clip factor ``min(1, C / norm)`` and how many are below 1.
 
-  A non-finite norm gets a NaN factor, so the sum shows it (optax's sum is NaN
-  there too: NaN * 1 or inf * 0). ``mask`` drops padding examples from the
-  count. With norms ``(batch, groups)`` and bounds ``(groups,)``, the count
-  is per group.
+  A non-finite norm gets a NaN factor here (:func:`scale_factors` turns it
+  into 0 and counts it). ``mask`` drops padding examples from the count. With
+  norms ``(batch, groups)`` and bounds ``(groups,)``, the count is per group.
   """
   multipliers = _numerics.clip_scale(norms, bound)
   clipped = multipliers < 1.0
   if mask is not None:
-    clipped = clipped & mask.reshape(mask.shape + (1,) * (norms.ndim - 1))
+    clipped = clipped & _rows(mask, norms)
   return multipliers, _count(clipped)
 
 
@@ -207,7 +227,8 @@ def normalize_multipliers(norms, bound, gamma, mask=None):
                                   float32's largest number)
   ``norm == gamma == 0``          ``0``: a zero gradient stays zero
   ``C == 0``                      ``0``
-  ``norm`` is ``inf``/``nan``     ``nan`` (the sum shows it)
+  ``norm`` is ``inf``/``nan``     ``nan`` (:func:`scale_factors` turns
+                                  it into 0 and counts it)
   ==============================  ===================================
 
   The count is of the examples with ``norm + gamma > C`` (scaled down);
@@ -223,20 +244,84 @@ def normalize_multipliers(norms, bound, gamma, mask=None):
   factor = jnp.where(jnp.isfinite(norms), jnp.minimum(factor, big), jnp.nan).astype(dtype)
   clipped = den > bound
   if mask is not None:
-    clipped = clipped & mask.reshape(mask.shape + (1,) * (norms.ndim - 1))
+    clipped = clipped & _rows(mask, norms)
   return factor, _count(clipped)
 
 
-def scale_factors(norms, bound, mask=None, normalize=None):
-  """:func:`clip_multipliers`, or :func:`normalize_multipliers` with ``normalize=gamma``."""
+def _normalize_scaled(scaled: _numerics.ScaledNorms, bound: Any, gamma: Any) -> jax.Array:
+  """:func:`normalize_multipliers`'s factor ``C / (norm + gamma)`` from the scaled form
+  ``norm = 2**e sqrt(s)``: ``(C / (sqrt(s) + gamma 2**-e)) 2**-e``, so a norm beyond the
+  dtype's range (saturated in ``norms``) still gets the factor that brings it to ``C``."""
+  root = _numerics.safe_sqrt(scaled.sumsq)
+  dtype = root.dtype
+  bound = jnp.maximum(jnp.asarray(bound, dtype), 0)
+  den = root + _numerics.times_pow2(
+    jnp.broadcast_to(jnp.asarray(gamma, dtype), root.shape), -scaled.exponent
+  )
+  tiny, big = jnp.finfo(dtype).tiny, jnp.finfo(dtype).max
+  positive = den > 0
+  ratio = _numerics.safe_divide(bound, jnp.maximum(den, tiny), positive, otherwise=0)
+  factor = _numerics.times_pow2(ratio, -scaled.exponent)
+  return jnp.where(jnp.isfinite(scaled.norms), jnp.minimum(factor, big), jnp.nan).astype(dtype)
+
+
+def scale_factors(norms, bound, mask=None, normalize=None, floor=None):
+  """Each example's factor and ``(num_clipped, num_nonfinite)``.
+
+  The factor is :func:`clip_multipliers`'s, or :func:`normalize_multipliers`'s
+  with ``normalize=gamma``, except for an example whose norm is not finite (in
+  any group: a NaN or infinite gradient, or one whose norm overflows): its
+  factor is 0 in every group, it is counted as clipped (in every group) and
+  in ``num_nonfinite`` (one scalar count of examples). A factor of 0 is not
+  enough on its own: the caller must *select* such an example's gradient away
+  (``0 * nan`` is ``nan``). ``mask`` drops padding examples from both counts.
+
+  ``norms`` may be a :class:`jaxclip._kernel._numerics.ScaledNorms`: the
+  factors are then computed from its scaled form, exact for a norm beyond the
+  dtype's range (whose ``norms`` entry is saturated). ``floor`` (with
+  ``normalize``) is the least norm the factor divides by: for norms that
+  may be under-read by up to ``floor * sqrt(eps)`` (squares flushed to zero),
+  so that the factor cannot lift an example past ``C``.
+  """
+  scaled = norms if isinstance(norms, _numerics.ScaledNorms) else None
+  norms = jnp.asarray(scaled.norms if scaled is not None else norms)
+  ok = finite_rows(norms)
+  finite = jnp.where(_rows(ok, norms), norms, jnp.zeros((), norms.dtype))
+  if scaled is not None:
+    scaled = _numerics.ScaledNorms(
+      scaled.exponent, jnp.where(_rows(ok, norms), scaled.sumsq, 0), finite
+    )
   if normalize is None:
-    return clip_multipliers(norms, bound, mask)
-  return normalize_multipliers(norms, bound, normalize, mask)
+    factors = clip_multipliers(finite, bound)[0] if scaled is None else scaled.clip_factor(bound)
+    clipped = factors < 1.0
+  else:
+    if scaled is None:
+      at_least = finite
+      if floor is not None:  # a zero norm stays zero: its factor is 0 (or C / gamma)
+        floored = jnp.maximum(finite, jnp.asarray(floor, finite.dtype))
+        at_least = jnp.where(finite > 0, floored, finite)
+      factors = normalize_multipliers(at_least, bound, normalize)[0]
+    else:
+      factors = _normalize_scaled(scaled, bound, normalize)
+    den = finite + jnp.asarray(normalize, norms.dtype)
+    clipped = den > jnp.maximum(jnp.asarray(bound, norms.dtype), 0)
+  factors = jnp.where(_rows(ok, norms), factors, jnp.zeros((), factors.dtype))
+  clipped = clipped | ~_rows(ok, norms)
+  bad = ~ok
+  if mask is not None:
+    clipped = clipped & _rows(mask, norms)
+    bad = bad & mask
+  return factors, (_count(clipped), jnp.sum(bad))
 
 
 def per_example_global_norm_clip(
-  grads: Any, l2_norm_clip: Any, *, axis_name: Any = None, normalize: ArrayLike | None = None
-) -> tuple[Any, Any]:
+  grads: Any,
+  l2_norm_clip: Any,
+  *,
+  axis_name: Any = None,
+  normalize: ArrayLike | None = None,
+  return_num_nonfinite: bool = False,
+) -> tuple[Any, ...]:
   r"""Clips each example's gradient to global norm ``l2_norm_clip`` and sums them.
 
   .. math::
@@ -254,6 +339,13 @@ def per_example_global_norm_clip(
   :math:`\sqrt{\sum_k C_k^2}`. ``normalize=gamma`` scales each example (each
   group) by :math:`C / (\|g_b\| + \gamma)` instead (automatic clipping, as
   :func:`jaxclip.per_example_clipped_grad`, whose edge-case table applies).
+
+  **Bounded whatever an example holds.** An example whose norm is not finite
+  (a NaN or infinite entry, or entries whose squares overflow) contributes
+  exactly zero: it is selected away, not multiplied by 0, so one such example
+  cannot make the sum NaN (which would tell whether it is in the batch). It
+  is counted as clipped, and in ``num_nonfinite`` with
+  ``return_num_nonfinite=True``. optax's own function gives NaN there.
 
   Inside ``jax.shard_map`` (or ``pmap``) over the batch axis each device holds
   whole examples, so their norms are local; pass ``axis_name`` to ``psum``
@@ -273,12 +365,18 @@ def per_example_global_norm_clip(
       only.
     normalize: ``None`` (default) to clip; a number ``gamma >= 0`` for
       automatic clipping, :math:`g_b \, C / (\|g_b\| + \gamma)`.
+    return_num_nonfinite: Also return how many examples had a non-finite
+      norm (and contributed zero).
 
   Returns:
     ``(clipped_sum, num_clipped)``: the sum over the batch of the clipped
-    per-example gradients (each leaf without its batch axis, in its dtype), and
+    per-example gradients (each leaf without its batch axis; in float32 for
+    bfloat16 and float16 leaves, as optax's, so noise is added before any
+    rounding; in its dtype otherwise), and
     how many examples were scaled down (a pytree like ``l2_norm_clip``, a
-    count per group, for per-group bounds).
+    count per group, for per-group bounds). With
+    ``return_num_nonfinite=True``, ``(clipped_sum, num_clipped,
+    num_nonfinite)``, the last an int scalar. Neither count is private.
 
   Examples:
     >>> import jax.numpy as jnp
@@ -312,12 +410,13 @@ def per_example_global_norm_clip(
   grads = _validation.numeric_leaves(grads, "per_example_global_norm_clip", "grads")
   _check_batch_dim(grads, "per_example_global_norm_clip")
   groups = clip_groups(l2_norm_clip, grads)
-  clipped_sum, num_clipped = _per_example_clip(
-    grads, groups if groups.per_group else l2_norm_clip, normalize=normalize
+  clipped_sum, num_clipped, _, num_bad = _per_example_clip(
+    grads, groups if groups.per_group else l2_norm_clip, normalize=normalize, accumulate=True
   )
   if axis_name is not None:
-    clipped_sum, num_clipped = jax.lax.psum((clipped_sum, num_clipped), axis_name)
-  return clipped_sum, groups.unflatten(num_clipped, 0)
+    clipped_sum, num_clipped, num_bad = jax.lax.psum((clipped_sum, num_clipped, num_bad), axis_name)
+  out = clipped_sum, groups.unflatten(num_clipped, 0)
+  return out + (num_bad,) if return_num_nonfinite else out
 
 
 def per_example_layer_norm_clip(
@@ -327,7 +426,8 @@ def per_example_layer_norm_clip(
   *,
   axis_name: Any = None,
   normalize: ArrayLike | None = None,
-) -> tuple[Any, Any]:
+  return_num_nonfinite: bool = False,
+) -> tuple[Any, ...]:
   r"""Clips each example's gradient layer by layer, then sums over the batch.
 
   Each of the ``K`` leaves gets its own per-example bound: ``C / sqrt(K)`` with
@@ -337,7 +437,9 @@ def per_example_layer_norm_clip(
   With ``normalize=gamma`` each leaf ``i`` of each example is scaled by
   :math:`C_i / (\|g_{b,i}\| + \gamma)` instead of clipped to ``C_i``
   (automatic clipping; the edge cases of
-  :func:`jaxclip.per_example_clipped_grad`).
+  :func:`jaxclip.per_example_clipped_grad`). An example with a non-finite
+  norm in any leaf contributes zero to every leaf and is counted in every
+  leaf (as :func:`per_example_global_norm_clip`).
 
   With data parallelism, as :func:`per_example_global_norm_clip`: inside
   ``jax.shard_map`` (or ``pmap``) over the batch axis each device holds whole
@@ -357,11 +459,15 @@ def per_example_layer_norm_clip(
       only.
     normalize: ``None`` (default) to clip; a number ``gamma >= 0`` for
       automatic clipping of each leaf.
+    return_num_nonfinite: Also return how many examples had a non-finite
+      norm (and contributed zero).
 
   Returns:
     ``(clipped_sum, num_clipped)``: two pytrees with ``grads``' structure, the
-    summed clipped gradients and, per leaf, how many examples were clipped
-    (with ``normalize``: scaled down).
+    summed clipped gradients (float32 for bfloat16 and float16 leaves) and,
+    per leaf, how many examples were clipped
+    (with ``normalize``: scaled down). With ``return_num_nonfinite=True``,
+    ``(clipped_sum, num_clipped, num_nonfinite)``.
 
   Examples:
     >>> import jax.numpy as jnp
@@ -378,19 +484,21 @@ def per_example_layer_norm_clip(
   check_normalize(normalize, global_l2_norm_clip, "global_l2_norm_clip")
   grads = _validation.numeric_leaves(grads, "per_example_layer_norm_clip", "grads")
   _check_batch_dim(grads, "per_example_layer_norm_clip")
-  leaves = jax.tree.leaves(grads)
+  leaves, treedef = jax.tree.flatten(grads)
   if uniform:
     shares = [1.0 / len(leaves)] * len(leaves)
   else:
     sizes = [g[0].size for g in leaves]
     shares = [s / sum(sizes) for s in sizes]
-  results = [
-    _per_example_clip(g, global_l2_norm_clip * share**0.5, normalize=normalize)
-    for g, share in zip(leaves, shares, strict=True)
-  ]
-  treedef = jax.tree.structure(grads)
-  clipped_sum = jax.tree.unflatten(treedef, [r[0] for r in results])
-  num_clipped = jax.tree.unflatten(treedef, [r[1] for r in results])
+  # One clip group per leaf: an example is judged (finite or not) on all its leaves at once.
+  groups = ClipGroups(
+    [global_l2_norm_clip * share**0.5 for share in shares], tuple(range(len(leaves))), treedef
+  )
+  clipped_sum, num_clipped, _, num_bad = _per_example_clip(
+    grads, groups, normalize=normalize, accumulate=True
+  )
+  num_clipped = groups.unflatten(num_clipped, 0)
   if axis_name is not None:
-    clipped_sum, num_clipped = jax.lax.psum((clipped_sum, num_clipped), axis_name)
-  return clipped_sum, num_clipped
+    clipped_sum, num_clipped, num_bad = jax.lax.psum((clipped_sum, num_clipped, num_bad), axis_name)
+  out = clipped_sum, num_clipped
+  return out + (num_bad,) if return_num_nonfinite else out

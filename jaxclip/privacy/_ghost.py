@@ -52,6 +52,7 @@ import numpy as np
 
 from jaxclip._kernel import _numerics, _sharding
 from jaxclip.privacy import (
+  _batching,
   _ghost_book,
   _ghost_capture,
   _ghost_instantiate,
@@ -231,8 +232,12 @@ def clipped_sum(
 
   Rows that are not real examples are the caller's to neutralise: it
   replaces them by copies of a real example and ``weights_fn`` gives them
-  weight 0, so their output gradients (finite) drop out of the book-keeping
-  with no copy of ``g`` masked.
+  weight 0. ``weights_fn`` also gives weight 0 to an example whose norm is
+  not finite; every example at weight 0 (in every group) is then *selected*
+  away, not multiplied by 0 (``0 * nan`` is ``nan``): its output gradients
+  and its data records are replaced before the book-keeping
+  (:func:`jaxclip.privacy._ghost_book.book_keep`), and a second backward
+  pass runs on a batch where such rows are copies of a kept example.
 
   Args:
     traced: From :func:`trace`, its batched ``arg_leaves`` holding the
@@ -255,12 +260,51 @@ def clipped_sum(
   cap = _ghost_capture.capture(inputs_for(traced, spmd_axis_name), plan.sites)
   norms = _numerics.safe_sqrt(plan_sumsq(plan, cap, leaf_groups, num_groups))
   weights, extra = weights_fn(norms)
+  keep = weights != 0
+  keep = jnp.any(keep, axis=1) if keep.ndim > 1 else keep
   if plan.two_pass:
-    grads = _ghost_book.two_pass(cap, weights, leaf_groups)
+    grads = _two_pass_kept(traced, spmd_axis_name, cap, weights, keep, leaf_groups)
     grads = [x.astype(jnp.promote_types(x.dtype, jnp.float32)) for x in grads]
   else:
-    grads = _ghost_book.book_keep(cap, weights, leaf_groups)
+    grads = _ghost_book.book_keep(_ghost_book.kept(cap, keep), weights, leaf_groups)
+  # With no example kept, a stand-in row may hold anything: nothing is released of any.
+  any_kept = jnp.any(keep)
+  grads = [jnp.where(any_kept, x, jnp.zeros((), x.dtype)) for x in grads]
   return grads, norms, extra, cap.aux
+
+
+def _two_pass_kept(
+  traced: Traced,
+  spmd_axis_name: Any,
+  cap: Captured,
+  weights: jax.Array,
+  keep: jax.Array,
+  leaf_groups: Sequence[int] | None,
+) -> list[Any]:
+  """The second, weighted backward pass, with every example not kept selected away.
+
+  The pass of the capture is used when every example is kept; otherwise (a
+  NaN example, say: its weight 0 times its NaN is NaN) the batch is run again
+  with the rows not kept replaced by the first kept example.
+  """
+
+  def as_captured():
+    return _ghost_book.two_pass(cap, weights, leaf_groups)
+
+  def rerun():
+    onehot = jnp.arange(keep.shape[0]) == jnp.argmax(keep)
+    clean = [
+      jnp.where(keep.reshape((-1,) + (1,) * (x.ndim - 1)), x, _batching.first_real_row(x, onehot))
+      if b
+      else x
+      for x, b in zip(traced.arg_leaves, traced.batched, strict=True)
+    ]
+    again = _ghost_capture.capture(
+      inputs_for(dataclasses.replace(traced, arg_leaves=clean), spmd_axis_name), traced.plan.sites
+    )
+    return _ghost_book.two_pass(again, weights, leaf_groups)
+
+  return jax.lax.cond(jnp.all(keep), as_captured, rerun)
 
 
 def inputs_for(traced: Traced, spmd_axis_name: Any) -> Inputs:
@@ -319,8 +363,7 @@ def plan_sumsq(
       parts[g] = parts[g] + jnp.sum(part.reshape(cap.n, -1), axis=1).astype(acc)
       continue
     if u in cap.accumulated:  # the per-example gradient, formed in the backward pass
-      part = _numerics.abs_sq(_numerics.upcast_for_accumulation(cap.gs[u][k]))
-      parts[g] = parts[g] + jnp.sum(part.reshape(cap.n, -1), axis=1).astype(acc)
+      parts[g] = parts[g] + _ghost_norms.safe_sumsq(cap.gs[u][k]).astype(acc)
       continue
     parts[g] = parts[g] + _rule_sumsq(cap, u, k, rule).astype(acc)
   for pair in plan.tied:

@@ -5,13 +5,18 @@ site (one matmul for a dense layer) and then through the parameters' pass
 ``h``, with no second pass over the model. A plan that takes its norms in the
 backward pass (rematerialised sites) runs a second, weighted backward pass
 instead (:func:`two_pass`). With clip groups (per-layer clipping), each leaf
-takes its own group's weights. Float16 book-keeping with weights above 1
+takes its own group's weights. Where the model holds bfloat16 or float16
+values, the sum is formed in float32: the weighted output gradients, the
+pull-back through each site and through ``h`` are evaluated in float32
+(``wide``), so that nothing rounds it to half precision before the noise.
+The second backward pass's float16 book-keeping with weights above 1
 (automatic clipping) is scaled by a power of two into float16's range
 (:func:`_in_range`).
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -19,10 +24,39 @@ import jax
 import jax.numpy as jnp
 
 from jaxclip._kernel import _numerics
-from jaxclip.privacy import _ghost_instantiate, _ghost_sites
+from jaxclip.privacy import _ghost_capture, _ghost_instantiate, _ghost_sites
+from jaxclip.privacy import _jax_internals as _jax
 from jaxclip.privacy._ghost_capture import Captured
 from jaxclip.privacy._ghost_rules import Plan
 from jaxclip.privacy._ghost_sites import Site
+
+
+def kept(cap: Captured, keep: jax.Array) -> Captured:
+  """``cap`` with every example not in ``keep`` selected away for the book-keeping.
+
+  Its output gradients (and a tapped site's per-example gradients) become
+  zeros, and its float data records copies of the first kept example's: a
+  NaN or infinite record at weight 0 would give ``0 * nan = nan`` in the
+  pull-back. (Copies of a kept row, not zeros: a site's derivative may be
+  infinite at zero data.)
+  """
+  onehot = jnp.arange(cap.n) == jnp.argmax(keep)
+
+  def rows(x):
+    return keep.reshape((-1,) + (1,) * (x.ndim - 1))
+
+  def zeroed(x):
+    return jnp.where(rows(x), x, jnp.zeros((), x.dtype))
+
+  def stood_in(x):
+    if not jnp.issubdtype(x.dtype, jnp.inexact):
+      return x
+    first = jnp.sum(jnp.where(onehot.reshape(rows(x).shape), x, jnp.zeros((), x.dtype)), axis=0)
+    return jnp.where(rows(x), x, first)
+
+  gs = [[zeroed(g) for g in site_gs] for site_gs in cap.gs]
+  drecs = [[stood_in(d) for d in site_d] for site_d in cap.drecs]
+  return cap._replace(gs=gs, drecs=drecs)
 
 
 def two_pass(cap: Captured, weights: jax.Array, leaf_groups: Sequence[int] | None) -> list[Any]:
@@ -95,26 +129,43 @@ def book_keep(
   """
   if leaf_groups is not None:
     return _book_keep_groups(cap, weights, leaf_groups)
-  (grads,) = cap.pull([_site_pullback(cap, u)(weights) for u in range(len(cap.sites))])
+  wide = cap.wide()
+  pulls = [_site_pullback(cap, u, wide)(weights) for u in range(len(cap.sites))]
+  (grads,) = _pull(cap, wide)(pulls)
   return [x.astype(jnp.promote_types(x.dtype, jnp.float32)) for x in grads]
 
 
-def _site_pullback(cap: Captured, u: int) -> Callable[[jax.Array], list[Any]]:
-  """``weights ->`` the cotangents of site ``u``'s param inputs for ``sum_b weights_b g_b``."""
+def _pull(cap: Captured, wide: bool) -> Callable[[list[Any]], Any]:
+  """The pull-back of the sites' param inputs to the leaves: ``cap.pull``, or, with half
+  precision (``wide``), that of the parameters' pass evaluated in float32 at float32 copies
+  of the leaves (:class:`jaxclip.privacy._ghost_capture.WideParamsPass`)."""
+  if not wide:
+    return cap.pull
+  leaves = [_ghost_capture.widened(x) for x in cap.leaves]
+  return jax.vjp(cap.wide_pass, leaves, has_aux=True)[1]
+
+
+def _site_pullback(cap: Captured, u: int, wide: bool = False) -> Callable[[jax.Array], list[Any]]:
+  """``weights ->`` the cotangents of site ``u``'s param inputs for ``sum_b weights_b g_b``.
+
+  With ``wide`` (a model with half precision), the weighted output gradients
+  are formed in float32 and pulled back through the site evaluated in
+  float32 (:func:`jaxclip.privacy._ghost_capture.wide_bind`): the sum over
+  the batch is taken in float32 and returned so, as
+  :func:`_pull` with ``wide`` takes it, never rounded to half precision
+  before the noise.
+  """
   gs, pvals = cap.gs[u], cap.pvals[u]
+  if wide:
+    pvals = [_ghost_capture.widened(p) for p in pvals]
   if u in cap.tapped:  # the per-example gradients of its param inputs, weighted and summed
     spread = _ghost_instantiate.spread if cap.sites[u].summed else lambda x, p: x
     return lambda w: [spread(_weighted_sum(g, w, p), p) for g, p in zip(gs, pvals, strict=True)]
   site, cvals, dvals = cap.sites[u], cap.cvals[u], cap.drecs[u]
-  fn = lambda pv: _batched_outputs(site, pv, cvals, dvals, cap.n, cap.spmd_axis_name)
+  bind = _ghost_capture.wide_bind if wide else _jax.bind
+  fn = lambda pv: _batched_outputs(site, pv, cvals, dvals, cap.n, cap.spmd_axis_name, bind)
   vjp = _ghost_instantiate.site_vjp(site, fn, pvals)
-  half = any(_is_float16(g) for g in gs)
-
-  def pulled(w):
-    w, scale = _in_range(w, half, gs)
-    return [_rescaled(x, scale) for x in vjp([_weighted(g, w) for g in gs])[0]]
-
-  return pulled
+  return lambda w: vjp([_weighted(g, w, wide=wide) for g in gs])[0]
 
 
 def mixed_boundaries(plan: Plan, leaf_groups: Sequence[int]) -> list[tuple[int, int]]:
@@ -152,9 +203,10 @@ def _book_keep_groups(
     [sorted({leaf_groups[i] for i in info.deps}) for info in site.infos] for site in sites
   ]
   # per site: {group: cotangents of every param input weighted by that group}
+  wide = cap.wide()
   by_group: list[dict[int, list[Any]]] = []
   for u in range(len(sites)):
-    pull, needed = _site_pullback(cap, u), sorted({k for ks in groups_of[u] for k in ks})
+    pull, needed = _site_pullback(cap, u, wide), sorted({k for ks in groups_of[u] for k in ks})
     by_group.append({k: pull(weights[:, k]) for k in needed})
 
   def cotangents(k):
@@ -168,13 +220,15 @@ def _book_keep_groups(
         if own is not None and own in ks:
           cts.append(by_group[u][own][j])
         else:
-          cts.append(jnp.zeros_like(cap.pvals[u][j]))
+          like = cap.pvals[u][j]
+          cts.append(jnp.zeros_like(_ghost_capture.widened(like) if wide else like))
       out.append(cts)
     return out
 
   grads = [None] * len(cap.leaves)
+  pull = _pull(cap, wide)
   for k, taken in pull_passes([ks for per_site in groups_of for ks in per_site], leaf_groups):
-    (pulled,) = cap.pull(cotangents(k))
+    (pulled,) = pull(cotangents(k))
     for i, g in enumerate(leaf_groups):
       if g in taken:
         grads[i] = pulled[i]
@@ -204,9 +258,11 @@ def _batched_outputs(
   dvals: Sequence[Any],
   n: int,
   spmd_axis_name: Any,
+  bind: Any = None,
 ) -> list[Any]:
-  """The site's outputs for every example (``dvals`` with a leading batch axis)."""
-  outputs = _ghost_sites.site_outputs
+  """The site's outputs for every example (``dvals`` with a leading batch axis), its equation
+  evaluated by ``bind`` (as :func:`jaxclip.privacy._ghost_sites.site_outputs`)."""
+  outputs = functools.partial(_ghost_sites.site_outputs, bind=bind or _jax.bind)
   if not dvals:  # the site does not see the example: the same outputs for all
     return [jnp.broadcast_to(x, (n,) + jnp.shape(x)) for x in outputs(site, pvals, cvals, [])]
   return jax.vmap(lambda db: outputs(site, pvals, cvals, db), spmd_axis_name=spmd_axis_name)(dvals)
@@ -220,7 +276,9 @@ def _weighted_sum(g: jax.Array, weights: jax.Array, like: jax.Array) -> jax.Arra
   return jnp.sum(w * g.astype(acc), axis=0).astype(jnp.result_type(like))
 
 
-def _weighted(g: jax.Array, weights: jax.Array) -> jax.Array:
+def _weighted(g: jax.Array, weights: jax.Array, wide: bool = False) -> jax.Array:
+  """``weights_b g_b`` for every example, in ``g``'s dtype (in float32 or wider if ``wide``)."""
   dtype = _numerics.compute_dtype(g.dtype)
   w = weights.reshape((-1,) + (1,) * (g.ndim - 1)).astype(dtype)
-  return (g.astype(dtype) * w).astype(g.dtype)
+  out = g.astype(dtype) * w
+  return out if wide else out.astype(g.dtype)

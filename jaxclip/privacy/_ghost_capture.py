@@ -18,6 +18,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxclip._kernel import _numerics, _sharding
 from jaxclip.privacy import _ghost_conv
@@ -221,7 +222,63 @@ class ParamsPass(Walker):
     return [None] * (1 if eqn is None else len(eqn.outvars))
 
   def child(self, zs: Any, *, base: int, stack: Stack, scans: int) -> ParamsPass:
-    return ParamsPass(self.sites, base=base, stack=stack, scans=scans)
+    return type(self)(self.sites, base=base, stack=stack, scans=scans)
+
+
+class WideParamsPass(ParamsPass):
+  """:class:`ParamsPass` evaluated in float32 (or wider) where the model has half precision.
+
+  Every bfloat16 or float16 value is widened to float32 (exactly), and each
+  equation is evaluated on the widened values, a half-precision dtype among
+  its parameters (a cast's target, a dot's ``preferred_element_type``) taken
+  as float32. Given float32 copies of the leaves, its pull-back
+  (``jax.vjp``) carries the book-keeping's float32 sums to the leaves with
+  no rounding to half precision on the way (:mod:`jaxclip.privacy._ghost_book`).
+  """
+
+  def bind(self, eqn: Any, vals: list[Any]) -> list[Any]:
+    return wide_bind(eqn, vals)
+
+  def site(self, eqn: Any, vals: list[Any], infos: list[Info], aval: Any = None) -> list[Any]:
+    return super().site(eqn, [widened(v) for v in vals], infos, aval)
+
+  def scan(self, eqn: Any, shape: Any, ins: list[Pair]) -> list[Pair]:
+    return super().scan(eqn, shape, [(widened(x), i) for x, i in ins])
+
+
+_HALF = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
+def is_half(x: Any) -> bool:
+  """Whether ``x`` (a value or abstract value) is bfloat16 or float16."""
+  return x is not None and jnp.result_type(getattr(x, "dtype", x)) in _HALF
+
+
+def widened(x: Any) -> Any:
+  """``x`` in float32 if it is bfloat16 or float16 (exact), else ``x``."""
+  return x.astype(jnp.float32) if is_half(x) else x
+
+
+class _Wide(NamedTuple):
+  primitive: Any
+  params: dict[str, Any]
+
+
+def wide_bind(eqn: Any, vals: Sequence[Any]) -> list[Any]:
+  """An equation evaluated on its inputs widened (:func:`widened`), a half-precision dtype
+  among its parameters taken as float32; an equation that holds a jaxpr is evaluated in its
+  own dtypes, its outputs widened."""
+  if _jax.sub_jaxprs(eqn):
+    narrow = [
+      x.astype(v.aval.dtype) if is_half(v.aval) and x is not None else x
+      for x, v in zip(vals, eqn.invars, strict=True)
+    ]
+    return [widened(x) for x in _jax.bind(eqn, narrow)]
+  params = {
+    k: jnp.dtype(jnp.float32) if isinstance(v, np.dtype) and v in _HALF else v
+    for k, v in eqn.params.items()
+  }
+  return _jax.bind(_Wide(eqn.primitive, params), [widened(x) for x in vals])
 
 
 class Inputs(NamedTuple):
@@ -287,6 +344,8 @@ class Captured(NamedTuple):
     accumulated: As in :class:`Inputs`.
     weighted: With probed sites, ``weights -> sum_b weights_b grad_b`` (the
       parameters' gradients, in their dtypes): the second backward pass.
+    wide_pass: ``params_pass`` evaluated in float32 where the model has half
+      precision (:class:`WideParamsPass`), for float32 leaves.
   """
 
   sites: tuple[Site, ...]
@@ -303,6 +362,13 @@ class Captured(NamedTuple):
   tapped: frozenset[int] = frozenset()
   weighted: Callable[[jax.Array], list[Any]] | None = None
   accumulated: frozenset[int] = frozenset()
+  wide_pass: Any = None
+
+  def wide(self) -> bool:
+    """Whether any leaf or site value is bfloat16 or float16: the book-keeping then sums in
+    float32 (:mod:`jaxclip.privacy._ghost_book`)."""
+    values = [self.leaves, self.pvals, self.cvals, self.gs, self.drecs]
+    return any(is_half(x) for x in jax.tree.leaves(values))
 
 
 def capture(inputs: Inputs, sites: Sequence[Site]) -> Captured:
@@ -326,6 +392,7 @@ def capture(inputs: Inputs, sites: Sequence[Site]) -> Captured:
     tapped=inputs.tapped | inputs.accumulated,
     weighted=weighted,
     accumulated=inputs.accumulated,
+    wide_pass=_params_pass(inputs, sites, WideParamsPass),
   )
 
 
@@ -385,13 +452,14 @@ def _site_gradients(
   return drecs, gs, aux, lambda weights: vjp(weights.astype(loss.dtype))[0]
 
 
-def _params_pass(inputs: Inputs, sites: Sequence[Site]) -> Any:
-  """``leaves -> (pvals, cvals)``: each site's param and const inputs."""
+def _params_pass(inputs: Inputs, sites: Sequence[Site], kind: type = ParamsPass) -> Any:
+  """``leaves -> (pvals, cvals)``: each site's param and const inputs (``kind``: the walker,
+  :class:`WideParamsPass` for float32 values)."""
   in_infos = inputs.infos()
   shared = [None if b else x for x, b in zip(inputs.arg_leaves, inputs.batched, strict=True)]
 
   def params_pass(ls):
-    walker = ParamsPass(sites)
+    walker = kind(sites)
     walker.run(inputs.closed, list(zip(list(ls) + shared, in_infos, strict=True)))
     return [p for p, _ in walker.records], [c for _, c in walker.records]
 

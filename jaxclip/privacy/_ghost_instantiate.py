@@ -94,7 +94,10 @@ def _layout(sites: Sequence[Site], group: Group, tapped: frozenset[int]) -> _Lay
 
 
 def _sq(x: jax.Array) -> jax.Array:
-  return jnp.sum(_numerics.abs_sq(_numerics.upcast_for_accumulation(x)))
+  """One example's ``sum |x|^2``, scaled on the way (neither flushed nor overflowed)."""
+  x = _numerics.upcast_for_accumulation(x)
+  e = _numerics.scale_exponent(jnp.max(jnp.abs(x)) if x.size else jnp.zeros((), x.dtype))
+  return _numerics.times_pow2(jnp.sum(_numerics.abs_sq(_numerics.times_pow2(x, -e))), 2 * e)
 
 
 def instantiated_sumsq(

@@ -23,6 +23,42 @@ from jaxclip.privacy._ghost_sites import Site
 _HIGHEST = jax.lax.Precision.HIGHEST
 
 
+# ----------------------------------------------------------------------------
+# Scaling: every rule works on per-example inputs scaled to a largest entry in [0.5, 1)
+# ----------------------------------------------------------------------------
+#
+# A Gram product squares its inputs: a.a of entries ~1e-19 is flushed to zero on XLA:CPU, and
+# g.g of entries ~1e20 overflows, where the gradient a^T g itself is ~1. An attacker can send
+# such an example (a tiny input and a huge target) and have its norm under-read, so its
+# contribution passes the clip. Each rule therefore scales each example's a and g by exact
+# powers of two (:func:`jaxclip._kernel._numerics.times_pow2`) and scales its squared norm back:
+# a result beyond the dtype's range is inf (the example is then zeroed as non-finite), one
+# below its normal range is 0 (a norm below ~1e-19 in float32: its contribution is that small).
+
+
+def _exponent(x: jax.Array) -> jax.Array:
+  """Each example's (leading axis) scale exponent: ``max|x_b| / 2**e`` in ``[0.5, 1)``."""
+  m = jnp.max(jnp.abs(x).reshape(x.shape[0], -1), axis=1) if x.size else jnp.zeros(x.shape[:1])
+  return _numerics.scale_exponent(m.astype(x.dtype))
+
+
+def _down(x: jax.Array, e: jax.Array) -> jax.Array:
+  return _numerics.times_pow2(x, -e.reshape((-1,) + (1,) * (x.ndim - 1)))
+
+
+def _up(q: jax.Array, e: jax.Array) -> jax.Array:
+  return _numerics.times_pow2(q, e)
+
+
+def safe_sumsq(x: jax.Array) -> jax.Array:
+  """Each example's ``sum |x_b|^2`` (leading batch axis), neither flushed nor overflowed on
+  the way: computed scaled, the result inf beyond the dtype's range, 0 below its normal one."""
+  x = _numerics.upcast_for_accumulation(x)
+  e = _exponent(x)
+  q = jnp.sum(_numerics.abs_sq(_down(x, e)).reshape(x.shape[0], -1), axis=1)
+  return _up(q, 2 * e)
+
+
 def per_iteration(
   site: Site, fn: Callable[..., jax.Array], *xs: jax.Array, shared: frozenset[int] = frozenset()
 ) -> jax.Array:
@@ -144,6 +180,28 @@ def _mixed_sumsq(a: jax.Array, g: jax.Array) -> jax.Array:
     a: ``(examples, n, T, C)``.
     g: ``(examples, n, T, F)``.
   """
+
+  # Row by row (each of the T rows, per example and dot batch index): a_t = 2**ea_t a'_t and
+  # g_t = 2**eg_t g'_t, then g'_t weighted by 2**(ea_t + eg_t - top), top the largest such
+  # exponent of the example. A row whose a is huge while its g is 0 (so its term is 0) cannot
+  # set the scale and flush every other row's squares.
+  def rows(x):
+    m = jnp.max(jnp.abs(x), axis=-1, keepdims=True)
+    return m, _numerics.scale_exponent(m)
+
+  (ma, ea), (mg, eg) = rows(a), rows(g)
+  live = (ma > 0) & (mg > 0) & jnp.isfinite(ma) & jnp.isfinite(mg)
+  low = jnp.iinfo(jnp.int32).min // 4
+  r = jnp.where(live, ea + eg, low)
+  top = jnp.max(r.reshape(r.shape[0], -1), axis=1)
+  top = jnp.where(top == low, 0, top)
+  shift = r - top.reshape((-1,) + (1,) * (r.ndim - 1))
+  a = _numerics.times_pow2(a, -ea)
+  g = _numerics.times_pow2(_numerics.times_pow2(g, -eg), jnp.maximum(shift, low // 2))
+  return _up(_mixed_sumsq_scaled(a, g), 2 * top)
+
+
+def _mixed_sumsq_scaled(a: jax.Array, g: jax.Array) -> jax.Array:
   t, c, f = a.shape[2], a.shape[3], g.shape[3]
   if t == 1:
     return jnp.sum(jnp.sum(a * a, axis=(2, 3)) * jnp.sum(g * g, axis=(2, 3)), axis=1)
@@ -191,9 +249,9 @@ def conv_sumsq(site: Site, kernel: jax.Array, a: jax.Array, g: jax.Array) -> jax
     def one(k_b, a_b, g_b):
       _, vjp = jax.vjp(lambda k: _jax.bind(eqn, [a_b, k])[0], k_b)
       (grad,) = vjp(g_b.astype(out_aval.dtype))
-      return jnp.sum(_numerics.abs_sq(_numerics.upcast_for_accumulation(grad)))
+      return grad
 
-    return jax.vmap(one)(kernel, a, g)
+    return safe_sumsq(jax.vmap(one)(kernel, a, g))
   filt = [rhs_aval.shape[d] for d in dn.rhs_spec[2:]]
 
   def patches(a_b):  # (positions, C * K), columns channel-major
@@ -244,6 +302,11 @@ def gather_sumsq(site: Site, ids: jax.Array, g: jax.Array) -> jax.Array:
   """Each example's ``||grad of the looked-up table||^2``, repeated rows included."""
   rows = site.eqn.invars[0].aval.shape[0]
   ids, g = _lookup_operands(site, ids, g)
+  e = _exponent(g)
+  return _up(_gather_sumsq_scaled(ids, _down(g, e), rows), 2 * e)
+
+
+def _gather_sumsq_scaled(ids: jax.Array, g: jax.Array, rows: int) -> jax.Array:
   t = ids.shape[1]
   if lookup_gram_is_cheaper(t, rows):  # t^2 R flops against about 2 t R for the sums
     gg = jnp.einsum("btr,bsr->bts", g, g, precision=_HIGHEST)
@@ -282,6 +345,12 @@ def tied_cross(
   ids, g_rows = _lookup_operands(lookup, ids, g_rows)
   a, g = _dot_operands(dot, pos, a, g)  # (b, 1, T, R) and (b, 1, T, rows)
   a, g = a[:, 0], g[:, 0]
+  er, ea, eg = _exponent(g_rows), _exponent(a), _exponent(g)
+  g_rows, a, g = _down(g_rows, er), _down(a, ea), _down(g, eg)
+  return _up(_tied_cross_scaled(ids, g_rows, a, g), er + ea + eg)
+
+
+def _tied_cross_scaled(ids: jax.Array, g_rows: jax.Array, a: jax.Array, g: jax.Array) -> jax.Array:
   m = jnp.einsum("btr,bsr->bts", g_rows, a, precision=_HIGHEST)
   picked = jnp.take_along_axis(
     g, jnp.broadcast_to(ids[:, None, :], g.shape[:2] + ids.shape[1:]), axis=2

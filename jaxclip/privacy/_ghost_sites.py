@@ -324,18 +324,24 @@ def borrowed(sites: Sequence[Site], own: Sequence[int]) -> dict[int, int]:
 
 
 def site_outputs(
-  site: Site, pvals: Sequence[Any], cvals: Sequence[Any], dvals: Sequence[Any]
+  site: Site,
+  pvals: Sequence[Any],
+  cvals: Sequence[Any],
+  dvals: Sequence[Any],
+  bind: Any = _jax.bind,
 ) -> list[Any]:
   """The floating-point outputs of ``site`` for the given inputs (of one example).
 
   Inside scans, every input and output has one leading axis per scan.
+  ``bind(eqn, vals)`` evaluates the site's equation (another one evaluates it
+  in float32: :func:`jaxclip.privacy._ghost_capture.wide_bind`).
   """
 
   def once(pvals, cvals, dvals):
     if site.eqn is None:
       return list(pvals)
     its = {PARAM: iter(pvals), CONST: iter(cvals), DATA: iter(dvals)}
-    out = _jax.bind(site.eqn, [next(its[r]) for r in site.roles])
+    out = bind(site.eqn, [next(its[r]) for r in site.roles])
     return [out[j] for j in site.outs]
 
   for _ in site.stack:

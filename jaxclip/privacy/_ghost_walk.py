@@ -181,8 +181,12 @@ class Walker:
       info = _sites.view_of(eqn, infos)
     else:
       info = _sites.CONST_INFO
-    res = _jax.bind(eqn, vals) if self.computes(info) else [None] * len(eqn.outvars)
+    res = self.bind(eqn, vals) if self.computes(info) else [None] * len(eqn.outvars)
     return [(x, info) for x in res]
+
+  def bind(self, eqn: Any, vals: list[Any]) -> list[Any]:
+    """Evaluates an equation that is not a site (its primitive applied to ``vals``)."""
+    return _jax.bind(eqn, vals)
 
   def scan(self, eqn: Any, shape: _ScanShape, ins: list[Pair]) -> list[Pair]:
     """Walks a scan's body once per iteration under ``lax.scan``, stacking the records."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import secrets
 from typing import Any, NamedTuple
 
 import jax
@@ -19,20 +20,41 @@ class DPNoiseState(NamedTuple):
   Attributes:
     dp_noise_key: The raw data (``jax.random.key_data``, uint32) of the key
       the next step's noise comes from; each step splits it, uses one half
-      and keeps the other.
+      and keeps the other. It is as secret as the training data: whoever
+      reads it (in a checkpoint, say) can regenerate the noise and subtract
+      it.
   """
 
   dp_noise_key: jax.Array
 
 
+def _is_key(seed: Any) -> bool:
+  return isinstance(seed, jax.Array) and jnp.issubdtype(seed.dtype, jax.dtypes.prng_key)
+
+
+def _secret_key_data() -> jax.Array:
+  """Raw key data drawn from the operating system's entropy (:mod:`secrets`), never a
+  constant: as many random uint32 words as the default PRNG's key holds."""
+  shape = jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0))).shape
+  words = [secrets.randbits(32) for _ in range(int(np.prod(shape)))]
+  return jnp.asarray(np.asarray(words, np.uint32).reshape(shape))
+
+
 def _check_seed(seed: Any) -> None:
+  if seed is None or _is_key(seed):
+    if seed is not None and jnp.shape(seed) != ():
+      raise ValueError(f"seed must be one PRNG key (shape ()), got keys of shape {seed.shape}.")
+    return
   value = _validation.concrete_value(seed)
   if value is None:
     if not jnp.issubdtype(jnp.result_type(seed), jnp.integer):
       raise TypeError(f"seed must be an integer, got a traced {jnp.result_type(seed)}.")
     return
   if value.shape != () or value.dtype == np.bool_ or not jnp.issubdtype(value.dtype, jnp.integer):
-    raise TypeError(f"seed must be an int (the noise's jax.random seed), got {seed!r:.100}.")
+    raise TypeError(
+      "seed must be an int or a jax.random.key (the noise's secret seed), or None to draw "
+      f"one from the OS's entropy; got {seed!r:.100}."
+    )
 
 
 def _sensitivity(l2_norm_clip: Any) -> jax.Array:
@@ -58,7 +80,7 @@ def dp_noise(
   l2_norm_clip: Any,
   noise_multiplier: jax.typing.ArrayLike,
   *,
-  seed: int = 0,
+  seed: int | jax.Array | None = None,
   expected_batch_size: jax.typing.ArrayLike | None = None,
 ) -> optax.GradientTransformationExtraArgs:
   r"""Adds DP-SGD's Gaussian noise to a clipped sum of per-example gradients.
@@ -87,9 +109,26 @@ def dp_noise(
   **The noise.** It comes from a key in the state: each step splits it into
   the next step's key and this step's, which is split once more, one key per
   leaf. So the noise is fresh each step, independent across leaves, and the
-  same ``seed`` gives the same noise. It is drawn in float32 for bfloat16
-  and float16 leaves (at the leaf's own precision otherwise), added in that
-  dtype, and the result cast back to the leaf's dtype. Under ``jax.jit`` with
+  same ``seed`` gives the same noise.
+
+  **The seed is a secret.** Noise that a reader can regenerate protects
+  nothing: subtracting it recovers the clipped sum (Mironov, 2012). With
+  ``seed=None`` (the default) the key is drawn from the operating system's
+  entropy (Python's :mod:`secrets`) when the transform is made, so two
+  runs add independent noise; pass a seed (an int, or a
+  ``jax.random.key``) drawn from a secret source to reproduce a run, never
+  a constant in public code. The key lives in :class:`DPNoiseState`: a
+  checkpoint holding it is as secret as the data.
+
+  **Rounding after the noise.** The noise is drawn and added in float32 for
+  bfloat16 and float16 leaves (at the leaf's own precision otherwise); the
+  result is then cast to the dtype of the matching leaf of ``params`` when
+  ``update`` is given them (else to the update's own dtype). So a
+  float32 clipped sum of half-precision parameters (as
+  :func:`jaxclip.per_example_clipped_grad` returns it) is rounded to bfloat16
+  only once the noise is in it: one example's contribution is not rounded
+  away or magnified before the noise hides it, and a float16 sum above
+  65504 is not ``inf`` before the noise is added. Under ``jax.jit`` with
   sharded leaves the noise is a function of the key and of the leaf's shape
   alone (JAX's partitionable threefry, the default), so a replicated leaf
   gets the same noise on every device and a sharded one the noise of the
@@ -117,7 +156,8 @@ def dp_noise(
       per layer or group. May be traced (a number).
     noise_multiplier: :math:`z`, ``>= 0`` and finite: the noise's standard
       deviation in units of the sensitivity. May be traced.
-    seed: The seed of the noise's key (an int).
+    seed: The noise's secret seed: an int, a ``jax.random.key``, or
+      ``None`` (default) to draw one from the operating system's entropy.
     expected_batch_size: :math:`\bar B > 0`, the expected batch size to
       divide by; ``None`` (default): no division. May be traced.
 
@@ -141,8 +181,8 @@ def dp_noise(
     >>> loss = lambda p, x: jnp.sum((x @ p["w"] + p["b"] - 1.0) ** 2)
     >>> x = jax.random.normal(jax.random.key(0), (16, 3))
     >>> clipped_sum, _ = jaxclip.per_example_clipped_grad(loss, 1.0)(params, x)
-    >>> tx = optax.chain(
-    ...     jaxclip.dp_noise(1.0, noise_multiplier=1.1, seed=0, expected_batch_size=16),
+    >>> tx = optax.chain(  # seed=None: a secret key from the OS's entropy
+    ...     jaxclip.dp_noise(1.0, noise_multiplier=1.1, expected_batch_size=16),
     ...     optax.sgd(0.1))
     >>> state = tx.init(params)
     >>> updates, state = tx.update(clipped_sum, state, params)
@@ -166,6 +206,9 @@ def dp_noise(
   References:
     Abadi et al., `Deep Learning with Differential Privacy
     <https://arxiv.org/abs/1607.00133>`_, 2016
+
+    Mironov, `On Significance of the Least Significant Bits for Differential
+    Privacy <https://doi.org/10.1145/2382196.2382264>`_, 2012
   """
   _clip_batch.check_clip(l2_norm_clip, scalar=True, finite=True)
   _validation.check_hparam(noise_multiplier, "noise_multiplier", lo=0, scalar=True, finite=True)
@@ -175,12 +218,21 @@ def dp_noise(
     )
   _check_seed(seed)
 
+  if seed is None:
+    key_data = _secret_key_data()
+  elif _is_key(seed):
+    key_data = jax.random.key_data(seed)
+  else:
+    key_data = None
+
   def init_fn(params):
     del params
+    if key_data is not None:
+      return DPNoiseState(dp_noise_key=key_data)
     return DPNoiseState(dp_noise_key=jax.random.key_data(jax.random.key(seed)))
 
   def update_fn(updates, state, params=None, **extra_args):
-    del params, extra_args
+    del extra_args
     _validation.check_state(state, DPNoiseState, "dp_noise")
     numbers = _validation.numeric_leaves(updates, "dp_noise")
     _validation.check_real_leaves(numbers, "dp_noise", "its Gaussian noise is real")
@@ -189,14 +241,22 @@ def dp_noise(
     stddev = _numerics.hparam_float32(noise_multiplier) * _sensitivity(l2_norm_clip)
     leaves, treedef = jax.tree.flatten(numbers)
     keys = jax.random.split(noise_key, len(leaves)) if leaves else []
+    dtypes = [_numerics.as_array(leaf).dtype for leaf in leaves]
+    if params is not None:
+      try:
+        dtypes = treedef.flatten_up_to(
+          jax.tree.map(lambda u, p: jnp.result_type(p), numbers, params)
+        )
+      except (ValueError, TypeError):
+        pass  # params of another structure: keep each update's dtype
     out = []
-    for leaf, k in zip(leaves, keys, strict=True):
+    for leaf, k, final in zip(leaves, keys, dtypes, strict=True):
       leaf = _numerics.as_array(leaf)
       dtype = _numerics.compute_dtype(leaf.dtype)
       noisy = leaf.astype(dtype) + stddev.astype(dtype) * jax.random.normal(k, leaf.shape, dtype)
       if expected_batch_size is not None:
         noisy = noisy / jnp.asarray(expected_batch_size).astype(dtype)
-      out.append(noisy.astype(leaf.dtype))
+      out.append(noisy.astype(final))
     return treedef.unflatten(out), DPNoiseState(dp_noise_key=jax.random.key_data(key))
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)

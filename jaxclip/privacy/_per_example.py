@@ -11,6 +11,7 @@ ghost norms (:mod:`jaxclip.privacy._ghost`), and
 from __future__ import annotations
 
 import dataclasses
+import math
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -39,6 +40,7 @@ def per_example_clipped_grad(
   return_norms: bool = False,
   group_size: int = 1,
   normalize: float | None = None,
+  return_num_nonfinite: bool = False,
 ) -> Callable[..., tuple[Any, ...]]:
   r"""Makes a function returning the sum of per-example gradients, each clipped.
 
@@ -49,7 +51,8 @@ def per_example_clipped_grad(
 
   the clipping step of DP-SGD, computed in chunks of ``microbatch_size``
   examples under ``jax.lax.scan``, so memory stays bounded whatever the batch
-  size; the running sum is kept in float32 for half-precision parameters.
+  size; the running sum is kept (and returned) in float32 for half-precision
+  parameters.
   ``method="vmap"`` forms each chunk's per-example gradients with ``vmap``;
   ``method="ghost"`` gets the same results from each layer's inputs and
   output gradients without forming them (*ghost norms*), for any JAX model;
@@ -60,6 +63,18 @@ def per_example_clipped_grad(
   by :math:`C / (\|g_b\|_2 + \gamma)` instead (``normalize=gamma``). The
   guide to masks, groups, per-layer and automatic clipping, devices, ghost
   norms and their cost is ``docs/privacy.md``.
+
+  **Bounded sensitivity, whatever an example holds.** Each example (each
+  group of ``group_size``) moves the sum by at most its clip (in total at
+  most :math:`S`): an example whose gradient norm is not finite (a NaN or
+  infinite gradient, one whose norm overflows, or a NaN loss such as an
+  out-of-vocabulary id in ``flax.linen.Embed``) contributes exactly zero to
+  the sum, under every method: its gradient (or, for ghost norms, its
+  output gradients and inputs) is selected away, since ``0 * nan`` is
+  ``nan``. It is counted as clipped, and in ``num_nonfinite``
+  (``return_num_nonfinite=True``). ``tests/test_dp_adversarial.py`` checks
+  this invariant over modes, methods, dtypes and adversarial examples, as
+  an attacker measures it: the change of the released sum in float64.
 
   Padding (a batch that is not a multiple of ``microbatch_size``) and
   masked-out examples are replaced by a copy of a real example at weight 0:
@@ -72,13 +87,21 @@ def per_example_clipped_grad(
   ``l2_norm_clip == 0``           zeros; every example counts as clipped
                                   (with ``normalize``: every one with
                                   :math:`\|g\| + \gamma > 0`)
-  a non-finite gradient           ``nan`` in the sum (the failure is visible)
+  a non-finite gradient or norm   contributes zeros; counted as clipped
+                                  and in ``num_nonfinite``
+  huge finite gradient            clipped to ``C`` under ``vmap`` (its norm
+                                  is computed scaled); under ghost norms, a
+                                  squared norm past float32's range (a norm
+                                  above ~1.8e19) counts as non-finite
   ``normalize=0``, zero gradient  contributes zeros, factor 0 (not 0/0),
-                                  not counted; so does a gradient whose
-                                  float32 squared norm underflows to 0
-  ``normalize=0``, tiny gradient  scaled to norm ``C``; the factor
-                                  :math:`C / \|g\|` is capped at float32's
-                                  largest number
+                                  not counted
+  ``normalize=0``, tiny gradient  scaled to norm ``C`` (``vmap`` measures
+                                  its norm scaled, never flushed); ghost
+                                  norms divide by at least
+                                  :math:`\sqrt{\text{parts} \cdot
+                                  \text{tiny} / \text{eps}}` (~1e-15 in
+                                  float32), so a norm under-read below the
+                                  normal range cannot pass ``C``
   ``normalize``, infinite ``C``   refused (``ValueError``): no finite
                                   sensitivity
   a group with no leaves          norm 0, as a zero gradient
@@ -125,14 +148,23 @@ def per_example_clipped_grad(
     normalize: ``None`` (default) to clip, or ``gamma >= 0`` (a number, may
       be traced) to scale each example by :math:`C / (\|g\| + \gamma)`
       (automatic clipping).
+    return_num_nonfinite: Also return how many examples (groups) had a
+      non-finite gradient norm and contributed zero.
 
   Returns:
     A function ``(params, *args, example_mask=None) -> (clipped_grad_sum,
     num_clipped)``: the sum over the batch of the clipped per-example
-    gradients (a pytree like ``params``, in its dtypes) and how many examples
-    were scaled down. ``example_mask`` is a boolean ``(batch,)`` array, True
-    for a real example. Divide by the batch size (after adding noise, for
-    DP-SGD) to get a mean.
+    gradients (a pytree like ``params``; in float32 for bfloat16 and float16
+    leaves, so that the noise is added before any rounding to the
+    parameters' dtype: :func:`jaxclip.dp_noise` casts after adding it; in the
+    parameters' dtypes otherwise) and how many examples were scaled down.
+    ``example_mask`` is a boolean ``(batch,)`` array, True for a real example.
+    Divide by the batch size (after adding noise, for DP-SGD) to get a mean.
+
+    With ``return_num_nonfinite=True`` the number of non-finite examples
+    (an int scalar) comes next: ``(clipped_grad_sum, num_clipped,
+    num_nonfinite, ...)``. Neither count, nor the norms or ``aux``, is
+    private: release them only through a DP mechanism.
 
     With ``return_norms=True`` the per-example norms (float32, in the order of
     the batch; 0 where ``example_mask`` is False) come next:
@@ -226,6 +258,7 @@ def per_example_clipped_grad(
     return_norms=return_norms,
     group_size=group_size,
     normalize=normalize,
+    return_num_nonfinite=return_num_nonfinite,
   )
   warned = []  # the shared-argument warning is given once per function
 
@@ -266,6 +299,7 @@ class _Options:
   return_norms: bool
   group_size: int
   normalize: Any = None
+  return_num_nonfinite: bool = False
   # Per call: the clip bound's groups of parameter leaves (_clip_batch.clip_groups).
   groups: _clip_batch.ClipGroups | None = None
 
@@ -278,10 +312,13 @@ class _Options:
     """The trailing shape of per-group counts and norms: ``(groups,)``, or ``()``."""
     return (len(self.groups.bounds),) if self.per_group else ()
 
-  def factors(self, norms: jax.Array, mask: jax.Array | None) -> tuple[jax.Array, jax.Array]:
-    """Each unit's (and group's) weight, 0 where masked, and the count scaled down."""
+  def factors(
+    self, norms: jax.Array, mask: jax.Array | None, floor: float | None = None
+  ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+    """Each unit's (and group's) weight, 0 where masked or not finite, and the counts
+    ``(scaled down, not finite)``."""
     bound = self.groups.bound(norms.dtype)
-    weights, count = _clip_batch.scale_factors(norms, bound, mask, self.normalize)
+    weights, count = _clip_batch.scale_factors(norms, bound, mask, self.normalize, floor)
     if mask is not None:
       weights = jnp.where(rows(mask, weights), weights, 0)
     return weights, count
@@ -354,22 +391,33 @@ def _finish(
   params: Any,
   mask: jax.Array | None,
   total: Any,
-  num_clipped: jax.Array,
+  counts: tuple[jax.Array, jax.Array],
   norms: jax.Array,
   aux: Any,
 ) -> tuple[Any, ...]:
-  """Masked norms, sums in the parameters' dtypes and summed over devices, as returned."""
+  """Masked norms, sums in the parameters' dtypes (float32 for half precision) and summed
+  over devices, as returned."""
+  num_clipped, num_bad = counts
   if mask is not None:
     norms = jnp.where(rows(mask, norms), norms, jnp.zeros((), norms.dtype))
     # With no real example the stand-in is a masked row itself: drop it whatever it gave.
     any_real = jnp.any(mask)
     total = jax.tree.map(lambda t: jnp.where(any_real, t, jnp.zeros((), t.dtype)), total)
-  total = jax.tree.map(lambda t, p: t.astype(jnp.result_type(p)), total, params)
+  total = jax.tree.map(lambda t, p: t.astype(sum_dtype(p)), total, params)
   if opts.axis_name is not None:
-    total, num_clipped = jax.lax.psum((total, num_clipped), _sharding.axis_names(opts.axis_name))
+    total, num_clipped, num_bad = jax.lax.psum(
+      (total, num_clipped, num_bad), _sharding.axis_names(opts.axis_name)
+    )
   num_clipped, norms = opts.groups.unflatten(num_clipped, 0), opts.groups.unflatten(norms, 1)
-  out = (total, num_clipped) + ((norms,) if opts.return_norms else ())
+  out = (total, num_clipped) + ((num_bad,) if opts.return_num_nonfinite else ())
+  out = out + ((norms,) if opts.return_norms else ())
   return out + (aux,) if opts.has_aux else out
+
+
+def sum_dtype(param: Any) -> jnp.dtype:
+  """The dtype of a parameter's clipped sum: float32 for bfloat16 and float16, its own
+  otherwise (the noise is added before rounding to a half-precision dtype)."""
+  return _numerics.compute_dtype(jnp.result_type(param))
 
 
 # ----------------------------------------------------------------------------
@@ -433,23 +481,31 @@ def _vmap_chunk(
   )
   grads, aux = vgrad(params, *args) if opts.has_aux else (vgrad(params, *args), None)
   bound = opts.groups if opts.per_group else opts.l2_norm_clip
-  total, count, norms = _clip_batch._per_example_clip(
-    grads, bound, mask=mask, accumulate=True, return_norms=True, normalize=opts.normalize
+  total, count, norms, bad = _clip_batch._per_example_clip(
+    grads, bound, mask=mask, accumulate=True, normalize=opts.normalize
   )
   if not jax.tree.leaves(grads):  # no parameters: every norm is 0, as under ghost
     n = jax.tree.leaves([args[i] for i in idx])[0].shape[0]
     norms = jnp.zeros((n,) + opts.group_shape(), _numerics.tree_accumulation_dtype(params))
-    count = opts.factors(norms, mask)[1]
-  return total, count, norms, aux
+    count, bad = opts.factors(norms, mask)[1]
+  return total, (count, bad), norms, aux
 
 
 def _ghost_chunk(
   opts: _Options, traced: _ghost.Traced, mask: jax.Array | None
 ) -> tuple[Any, jax.Array, jax.Array, Any]:
   """The clipped sum from ghost norms and book-keeping, by ``traced.plan``."""
+  floor = None
+  if opts.normalize is not None:
+    # Each scaled part of a ghost norm is exact or, below the normal range, flushed: the
+    # squared norm is under-read by at most tiny per part. Dividing by at least
+    # sqrt(parts * tiny / eps) keeps C / norm from lifting such an example past C.
+    info = jnp.finfo(_numerics.tree_accumulation_dtype(traced.leaves))
+    parts = 2 * (len(traced.plan.sites) + len(traced.leaves)) + 1
+    floor = math.sqrt(parts * float(info.tiny) / float(info.eps))
   grads, norms, count, aux_leaves = _ghost.clipped_sum(
     traced,
-    lambda norms: opts.factors(norms, mask),
+    lambda norms: opts.factors(norms, mask, floor),
     spmd_axis_name=opts.spmd_axis_name,
     leaf_groups=opts.groups.of_leaf,
     num_groups=len(opts.groups.bounds),

@@ -8,7 +8,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxclip._kernel import _reduction, _validation
+from jaxclip._kernel import _numerics, _reduction, _validation
 from jaxclip._kernel._typing import ArrayLike
 from jaxclip.skipping import _scaffold
 
@@ -86,8 +86,8 @@ def skip_bad_microbatches(
     if max_norm is None:
       skip = jnp.logical_not(_scaffold.all_finite(updates, axis_name))
       return skip, {"microbatch_skipped": skip}
-    norm = _reduction.tree_norm(updates, 2, axis_name, replicated, partition_specs).astype(
-      jnp.float32
+    norm = _numerics.saturated_float32(
+      _reduction.tree_norm(updates, 2, axis_name, replicated, partition_specs)
     )
     # Written so that a NaN norm fails the comparison and is skipped.
     skip = jnp.logical_not(norm <= jnp.asarray(max_norm).astype(jnp.float32))

@@ -306,7 +306,11 @@ def skip_above(
     del extra_args
     numbers = _validation.numeric_leaves(updates, "skip_above")
     norm = _reduction.tree_norm(numbers, ord, axis_name, replicated, partition_specs)
-    norm = norm.astype(state.skip_above_norm.dtype)
+    norm = (
+      _numerics.saturated_float32(norm)
+      if state.skip_above_norm.dtype == jnp.float32
+      else norm.astype(state.skip_above_norm.dtype)
+    )
     # Written so that a NaN norm fails the comparison and is skipped.
     skip = jnp.logical_not(norm <= jnp.asarray(max_norm).astype(norm.dtype))
     return skip, {"skip_above_norm": norm, "above_step_skipped": skip}

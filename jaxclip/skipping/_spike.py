@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jaxclip._kernel import _history, _reduction, _validation
+from jaxclip._kernel import _history, _numerics, _reduction, _validation
 from jaxclip._kernel._typing import ArrayLike
 from jaxclip.skipping import _scaffold
 
@@ -61,7 +61,7 @@ def _check(
   sigma = jnp.asarray(sigma).astype(jnp.float32)
   # Written as the reference: a NaN or inf value fails the comparison.
   within = (value - mean) <= sigma * std
-  threshold = jnp.where(active, mean + sigma * std, jnp.inf)
+  threshold = jnp.where(active, _numerics.saturate(mean + sigma * std), jnp.inf)
   return active & jnp.logical_not(within), threshold
 
 
@@ -215,8 +215,8 @@ def skip_on_spike(
   def decide(updates, state, extra_args):
     loss = objective(extra_args, "skip_on_spike")
     numbers = _validation.numeric_leaves(updates, "skip_on_spike")
-    norm = _reduction.tree_norm(numbers, ord, axis_name, replicated, partition_specs).astype(
-      jnp.float32
+    norm = _numerics.saturated_float32(
+      _reduction.tree_norm(numbers, ord, axis_name, replicated, partition_specs)
     )
     min_count = max(2, state.spike_norm_history.shape[0] // 2)
     norms = _history.History(

@@ -363,12 +363,13 @@ def adaptive_norm_scale(
   def step(s: _per_tensor.Step):
     (mu, nu), n = s.stats, s.norm
     b1, b2 = _numerics.hparam_float32(beta1), _numerics.hparam_float32(beta2)
-    mu = b1 * mu + (1 - b1) * n
-    nu = b2 * nu + (1 - b2) * n * n
+    # Saturated: a finite norm past ~1.8e19 squares to inf in float32.
+    mu = _numerics.saturate(b1 * mu + (1 - b1) * n)
+    nu = _numerics.saturate(b2 * nu + (1 - b2) * _numerics.saturate(n * n))
     denominator = _numerics.safe_sqrt(
-      nu / _bias_correction(b2, s.count)
+      _numerics.saturate(nu / _bias_correction(b2, s.count))
     ) + _numerics.hparam_float32(eps)
-    mu_hat = mu / _bias_correction(b1, s.count)
+    mu_hat = _numerics.saturate(mu / _bias_correction(b1, s.count))
     target = _numerics.safe_divide(mu_hat, denominator, denominator > 0, otherwise=1)
     return (_numerics.safe_divide(target, n, n > 0, otherwise=1),), (mu, nu)
 

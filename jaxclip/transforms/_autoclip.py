@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxclip._kernel import _clip, _history, _reduction, _validation
+from jaxclip._kernel import _clip, _history, _numerics, _reduction, _validation
 from jaxclip._kernel._typing import ArrayLike
 
 
@@ -136,7 +136,7 @@ def autoclip(
       autoclip_norm_count=buf.size,
       autoclip_norm_index=buf.index,
       autoclip_threshold=threshold,
-      autoclip_pre_clip_norm=norm.astype(jnp.float32),
+      autoclip_pre_clip_norm=_numerics.saturated_float32(norm),
     )
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)

@@ -44,13 +44,18 @@ def value_clip_dtype(lo: ArrayLike, hi: ArrayLike) -> Any:
   return dtype_for
 
 
-def value_clip(lo: ArrayLike, hi: ArrayLike, fn_name: str) -> Any:
-  """``updates -> clip_by_value(updates, lo, hi)`` with jaxclip's leaf policy."""
+def value_clip(lo: ArrayLike, hi: ArrayLike, fn_name: str, modulus: bool = False) -> Any:
+  """``updates -> clip_by_value(updates, lo, hi)`` with jaxclip's leaf policy.
+
+  With ``modulus`` (the symmetric ``clip(max_delta)``, ``lo == -hi``) a
+  complex entry's modulus is bounded by ``hi``, its phase kept; otherwise a
+  complex leaf is refused (complex numbers have no order).
+  """
   dtype_for = value_clip_dtype(lo, hi)
 
   def update(updates):
     updates = _validation.numeric_leaves(updates, fn_name, dtype_for=dtype_for)
-    return _clip.value_clip(updates, lo, hi)
+    return _clip.value_clip(updates, lo, hi, fn_name=fn_name, modulus=modulus)
 
   return update
 
@@ -111,7 +116,11 @@ def clip(max_delta: ArrayLike) -> optax.GradientTransformationExtraArgs:
     Array([-0.5,  0.1,  0.5], dtype=float32)
   """
   _validation.check_hparam(max_delta, "max_delta", lo=0)
-  return stateless(value_clip(jnp.negative(max_delta), max_delta, "clip"))
+  if _validation.concrete_value(max_delta) is None:
+    # Traced (inject_hyperparams): a negative max_delta acts as 0, as the norm
+    # clips' negative thresholds do (it would clip to [1, -1], i.e. -1); NaN stays NaN.
+    max_delta = jnp.maximum(max_delta, 0)
+  return stateless(value_clip(jnp.negative(max_delta), max_delta, "clip", modulus=True))
 
 
 def clip_by_norm(max_norm: ArrayLike, axes: Any = None) -> optax.GradientTransformationExtraArgs:
@@ -138,8 +147,11 @@ def clip_by_norm(max_norm: ArrayLike, axes: Any = None) -> optax.GradientTransfo
     Array([-1.4285715,  2.142857 ,  4.285714 ], dtype=float32)
   """
   _validation.check_hparam(max_norm, "max_norm", lo=0)
+  _validation.check_axes(axes)
   return stateless(
-    lambda u: _clip.norm_clip(_validation.numeric_leaves(u, "clip_by_norm"), max_norm, axes)
+    lambda u: _clip.norm_clip(
+      _validation.numeric_leaves(u, "clip_by_norm"), max_norm, axes, arg="max_norm"
+    )
   )
 
 
@@ -264,6 +276,8 @@ def clip_by_global_norm(
 
   def update_fn(updates, state, params=None, **extra_args):
     del params, extra_args
+    if state is not None:  # None: the norm is not kept (optax's clip takes any state)
+      _validation.check_state(state, ClipByGlobalNormState, "clip_by_global_norm")
     updates = _validation.numeric_leaves(updates, "clip_by_global_norm")
     norm = _reduction.tree_norm(updates, ord, axis_name, replicated, partition_specs)
     clipped = _clip.global_norm_clip(updates, max_norm, norm)

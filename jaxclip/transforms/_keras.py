@@ -82,7 +82,7 @@ def clipped(
   if clipnorm is not None:
     clip = _fixed.clip_by_norm(clipnorm)
   elif clipvalue is not None:
-    clip = _fixed.clip_by_value(-clipvalue, clipvalue)
+    clip = _fixed.clip(clipvalue)  # clip_by_value(-v, v); a complex entry's modulus bounded
   elif global_clipnorm is not None:
     clip = _fixed.clip_by_global_norm(global_clipnorm)
   else:

@@ -158,7 +158,7 @@ def per_tensor_transform(
     shares = (
       None
       if axis_name is None
-      else _reduction.tree_leaf_shares(updates, rule.ord, axis_name, replicated, partition_specs)
+      else _reduction.tree_leaf_norms(updates, rule.ord, axis_name, replicated, partition_specs)
     )
     prev_count = state[-1]
     count = optax.safe_increment(prev_count)
@@ -198,16 +198,15 @@ def _apply_rule(rule, leaves, shares, olds, prev_count, count, *, on_cpu):
   (:func:`jaxclip._kernel._platform.share_vector`).
   """
   if shares is None:
-    shares = _reduction.tree_leaf_shares(leaves, rule.ord, as_vector=on_cpu)
+    shares = _reduction.tree_leaf_norms(leaves, rule.ord, as_vector=on_cpu)
   norms, total = shares
-  total = jnp.asarray(_numerics.safe_sqrt(total) if rule.ord == 2 else total).astype(jnp.float32)
-  stacked = (jnp.stack(norms) if isinstance(norms, list) else norms).astype(jnp.float32)
+  total = _numerics.saturated_float32(total)
+  stacked = _numerics.saturated_float32(jnp.stack(norms) if isinstance(norms, list) else norms)
   finite = _numerics.computed_once(jnp.all(jnp.isfinite(stacked)) & jnp.isfinite(total))
 
   def leaf_step(share, *old_and_shared):
     *old, total, prev_count, count, finite = old_and_shared
-    n = share.astype(jnp.float32)
-    n = _numerics.safe_sqrt(n) if rule.ord == 2 else n
+    n = _numerics.saturated_float32(share)
     cs, ns = rule.step(Step(n, total, tuple(old), prev_count, count))
     return tuple(cs), tuple(jnp.where(finite, x, o) for x, o in zip(ns, old, strict=True))
 

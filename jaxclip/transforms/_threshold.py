@@ -130,6 +130,11 @@ def suggest_threshold(
     >>> s.max_norm, s.num_norms, s.per_tensor_max_norm
     (26.0, 3, 18.384776310850235)
   """
+  if norms is None:
+    raise TypeError(
+      "suggest_threshold needs norms: an array of recorded global norms, a "
+      "RecordNormsState, or a chain's state holding one; got None."
+    )
   norms, found_tensors = _recorded_norms(norms)
   if num_tensors is None:
     num_tensors = found_tensors

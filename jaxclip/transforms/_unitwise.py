@@ -109,7 +109,12 @@ def unitwise_norm(x: ArrayLike, axis: Axis = None) -> jax.Array:
   """
   x = jnp.asarray(_validation.numeric_leaves(x, "unitwise_norm", "x"))
   norm = _numerics.leaf_norm(x, 2, _unitwise_axes(x.shape, axis), keepdims=True)
-  return jnp.broadcast_to(norm.astype(jnp.finfo(x.dtype).dtype), x.shape)
+  real = jnp.finfo(x.dtype).dtype
+  # A finite norm beyond the real dtype's range (a bfloat16 or float16 leaf)
+  # saturates at its largest value rather than becoming inf.
+  big = float(jnp.finfo(real).max)
+  norm = jnp.where(jnp.isfinite(norm), jnp.minimum(norm, big), norm)
+  return jnp.broadcast_to(norm.astype(real), x.shape)
 
 
 def _unitwise_factor(g_norm: jax.Array, max_norm: jax.Array, div_eps: ArrayLike) -> jax.Array:
@@ -255,7 +260,9 @@ def adaptive_grad_clip(
 
 def _agc_factor(g_norm, size, p_norm, clipping, eps):
   del size
-  max_norm = jnp.asarray(clipping, g_norm.dtype) * jnp.maximum(
+  # A traced negative clipping acts as 0 (zero updates), as the norm clips'
+  # negative thresholds do; a NaN one gives NaN.
+  max_norm = jnp.maximum(jnp.asarray(clipping, g_norm.dtype), 0) * jnp.maximum(
     p_norm.astype(g_norm.dtype), jnp.asarray(eps, g_norm.dtype)
   )
   return _unitwise_factor(g_norm, max_norm, 1e-6)

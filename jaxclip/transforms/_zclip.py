@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxclip._kernel import _clip, _numerics, _reduction, _validation
+from jaxclip._kernel import _clip, _history, _numerics, _reduction, _validation
 from jaxclip._kernel._typing import ArrayLike
 
 
@@ -173,7 +173,7 @@ def zclip(
     _validation.check_state(state, ZClipState, "zclip")
     updates = _validation.numeric_leaves(updates, "zclip")
     norm = _reduction.tree_norm(updates, ord, axis_name, replicated, partition_specs)
-    x = norm.astype(jnp.float32)
+    x = _numerics.saturated_float32(norm)
     finite = jnp.isfinite(x)
     count = state.zclip_warmup_count
     size = state.zclip_warmup_norms.shape[0]  # warmup_steps, static
@@ -191,8 +191,13 @@ def zclip(
     buf = buf.at[slot].set(jnp.where(collect, x, buf[slot]))
     new_count = jnp.where(collect, count + 1, count)
     init_now = collect & (new_count == size)
-    w_mean = jnp.mean(buf)
-    w_var = jnp.mean(jnp.square(buf - w_mean))
+    # The warm-up's statistics on the norms scaled by a power of two, and the
+    # EMAs saturated: one finite norm of 1e20 squares to inf in float32, which
+    # would leave the variance inf (and spikes unclipped) for good.
+    w_mean, w_std = _history.mean_std(
+      _history.History(buf, jnp.asarray(size, jnp.int32), jnp.zeros((), jnp.int32)), ddof=0
+    )
+    w_var = _numerics.saturate(jnp.square(w_std))
 
     # After warm-up: z-score against the current EMAs.
     mean, var = state.zclip_norm_ema, state.zclip_norm_var_ema
@@ -207,14 +212,16 @@ def zclip(
       else:
         adaptive = mean
     else:
-      adaptive = mean + zt * std
+      adaptive = _numerics.saturate(mean + zt * std)
       spike = x > adaptive
     spike = spike & jnp.logical_not(warming) & finite
     threshold = jnp.minimum(jnp.where(spike, adaptive, jnp.inf), cap32)
 
     target = jnp.where(spike, adaptive, x)
-    ema_mean = a * mean + (1 - a) * target
-    ema_var = a * var + (1 - a) * jnp.square(target - ema_mean)
+    ema_mean = _numerics.saturate(a * mean + (1 - a) * target)
+    ema_var = _numerics.saturate(
+      a * var + (1 - a) * _numerics.saturate(jnp.square(target - ema_mean))
+    )
     move = jnp.logical_not(warming) & finite
     if skip_update_on_spike:
       move = move & jnp.logical_not(spike)

@@ -153,7 +153,13 @@ def share(x: jax.Array, term: Term, op: str) -> jax.Array:
 # ----------------------------------------------------------------------------
 
 
-def shares_by_group(leaves: list[jax.Array], term: Term, op: str, acc: Any) -> list[jax.Array]:
+def shares_by_group(
+  leaves: list[jax.Array],
+  term: Term,
+  op: str,
+  acc: Any,
+  scale: tuple[Callable[..., jax.Array], jax.Array] | None = None,
+) -> list[jax.Array]:
   """Partial sums (maxima for ``op="max"``) of ``term`` over ``leaves``, a few per tree, in ``acc``.
 
   One reduction per leaf makes XLA build one fusion per leaf and a chain of
@@ -173,11 +179,21 @@ def shares_by_group(leaves: list[jax.Array], term: Term, op: str, acc: Any) -> l
   Larger leaves, and leaves whose layout is not known when the program is
   traced, keep one reduction each. ``jax.jvp`` and ``jax.grad`` differentiate
   the plain per-leaf sums, so no concatenate or pad is transposed.
+
+  ``scale=(fn, e)`` takes the terms of ``fn(x, e)`` rather than of ``x``,
+  applied after the leaves are joined (the rescaled norms: ``fn`` scales by
+  ``2**-e``), so that XLA fuses the join into the reduction as it does the
+  plain one, rather than materialising the joined scaled leaves.
   """
   plan = _group_plan(leaves)
+  fn, e = scale if scale is not None else (None, None)
   if all(len(members) == 1 for _, members in plan):
-    return [share(leaves[m[0]], term, op).astype(acc) for _, m in plan]
-  return list(_grouped_sums(plan, term, op, acc, leaves))
+    return [share(_prescaled(leaves[m[0]], fn, e), term, op).astype(acc) for _, m in plan]
+  return list(_grouped_sums(plan, term, op, acc, fn, leaves, e))
+
+
+def _prescaled(x, fn, e):
+  return x if fn is None else fn(x, e)
 
 
 def _group_plan(leaves: list[jax.Array]) -> tuple[tuple[Any, tuple[int, ...]], ...]:
@@ -208,20 +224,21 @@ def _group_plan(leaves: list[jax.Array]) -> tuple[tuple[Any, tuple[int, ...]], .
   return tuple(plan)
 
 
-@functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1, 2, 3))
-def _grouped_sums(plan, term, op, acc, leaves):
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1, 2, 3, 4))
+def _grouped_sums(plan, term, op, acc, fn, leaves, e):
   combine = jax.lax.max if op == "max" else jax.lax.add
   parts = []
   for how, members in plan:
     if how is None:
-      parts.append(share(leaves[members[0]], term, op))
+      parts.append(share(_prescaled(leaves[members[0]], fn, e), term, op))
     elif how == "concat":
       flat = [jax.lax.reshape(leaves[i], (leaves[i].size,)) for i in members]
-      parts.append(share(flat[0] if len(flat) == 1 else jax.lax.concatenate(flat, 0), term, op))
+      joined = flat[0] if len(flat) == 1 else jax.lax.concatenate(flat, 0)
+      parts.append(share(_prescaled(joined, fn, e), term, op))
     else:
       total = None
       for i in members:
-        t = term(leaves[i])
+        t = term(_prescaled(leaves[i], fn, e))
         if how:  # flatten and pad to the group's width
           t = jax.lax.reshape(t, (t.size,))
           if t.size < how:
@@ -233,13 +250,64 @@ def _grouped_sums(plan, term, op, acc, leaves):
 
 
 @_grouped_sums.defjvp
-def _grouped_sums_jvp(plan, term, op, acc, primals, tangents):
-  def plain(leaves):
-    shares = [[share(leaves[i], term, op).astype(acc) for i in m] for _, m in plan]
+def _grouped_sums_jvp(plan, term, op, acc, fn, primals, tangents):
+  def plain(leaves, e):
+    shares = [
+      [share(_prescaled(leaves[i], fn, e), term, op).astype(acc) for i in m] for _, m in plan
+    ]
     return tuple(combine_scalars(s, op) for s in shares)
 
   _, tangent_out = jax.jvp(plain, primals, tangents)
-  return _grouped_sums(plan, term, op, acc, *primals), tangent_out
+  return _grouped_sums(plan, term, op, acc, fn, *primals), tangent_out
+
+
+def scaled_sums(
+  leaves: list[jax.Array],
+  term: Term,
+  max_term: Term,
+  acc: Any,
+  scale_fn: Callable[..., jax.Array],
+  exponent_fn: Callable[[jax.Array], jax.Array],
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """``(maxima, exponents, sums)``: a rescaled norm's partial sums, each part scaled on its own.
+
+  The parts are :func:`shares_by_group`'s. Each part's largest ``max_term``
+  gives its own exponent ``e`` (``exponent_fn``), and its sum is that of
+  ``term(scale_fn(x, e))``. Why each its own: leaves scaled by one shared
+  scalar make XLA:CPU fuse their reductions as siblings (they share an
+  operand), which reserves temporary buffers of a tenth of the tree's bytes;
+  a part's exponent computed from its own values is shared by no other.
+  """
+  maxima, exps, sums = [], [], []
+  for how, members in _group_plan(leaves):
+    if how is None or how == "concat":
+      if how is None:  # one leaf as it lies (it may be sharded: no reshape)
+        x = leaves[members[0]]
+      else:
+        flat = [jax.lax.reshape(leaves[i], (leaves[i].size,)) for i in members]
+        x = flat[0] if len(flat) == 1 else jax.lax.concatenate(flat, 0)
+      m = share(jax.lax.stop_gradient(x), max_term, "max").astype(acc)
+      e = exponent_fn(m)
+      total = share(scale_fn(x, e), term, "sum")
+    else:
+      m = combine_scalars(
+        [share(jax.lax.stop_gradient(leaves[i]), max_term, "max").astype(acc) for i in members],
+        "max",
+      )
+      e = exponent_fn(m)
+      total = None
+      for i in members:
+        t = term(scale_fn(leaves[i], e))
+        if how:
+          t = jax.lax.reshape(t, (t.size,))
+          if t.size < how:
+            t = jax.lax.pad(t, jnp.zeros((), t.dtype), ((0, how - t.size, 0),))
+        total = t if total is None else jax.lax.add(total, t)
+      total = reduce(total, "sum")
+    maxima.append(m)
+    exps.append(e)
+    sums.append(total.astype(acc))
+  return jnp.stack(maxima), jnp.stack(exps), jnp.stack(sums)
 
 
 def combine_scalars(parts: list[jax.Array], op: str) -> jax.Array:
@@ -247,7 +315,8 @@ def combine_scalars(parts: list[jax.Array], op: str) -> jax.Array:
   if len(parts) == 1:
     return parts[0]
   stacked = jnp.stack(parts)
-  return jnp.max(stacked) if op == "max" else jnp.sum(stacked)
+  # dtype=: an int32 count stays int32 under jax_enable_x64.
+  return jnp.max(stacked) if op == "max" else jnp.sum(stacked, dtype=stacked.dtype)
 
 
 # ----------------------------------------------------------------------------
