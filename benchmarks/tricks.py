@@ -81,8 +81,9 @@ def _plain_scales(scaler, sizes, leaves, companions, operands):
   return _stacks._one_by_one(scaler, leaves, companions, operands)
 
 
-def _plain_shares(leaves, term, op, acc):
-  return [_platform.share(x, term, op).astype(acc) for x in leaves]
+def _plain_shares(leaves, term, op, acc, scale=None):
+  fn, e = scale if scale is not None else (lambda x, e: x, None)
+  return [_platform.share(fn(x, e), term, op).astype(acc) for x in leaves]
 
 
 _apply_rule = _per_tensor._apply_rule

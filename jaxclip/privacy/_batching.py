@@ -54,6 +54,19 @@ def rows(mask: jax.Array, like: jax.Array) -> jax.Array:
   return mask.reshape(mask.shape + (1,) * (like.ndim - 1))
 
 
+def first_onehot(mask: jax.Array) -> jax.Array:
+  """A one-hot row selector of ``mask``'s first True row (row 0 where none is).
+
+  ``jnp.argmax`` would do, but on a batch axis sharded over devices XLA
+  gathers its (value, index) pairs from every device: a minimum of the indices
+  combines with an all-reduce instead.
+  """
+  n = mask.shape[0]
+  index = jnp.arange(n)
+  first = jnp.min(jnp.where(mask, index, n))
+  return index == jnp.where(first == n, 0, first)
+
+
 def first_real_row(x: jax.Array, onehot: jax.Array) -> jax.Array:
   """Row ``argmax(onehot)`` of ``x``, as a masked sum: safe on a sharded batch axis."""
   x = jnp.asarray(x)
@@ -83,7 +96,7 @@ def stand_in(x: Any, mask: jax.Array, padded: Any) -> jax.Array:
   """``x`` padded to ``padded`` rows, every row where ``mask`` is False replaced by the first
   real example (so a loss that is non-finite on zeros or on masked rows stays finite)."""
   x = jnp.asarray(x)
-  onehot = jnp.arange(x.shape[0]) == jnp.argmax(mask[: x.shape[0]])
+  onehot = first_onehot(mask[: x.shape[0]])
   first = first_real_row(x, onehot)
   x = pad_rows(x, padded)
   return jnp.where(mask.reshape((-1,) + (1,) * (x.ndim - 1)), x, first)

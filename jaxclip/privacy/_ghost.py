@@ -292,7 +292,7 @@ def _two_pass_kept(
     return _ghost_book.two_pass(cap, weights, leaf_groups)
 
   def rerun():
-    onehot = jnp.arange(keep.shape[0]) == jnp.argmax(keep)
+    onehot = _batching.first_onehot(keep)
     clean = [
       jnp.where(keep.reshape((-1,) + (1,) * (x.ndim - 1)), x, _batching.first_real_row(x, onehot))
       if b

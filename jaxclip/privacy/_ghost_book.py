@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxclip._kernel import _numerics
-from jaxclip.privacy import _ghost_capture, _ghost_instantiate, _ghost_sites
+from jaxclip.privacy import _batching, _ghost_capture, _ghost_instantiate, _ghost_sites
 from jaxclip.privacy import _jax_internals as _jax
 from jaxclip.privacy._ghost_capture import Captured
 from jaxclip.privacy._ghost_rules import Plan
@@ -40,7 +40,7 @@ def kept(cap: Captured, keep: jax.Array) -> Captured:
   pull-back. (Copies of a kept row, not zeros: a site's derivative may be
   infinite at zero data.)
   """
-  onehot = jnp.arange(cap.n) == jnp.argmax(keep)
+  onehot = _batching.first_onehot(keep)
 
   def rows(x):
     return keep.reshape((-1,) + (1,) * (x.ndim - 1))
