@@ -253,7 +253,7 @@ def formulations(quick: bool) -> dict[str, Callable[[list[jax.Array]], jax.Array
     "vdot per leaf": norm_vdot,
     "pallas: 1 kernel, tiles 1024x32, 4 warps": _pallas(block=1024, steps=32, num_warps=4),
     "pallas: 1 kernel, tiles 2048x16, 8 warps": _pallas(block=2048, steps=16, num_warps=8),
-    "jaxclip's CUDA kernel (scaled tiles 1024x32)": lambda leaves: _platform_cuda().norm(
+    "jaxclip's CUDA kernel (scaled tiles 1024x32)": lambda leaves: _platform_cuda().cuda_norm(
       leaves, jax.default_backend() != "gpu"
     ),
     "jaxclip's plain program (XLA reductions, rescue cond)": _plain_norm,

@@ -36,7 +36,8 @@ The rooms:
   (:func:`cuda_in_process`) and measured in ``benchmarks/gpu.md``.
 """
 
-from jaxclip._kernel._platform import _cuda
+from jaxclip._kernel._platform._cuda import cuda_norm as cuda_norm
+from jaxclip._kernel._platform._cuda import cuda_norm_applies as cuda_norm_applies
 from jaxclip._kernel._platform._ghost_cost import GHOST_FLOPS_SHARE_CPU as GHOST_FLOPS_SHARE_CPU
 from jaxclip._kernel._platform._ghost_cost import ghost_cost_model as ghost_cost_model
 from jaxclip._kernel._platform._reductions import combine_scalars as combine_scalars
@@ -52,6 +53,3 @@ from jaxclip._kernel._platform._switch import cuda_in_process as cuda_in_process
 from jaxclip._kernel._platform._switch import on_cpu as on_cpu
 from jaxclip._kernel._platform._switch import on_cuda as on_cuda
 from jaxclip._kernel._platform._vectors import map_leaves as map_leaves
-
-cuda_norm = _cuda.norm
-cuda_norm_applies = _cuda.applies

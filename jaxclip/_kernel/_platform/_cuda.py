@@ -9,11 +9,11 @@ every leaf once: program ``p`` of its grid reduces one tile of one leaf (a
 static table says which: one ``pl.when`` branch per leaf), scaled by the
 power of two of the tile's largest magnitude, so no sum overflows or
 underflows, and XLA combines the tiles' ``(exponent, sum)`` pairs. There is
-no conditional. Derivatives are the plain norm's (:func:`norm`'s JVP).
+no conditional. Derivatives are the plain norm's (:func:`cuda_norm`'s JVP).
 
 Only for what was measured there: float32 and bfloat16 leaves, at most
 ``MAX_LEAVES`` of them, whole on one device. Elsewhere the plain programs
-run (:func:`applies`).
+run (:func:`cuda_norm_applies`).
 """
 
 from __future__ import annotations
@@ -36,8 +36,20 @@ _DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 _MIN_EXP, _MAX_EXP = -126, 126  # 2**-e stays a normal float32
 
 
-def applies(leaves: list[Any]) -> bool:
-  """Whether :func:`norm` may compute the 2-norm of ``leaves`` on CUDA."""
+@functools.cache
+def _has_triton_pallas() -> bool:
+  """Whether this jax has Pallas' Triton backend (deprecated in jax 0.12)."""
+  try:
+    from jax.experimental.pallas import triton  # noqa: F401
+  except ImportError:
+    return False
+  return True
+
+
+def cuda_norm_applies(leaves: list[Any]) -> bool:
+  """Whether :func:`cuda_norm` may compute the 2-norm of ``leaves`` on CUDA."""
+  if not _has_triton_pallas():
+    return False
   sizes = [constant_size(x) for x in leaves]
   if None in sizes or not 0 < sum(s > 0 for s in sizes) <= MAX_LEAVES:
     return False
@@ -129,8 +141,8 @@ def _parts(leaves: list[jax.Array], interpret: bool) -> tuple[jax.Array, jax.Arr
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(1,))
-def norm(leaves: list[jax.Array], interpret: bool = False) -> jax.Array:
-  """The float32 2-norm of every entry of ``leaves`` together (see :func:`applies`).
+def cuda_norm(leaves: list[jax.Array], interpret: bool = False) -> jax.Array:
+  """The float32 2-norm of every entry of ``leaves`` together (see :func:`cuda_norm_applies`).
 
   ``interpret=True`` runs the kernel's program on any backend (tests).
   """
@@ -145,10 +157,10 @@ def norm(leaves: list[jax.Array], interpret: bool = False) -> jax.Array:
   return jnp.where(jnp.isfinite(total), jnp.minimum(root, jnp.finfo(jnp.float32).max), root)
 
 
-@norm.defjvp
+@cuda_norm.defjvp
 def _norm_jvp(interpret, primals, tangents):
   (leaves,), (dleaves,) = primals, tangents
-  n = norm(leaves, interpret)
+  n = cuda_norm(leaves, interpret)
   safe = jnp.where(n > 0, n, 1)
   dots = [
     jnp.sum((x.astype(jnp.float32) / safe) * dx.astype(jnp.float32))
