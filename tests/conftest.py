@@ -112,6 +112,7 @@ SLOW_FILES = (
   "tests/test_multihost.py",
   "tests/test_notebooks.py",
   "tests/test_optax_suite.py",
+  "tests/test_platform_cuda.py",
   "tests/test_properties.py",
   "tests/test_training_loops.py",
   "tests/test_wheel.py",

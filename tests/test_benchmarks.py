@@ -352,3 +352,17 @@ def test_peers_run_without_torch_writes_the_table_and_names_the_extra(
   assert len(opacus) == 4 and all(r["CPU ms"] == "not installed" for r in opacus)
   notes = text.split("## Cases not run")[1]
   assert notes.count("`peers` extra") == 4 and _peers.INSTALL in notes
+
+
+def test_gpu_norm_script_quick_run(tmp_path):
+  """benchmarks/gpu_norm.py's smoke run: every formulation gives the float64 norm."""
+  from benchmarks import gpu_norm
+
+  forms = "jaxclip.ops|optax|4 groups"  # the kernels' own checks: tests/test_platform_cuda.py
+  gpu_norm.main(["--part", "norm", "--out", str(tmp_path), "--quick", "--forms", forms])
+  rows = json.loads((tmp_path / "norm.json").read_text())["rows"]
+  assert len(rows) == 3, [r["case"] for r in rows]
+  assert all("error" not in r and r["rel_err"] < 1e-6 for r in rows), rows
+  gpu_norm.main(["--part", "copy", "--out", str(tmp_path), "--quick"])
+  cases = [r["case"] for r in json.loads((tmp_path / "copy.json").read_text())["rows"]]
+  assert len(cases) >= 5 and any("scale pass" in c for c in cases), cases

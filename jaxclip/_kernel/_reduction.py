@@ -78,11 +78,33 @@ def tree_norm(
   For ``ord=2`` this is ``sqrt(sum_leaves(sum(|x|**2)))`` with one square root
   at the end (never a norm per leaf squared back). Empty trees give ``0``.
   The partial sums are :func:`jaxclip._kernel._platform.shares_by_group`.
+  On CUDA GPUs a 2-norm of float32/bfloat16 leaves whole on one device is
+  :func:`jaxclip._kernel._platform.cuda_norm` instead (one kernel, no
+  conditional), in processes that have a CUDA backend.
 
   With ``axis_name`` the partial sums (max for ``ord=inf``) are combined by a
   scalar ``psum`` (``pmax``) before the root, replicated leaves counted once;
   see ``docs/sharding_args.md`` and :func:`leaf_reduction_axes`.
   """
+  if axis_name is None:
+    _no_device_args(replicated, partition_specs)
+    if ord == 2 and _platform.cuda_in_process():
+      arrays = [_numerics.as_array(x) for x in jax.tree.leaves(tree)]
+      if _platform.cuda_norm_applies(arrays):
+        return _platform.on_cuda(
+          _platform.cuda_norm, lambda a: _plain_tree_norm(a, ord, None, None, None), arrays
+        )
+  return _plain_tree_norm(tree, ord, axis_name, replicated, partition_specs)
+
+
+def _plain_tree_norm(
+  tree: Any,
+  ord: float,
+  axis_name: AxisName | None,
+  replicated: Any,
+  partition_specs: Any,
+) -> jax.Array:
+  """:func:`tree_norm` as XLA's reductions, rescued by a ``lax.cond`` (every platform)."""
   acc = _numerics.tree_accumulation_dtype(tree)
   op, term = _numerics.norm_op(ord), _numerics.norm_term(ord)
 
@@ -99,8 +121,6 @@ def tree_norm(
       tree, partials, axis_name, replicated, partition_specs, op=op, dtype=acc
     )
 
-  if axis_name is None:
-    _no_device_args(replicated, partition_specs)
   total = total_of(tree, term, op)
   leaves = jax.tree.leaves(tree)
   if ord == math.inf or _tree_size(leaves) == 0:

@@ -29,9 +29,15 @@ The rooms:
   at opaque indices;
 * ``_vectors``: a per-tensor rule vmapped over vectors of every leaf's
   scalars;
-* ``_ghost_cost``: the ghost cost model's CPU constant.
+* ``_ghost_cost``: the ghost cost model's CPU constant;
+* ``_cuda``: the global 2-norm on CUDA GPUs, every leaf in one Pallas
+  (Triton) kernel with no conditional (:func:`cuda_norm`), staged with
+  :func:`on_cuda` in processes that have a CUDA backend
+  (:func:`cuda_in_process`) and measured in ``benchmarks/gpu.md``.
 """
 
+from jaxclip._kernel._platform._cuda import cuda_norm as cuda_norm
+from jaxclip._kernel._platform._cuda import cuda_norm_applies as cuda_norm_applies
 from jaxclip._kernel._platform._ghost_cost import GHOST_FLOPS_SHARE_CPU as GHOST_FLOPS_SHARE_CPU
 from jaxclip._kernel._platform._ghost_cost import ghost_cost_model as ghost_cost_model
 from jaxclip._kernel._platform._reductions import combine_scalars as combine_scalars
@@ -43,5 +49,7 @@ from jaxclip._kernel._platform._reductions import share as share
 from jaxclip._kernel._platform._reductions import share_vector as share_vector
 from jaxclip._kernel._platform._reductions import shares_by_group as shares_by_group
 from jaxclip._kernel._platform._stacks import scale_each_leaf as scale_each_leaf
+from jaxclip._kernel._platform._switch import cuda_in_process as cuda_in_process
 from jaxclip._kernel._platform._switch import on_cpu as on_cpu
+from jaxclip._kernel._platform._switch import on_cuda as on_cuda
 from jaxclip._kernel._platform._vectors import map_leaves as map_leaves

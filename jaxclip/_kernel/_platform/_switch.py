@@ -1,7 +1,8 @@
-"""The platform switch, and which leaves the XLA:CPU choices treat as small."""
+"""The platform switches, and which leaves the XLA:CPU choices treat as small."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -22,6 +23,26 @@ def on_cpu(cpu: Callable[..., Any], default: Callable[..., Any], *args: Any) -> 
   Both are traced, and only the one for the lowering platform is compiled.
   """
   return jax.lax.platform_dependent(*args, cpu=cpu, default=default)
+
+
+def on_cuda(cuda: Callable[..., Any], default: Callable[..., Any], *args: Any) -> Any:
+  """``cuda(*args)`` in programs lowered for CUDA GPUs, ``default(*args)`` elsewhere (ROCm too)."""
+  return jax.lax.platform_dependent(*args, cuda=cuda, default=default)
+
+
+@functools.cache
+def cuda_in_process() -> bool:
+  """Whether this process has a CUDA backend.
+
+  The CUDA choices are staged only then: their kernels take seconds to trace
+  for a tree of a hundred leaves, which a process that cannot run them should
+  not pay. A program exported for ``cuda`` from a process without one runs
+  the plain program there.
+  """
+  try:
+    return bool(jax.devices("cuda"))
+  except (RuntimeError, ValueError):  # no such backend in this process
+    return False
 
 
 def is_small(x: Any, limit: int = SMALL_LEAF) -> bool:
