@@ -433,3 +433,23 @@ def test_two_pass_float16_sum_of_many_unit_gradients_is_finite():
     x, y = jnp.ones((n, 1), dt), jnp.ones((n, 1), dt)
     total = fn(params, x, y)[0]["w"]
     assert total.dtype == jnp.float32 and float(total[0, 0]) == n, (n, total)
+
+
+def test_two_pass_rerun_without_a_nonfinite_example_takes_key_arguments():
+  # The second pass's rerun replaces the dropped example's rows by a kept one's: a batched
+  # jax.random key (a dropout key per example) included.
+  def loss(p, x, y, key):
+    keep = jax.random.bernoulli(key, 0.9, (4,))
+    h = jax.checkpoint(lambda w, x: jnp.tanh(x @ w))(p["w1"], x[:3])
+    return (jnp.where(keep, h, 0.0) @ p["w2"] - y) ** 2
+
+  params = _params("mlp", jnp.float32)
+  params = {"w1": params["w1"], "w2": params["w2"]}
+  xs, ys = _with(_batch("mlp", jnp.float32, N), _attack("mlp", "nan", jnp.float32), "clip")
+  keys = jax.random.split(jax.random.key(0), N + 1)
+  assert jaxclip.ghost_plan(loss, params, xs, ys, keys).passes == 2
+  fn = jaxclip.per_example_clipped_grad(loss, C, method="ghost", return_num_nonfinite=True)
+  total, _, num_nonfinite = jax.jit(fn)(params, xs, ys, keys)
+  kept = jax.jit(fn)(params, xs[:N], ys[:N], keys[:N])[0]
+  assert int(num_nonfinite) == 1
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), total, kept)

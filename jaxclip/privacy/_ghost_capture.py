@@ -284,8 +284,13 @@ _HALF = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
 def is_half(x: Any) -> bool:
-  """Whether ``x`` (a value or abstract value) is bfloat16 or float16."""
-  return x is not None and jnp.result_type(getattr(x, "dtype", x)) in _HALF
+  """Whether ``x`` (a value or abstract value) is bfloat16 or float16 (``False`` for a key)."""
+  if x is None:
+    return False
+  dtype = getattr(x, "dtype", None)
+  if dtype is not None and jnp.issubdtype(dtype, jax.dtypes.extended):
+    return False
+  return jnp.result_type(x if dtype is None else dtype) in _HALF
 
 
 def widened(x: Any) -> Any:
