@@ -504,7 +504,17 @@ def _site_gradients(
   leaves = [widened(x) for x in inputs.leaves] if wide else inputs.leaves
   loss, vjp, (aux, drecs) = jax.vjp(losses, leaves, zs, has_aux=True)
   gs = lend(vjp(jnp.ones_like(loss))[1])
-  return drecs, gs, aux, lambda weights: vjp(weights.astype(loss.dtype))[0]
+  return drecs, gs, aux, lambda weights: vjp(_rounded_down(weights, loss.dtype))[0]
+
+
+def _rounded_down(weights: jax.Array, dtype: Any) -> jax.Array:
+  """``weights`` in ``dtype``, each rounded toward zero where ``dtype`` is narrower: a clip
+  weight rounded up to half precision would let its example exceed its clip."""
+  out = weights.astype(dtype)
+  if jnp.finfo(dtype).bits >= jnp.finfo(weights.dtype).bits:
+    return out
+  above = jnp.abs(out.astype(weights.dtype)) > jnp.abs(weights)
+  return jnp.where(above, jnp.nextafter(out, jnp.zeros((), dtype)), out)
 
 
 def _has_half(leaves: Sequence[Any], sites: Sequence[Site]) -> bool:
