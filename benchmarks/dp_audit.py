@@ -41,8 +41,10 @@ drawn, not which. It gets one run per canary instead (the same pipeline on
 a small dataset, every run in one ``jax.vmap``-ed program): run ``j`` holds
 the NaN example with probability 1/2, and its score is whether its final
 parameters are NaN. The same runs through ``per_example_clipped_grad``
-(row ``NaN example, jaxclip's clip``) measure the library: its bound stays
-at most the claimed ε once a non-finite example contributes zero.
+(row ``NaN example, jaxclip's clip``) measure the library, whose clip gives
+a non-finite example zero weight and counts it (``return_num_nonfinite=``):
+its bound must stay at most the claimed ε, and the runs that drew the NaN
+example must have counted it.
 
 The audit's bound is a lower bound on the ε of the pipeline at the stated
 confidence; it is not the ε (one-run audits of DP-SGD with Gaussian noise
@@ -204,15 +206,18 @@ def train(
 ) -> tuple[dict, jax.Array]:
   """DP-SGD on ``data``: Poisson batches, clipped sum, ``dp_noise``, SGD; traceable.
 
-  Returns the final params and the number of steps whose batch overflowed
-  its rows (truncated; the audit checks it is 0). ``absent`` (an index or
-  None) is a row masked out of every batch: the dataset without it.
+  Returns the final params, the number of steps whose batch overflowed its
+  rows (truncated; the audit checks it is 0) and the number of non-finite
+  examples the clip counted (0 for a clip that counts none). ``grad_fn``
+  returns ``(clipped sum, non-finite count or None)``; ``None``: jaxclip's
+  (:func:`jaxclip_clipped_grad`). ``absent`` (an index or None) is a row
+  masked out of every batch: the dataset without it.
   """
   n = len(data["y"])
   rows = _max_rows(cfg, n)
   expected = cfg.sampling_rate * n
   if grad_fn is None:
-    grad_fn = jaxclip.per_example_clipped_grad(example_loss, cfg.clip)
+    grad_fn = jaxclip_clipped_grad(cfg.clip)
   tx = optax.chain(
     jaxclip.dp_noise(cfg.clip, noise_multiplier, seed=noise_seed, expected_batch_size=expected),
     optax.sgd(cfg.learning_rate),
@@ -225,13 +230,28 @@ def train(
     batch = jaxclip.poisson_batch(key, n, cfg.sampling_rate, rows)
     mask = batch.mask if absent is None else batch.mask & (batch.indices != absent)
     rows_ = {k: v[batch.indices] for k, v in data.items()}
-    total, _ = grad_fn(params, rows_["x"], rows_["slot"], rows_["s"], rows_["y"], example_mask=mask)
+    total, count = grad_fn(
+      params, rows_["x"], rows_["slot"], rows_["s"], rows_["y"], example_mask=mask
+    )
     updates, state = tx.update(total, state, params)
-    return (optax.apply_updates(params, updates), state), batch.overflow
+    count = jnp.zeros((), jnp.int32) if count is None else jnp.asarray(count, jnp.int32)
+    return (optax.apply_updates(params, updates), state), (batch.overflow, count)
 
   keys = jax.random.split(sampling_key, cfg.steps)
-  (params, _), overflow = jax.lax.scan(step, (params, tx.init(params)), keys)
-  return params, jnp.sum(overflow)
+  (params, _), (overflow, count) = jax.lax.scan(step, (params, tx.init(params)), keys)
+  return params, jnp.sum(overflow), jnp.sum(count)
+
+
+def jaxclip_clipped_grad(l2_norm_clip: float) -> Callable:
+  """jaxclip's clip: ``(clipped sum, non-finite examples)``, a non-finite example contributing
+  zero (``per_example_clipped_grad(..., return_num_nonfinite=True)``)."""
+  fn = jaxclip.per_example_clipped_grad(example_loss, l2_norm_clip, return_num_nonfinite=True)
+
+  def grad_fn(params, *batch, example_mask):
+    total, _, num_nonfinite = fn(params, *batch, example_mask=example_mask)
+    return total, num_nonfinite
+
+  return grad_fn
 
 
 def replay_noise(cfg: Config, n: int, noise_multiplier: float, seed: int, canary_slots: int):
@@ -291,7 +311,7 @@ def one_run_audits(cfg: Config, sigma: float, pipelines: tuple[str, ...]) -> dic
     start = time.perf_counter()
     seed = PUBLIC_SEED if pipeline == "public seed" else secret_seed()
     noise = 0.0 if pipeline == "no noise" else sigma / UNDER_NOISED.get(pipeline, 1)
-    params, overflow = program(data, jnp.float32(noise), jnp.uint32(seed), secret_key())
+    params, overflow, _ = program(data, jnp.float32(noise), jnp.uint32(seed), secret_key())
     scores = np.asarray(params["c"])
     if pipeline == "public seed":  # the attacker subtracts the noise it regenerates
       scores = scores - np.asarray(replay_noise(cfg, n, sigma, PUBLIC_SEED, cfg.canaries)["c"])
@@ -311,7 +331,9 @@ def nan_runs_audit(cfg: Config, sigma: float, *, clip: str) -> dict:
   """One run per canary (vmapped): run ``j`` holds a NaN example with probability 1/2.
 
   ``clip="textbook"`` clips by hand (:func:`textbook_clipped_grad`, which
-  leaks); ``clip="jaxclip"`` through ``per_example_clipped_grad``.
+  leaks); ``clip="jaxclip"`` through ``per_example_clipped_grad``
+  (:func:`jaxclip_clipped_grad`). ``counted``: the runs that counted a
+  non-finite example; ``drawn``: those that held it in some batch.
   """
   rng = np.random.default_rng(secrets.randbits(128))
   data = _concat(
@@ -323,21 +345,36 @@ def nan_runs_audit(cfg: Config, sigma: float, *, clip: str) -> dict:
   grad_fn = (
     textbook_clipped_grad(example_loss, cfg.clip)
     if clip == "textbook"
-    else jaxclip.per_example_clipped_grad(example_loss, cfg.clip)
+    else jaxclip_clipped_grad(cfg.clip)
   )
   seeds = jnp.asarray(np.frombuffer(secrets.token_bytes(4 * cfg.canaries), np.uint32))
   keys = jax.random.split(secret_key(), cfg.canaries)
 
   def one(inside, seed, key):
     absent = jnp.where(inside, -1, canary_row)
-    params, overflow = train(
+    params, overflow, count = train(
       cfg, data, sigma, seed, key, canary_slots=1, grad_fn=grad_fn, absent=absent
     )
     poisoned = ~jnp.all(jnp.isfinite(jnp.concatenate([params["w"], params["c"]])))
-    return poisoned.astype(jnp.float32), overflow
+    drawn = jnp.any(_drawn(cfg, len(data["y"]), key, canary_row)) & inside
+    return poisoned.astype(jnp.float32), overflow, count > 0, drawn
 
-  scores, overflow = jax.jit(jax.vmap(one))(jnp.asarray(included), seeds, keys)
-  return {**audit(cfg, *_split(scores, included)), "overflow": int(jnp.sum(overflow))}
+  scores, overflow, counted, drawn = jax.jit(jax.vmap(one))(jnp.asarray(included), seeds, keys)
+  return {
+    **audit(cfg, *_split(scores, included)),
+    "overflow": int(jnp.sum(overflow)),
+    "counted": int(jnp.sum(counted)),
+    "drawn": int(jnp.sum(drawn)),
+    "counted_when_drawn": bool(jnp.all(counted == drawn)),
+  }
+
+
+def _drawn(cfg: Config, n: int, sampling_key: jax.Array, row: int) -> jax.Array:
+  """Whether each step's Poisson batch (as :func:`train` draws them) holds ``row``."""
+  rows = _max_rows(cfg, n)
+  keys = jax.random.split(sampling_key, cfg.steps)
+  batch = jax.vmap(lambda k: jaxclip.poisson_batch(k, n, cfg.sampling_rate, rows))(keys)
+  return jnp.any(batch.mask & (batch.indices == row), axis=1)
 
 
 UNDER_NOISED = {"σ / 2": 2, "σ / 4": 4, "σ / 8": 8}
@@ -379,10 +416,8 @@ def run(cfg: Config, pipelines: tuple[str, ...] = tuple(PIPELINES)) -> dict:
       )
     elif pipeline in BROKEN:
       r["true_epsilon"] = math.inf  # the noise is known or absent, or one example leaks a bit
-    elif pipeline == "correct":
+    else:  # correct, and jaxclip's clip, whose NaN example contributes nothing
       r["true_epsilon"] = claimed
-    else:  # jaxclip's clip with a NaN example: the claimed ε if it contributes nothing, else ∞
-      r["true_epsilon"] = None
     print(pipeline, r, flush=True)
   half = cfg.canaries // 2
   ceiling = auditing.CanaryScoreAuditor(np.ones(half), np.zeros(cfg.canaries - half))
@@ -407,8 +442,8 @@ HEADER = [
 ]
 
 
-def _eps(value: float | None) -> str:
-  return "?" if value is None else "∞" if math.isinf(value) else f"{value:.3f}"
+def _eps(value: float) -> str:
+  return "∞" if math.isinf(value) else f"{value:.3f}"
 
 
 def markdown(cfg: Config, result: dict, meta: dict) -> str:
@@ -431,8 +466,8 @@ def markdown(cfg: Config, result: dict, meta: dict) -> str:
     f"With {cfg.canaries:,} canaries, half in, a perfect attack would certify at most "
     f"ε ≥ {result['ceiling']:.2f}: the audit's ceiling. `ε of what ran`: `dp_epsilon` of "
     "the noise the pipeline added (∞: the noise is known or absent, or one example "
-    "releases a bit; `?` for jaxclip's clip with a NaN example: the claimed ε if such an "
-    "example contributes nothing, ∞ if it leaks, which the audit tests). `f-DP audit`: "
+    "releases a bit; jaxclip's clip gives a NaN example zero weight, so the claimed ε, "
+    "which the audit tests). `f-DP audit`: "
     "`epsilon_one_run_fdp` (Mahloujifar et al. 2024, under a Gaussian trade-off curve), "
     "for information. `s`: seconds of the row (compiles included).",
     "",
@@ -447,6 +482,12 @@ def markdown(cfg: Config, result: dict, meta: dict) -> str:
     )
   lines += ["", "The pipelines:", ""]
   lines += [f"- **{name}**: {PIPELINES[name]}." for name in result["rows"]]
+  for name, r in result["rows"].items():
+    if "counted" in r and name != "NaN example":
+      lines.append(
+        f"- {name}: {r['drawn']} of the {r['in']} runs that held the NaN example drew it into "
+        f"a batch; {r['counted']} runs counted a non-finite example (`num_nonfinite`)."
+      )
   lines += ["", *(f"- {k}: {v}" for k, v in meta.items())]
   return "\n".join(lines) + "\n"
 

@@ -119,7 +119,7 @@ SLOW_FILES = (
 )
 SLOW_TESTS = (
   "test_multi_device[",  # the 8-device subprocess of a file's md_* checks
-  "test_adversarial_full_product[",  # 288 compiled cases (the inner loop runs a slice)
+  "test_adversarial_full_product[",  # 384 compiled cases (the inner loop runs a slice)
   "test_collectives",
   "test_fsdp_example_runs",
   "test_each_check_reports_on_its_own",  # the md_* runner's own subprocesses

@@ -43,6 +43,12 @@ def _mlp_loss(p, x, y):
   return (h @ p["w2"] - y) ** 2
 
 
+def _remat_loss(p, x, y):
+  """The MLP with its first layer rematerialised: ghost takes two backward passes."""
+  h = jax.checkpoint(lambda w, b, x: jnp.tanh(x @ w + b))(p["w1"], p["b1"], x[:3])
+  return (h @ p["w2"] - y) ** 2
+
+
 def _linear_loss(p, x, y):
   return (x @ p["w"] - y) ** 2
 
@@ -57,7 +63,7 @@ def _embed_loss(p, ids, y):
 
 def _params(model, dtype):
   k = jax.random.split(jax.random.key(7), 3)
-  if model == "mlp":
+  if model in ("mlp", "remat"):
     p = {
       "w1": jax.random.normal(k[0], (3, 4)),
       "b1": jax.random.normal(k[1], (4,)),
@@ -71,9 +77,10 @@ def _params(model, dtype):
   return jax.tree.map(lambda a: a.astype(dtype), p)
 
 
-LOSSES = {"mlp": _mlp_loss, "linear": _linear_loss, "embed": _embed_loss}
+LOSSES = {"mlp": _mlp_loss, "linear": _linear_loss, "embed": _embed_loss, "remat": _remat_loss}
 PER_LAYER = {  # per-layer clips: a pytree prefix of the params
   "mlp": {"w1": 0.6, "b1": 0.3, "w2": 0.7},
+  "remat": {"w1": 0.6, "b1": 0.3, "w2": 0.7},
   "linear": {"w": 0.8},
   "embed": {"emb": 0.6, "w": 0.8},
 }
@@ -252,11 +259,12 @@ def _check_case(model, mode, method, dtype, copies=1):
 
 
 ALL_CASES = list(itertools.product(LOSSES, MODES, METHODS, DTYPES))
-# The inner loop's slice: every mode once, every method, dtype and model more than once.
+# The inner loop's slice: every mode once, every method, dtype and model more than once (the
+# rematerialised model, whose ghost plan takes two backward passes, in half precision).
 SLICE = [
   (tuple(LOSSES)[i % 3], MODES[i], METHODS[(i + i // 3) % 3], DTYPES[(i + i // 4) % 4])
   for i in range(len(MODES))
-]
+] + [("remat", "microbatch", "ghost", "bfloat16"), ("remat", "normalize", "ghost", "float16")]
 
 
 @pytest.mark.parametrize("model, mode, method, dtype", SLICE)
@@ -362,28 +370,86 @@ def test_optax_dropins_bounded(wrapper, dtype):
 # ----------------------------------------------------------------------------
 
 
-def _remat_loss(p, x, y):
-  h = jax.checkpoint(lambda w, x: jnp.tanh(x @ w))(p["w1"], x[:3])
-  return (h @ p["w2"] - y) ** 2
-
-
 @pytest.mark.parametrize("method", ["ghost", "auto"])
 def test_two_pass_plan_selects_a_nonfinite_example_away(method):
   """With a rematerialised layer the clipped sum is a second, weighted backward pass: a NaN
   example at weight 0 would still give 0 * nan there, so the pass is rerun without it."""
-  params = _params("mlp", jnp.float32)
-  params = {"w1": params["w1"], "w2": params["w2"]}
-  plan = jaxclip.ghost_plan(_remat_loss, params, *_batch("mlp", jnp.float32, N))
+  params = _params("remat", jnp.float32)
+  plan = jaxclip.ghost_plan(_remat_loss, params, *_batch("remat", jnp.float32, N))
   assert "two backward passes" in str(plan)
   fn = jax.jit(
     jaxclip.per_example_clipped_grad(
       _remat_loss, C, method=method, microbatch_size=4, return_num_nonfinite=True
     )
   )
-  batch = _batch("mlp", jnp.float32, N)
+  batch = _batch("remat", jnp.float32, N)
   base = _flat64(fn(params, *batch)[0])
   for name in ("nan", "inf", "overflow", "huge_loss", "normal"):
-    got = fn(params, *_with(batch, _attack("mlp", name, jnp.float32), "clip"))
+    got = fn(params, *_with(batch, _attack("remat", name, jnp.float32), "clip"))
     assert np.linalg.norm(_flat64(got[0]) - base) <= C * (1 + 1e-4), name
     # (a gradient norm past ~1.8e19 has a float32 squared norm of inf: ghost counts it too)
     assert int(got[2]) == (name in ("nan", "inf")) or name in ("overflow", "huge_loss"), name
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("mode", ["clip", "per_layer"])
+def test_two_pass_half_precision_large_sum(mode, dtype):
+  # As test_adversarial_half_precision_large_sum, through the second backward pass: a D of
+  # 1,020 examples whose sum that pass rounded to bfloat16/float16 before the noise.
+  params = _params("remat", jnp.float32)
+  assert jaxclip.ghost_plan(_remat_loss, params, *_batch("remat", jnp.float32, N)).passes == 2
+  assert not _check_case("remat", mode, "ghost", dtype, copies=170)
+
+
+def _scalar_remat_loss(p, x, y):
+  return jnp.sum(jax.checkpoint(lambda w, x: x @ w)(p["w"], x) * y)
+
+
+def test_two_pass_sums_bfloat16_gradients_in_float32():
+  # Issue #48's bfloat16 case through the second backward pass: 1,018 unit gradients sum to
+  # 1,018, halfway between the bfloat16 numbers 1,016 and 1,020 (which it rounded to 1,016);
+  # one more example of clipped norm 0.01 then rounded the sum to 1,020, a move of 4. Summed
+  # in float32, the example moves it by its own norm.
+  dt = jnp.bfloat16
+  params = {"w": jnp.zeros((1, 1), dt)}
+  x, y = jnp.ones((1018, 1), dt), jnp.ones((1018, 1), dt)
+  assert jaxclip.ghost_plan(_scalar_remat_loss, params, x, y).passes == 2
+  fn = jax.jit(jaxclip.per_example_clipped_grad(_scalar_remat_loss, C, method="ghost"))
+  base = fn(params, x, y)[0]["w"]
+  assert base.dtype == jnp.float32 and float(base[0, 0]) == 1018.0
+  small = jnp.full((1, 1), 0.01, dt)
+  got = fn(params, jnp.concatenate([x, small]), jnp.concatenate([y, jnp.ones((1, 1), dt)]))[0]
+  delta = abs(float(got["w"][0, 0]) - 1018.0)
+  assert delta <= float(small[0, 0]) * (1 + 1e-6), delta
+
+
+def test_two_pass_float16_sum_of_many_unit_gradients_is_finite():
+  # Issue #48's float16 case through the second backward pass: 65,520 unit gradients summed
+  # in float16 are inf (65,519 gave 65,504); in float32, 65,520.
+  dt = jnp.float16
+  params = {"w": jnp.zeros((1, 1), dt)}
+  fn = jax.jit(jaxclip.per_example_clipped_grad(_scalar_remat_loss, C, method="ghost"))
+  for n in (65_519, 65_520):
+    x, y = jnp.ones((n, 1), dt), jnp.ones((n, 1), dt)
+    total = fn(params, x, y)[0]["w"]
+    assert total.dtype == jnp.float32 and float(total[0, 0]) == n, (n, total)
+
+
+def test_two_pass_rerun_without_a_nonfinite_example_takes_key_arguments():
+  # The second pass's rerun replaces the dropped example's rows by a kept one's: a batched
+  # jax.random key (a dropout key per example) included.
+  def loss(p, x, y, key):
+    keep = jax.random.bernoulli(key, 0.9, (4,))
+    h = jax.checkpoint(lambda w, x: jnp.tanh(x @ w))(p["w1"], x[:3])
+    return (jnp.where(keep, h, 0.0) @ p["w2"] - y) ** 2
+
+  params = _params("mlp", jnp.float32)
+  params = {"w1": params["w1"], "w2": params["w2"]}
+  xs, ys = _with(_batch("mlp", jnp.float32, N), _attack("mlp", "nan", jnp.float32), "clip")
+  keys = jax.random.split(jax.random.key(0), N + 1)
+  assert jaxclip.ghost_plan(loss, params, xs, ys, keys).passes == 2
+  fn = jaxclip.per_example_clipped_grad(loss, C, method="ghost", return_num_nonfinite=True)
+  total, _, num_nonfinite = jax.jit(fn)(params, xs, ys, keys)
+  kept = jax.jit(fn)(params, xs[:N], ys[:N], keys[:N])[0]
+  assert int(num_nonfinite) == 1
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), total, kept)

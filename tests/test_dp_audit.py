@@ -13,12 +13,9 @@ its bound there is about 0.0-0.2 against a claimed ε of 1).
 
 from __future__ import annotations
 
-import inspect
-
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
 
 import jaxclip
 from benchmarks import dp_audit
@@ -98,21 +95,15 @@ def test_textbook_clip_is_the_library_clip_but_for_non_finite_examples():
   jax.tree.map(close, absent, textbook)
 
 
-# Issue #48 point 1 (branch i48s) makes a non-finite example contribute zero, counted by
-# `return_num_nonfinite=`: until that lands, the sum is NaN exactly when a NaN example is in
-# the batch, and the audit flags it (benchmarks/dp_audit.md). Strict: once it lands, this runs.
-_BOUNDS_NONFINITE = (
-  "return_num_nonfinite" in inspect.signature(jaxclip.per_example_clipped_grad).parameters
-)
-
-
-@pytest.mark.xfail(
-  not _BOUNDS_NONFINITE,
-  strict=True,
-  reason="#48 part 1 not merged: per_example_clipped_grad's sum is NaN when a NaN example is in",
-)
 def test_audit_passes_jaxclips_clip_with_a_nan_example():
+  # The same NaN-example runs that flag the hand-written clip, through per_example_clipped_grad:
+  # a non-finite example contributes zero (issue #48, point 1), so the runs with it and without
+  # it are the same, and the audit's bound stays at most the claimed ε; every run that drew the
+  # example into a batch counted it (return_num_nonfinite=), and no other run did.
   cfg = dp_audit.Config()
   result = dp_audit.run(cfg, ("NaN example, jaxclip's clip",))
   row = result["rows"]["NaN example, jaxclip's clip"]
-  assert row["epsilon_lb"] <= result["claimed"]
+  assert row["epsilon_lb"] <= result["claimed"] and not row["flagged"]
+  assert row["true_epsilon"] == result["claimed"]
+  assert row["drawn"] > 0.9 * row["in"] and row["counted"] == row["drawn"]
+  assert row["counted_when_drawn"]

@@ -68,7 +68,11 @@ def first_onehot(mask: jax.Array) -> jax.Array:
 
 
 def first_real_row(x: jax.Array, onehot: jax.Array) -> jax.Array:
-  """Row ``argmax(onehot)`` of ``x``, as a masked sum: safe on a sharded batch axis."""
+  """Row ``argmax(onehot)`` of ``x``, as a masked sum: safe on a sharded batch axis (for
+  ``jax.random`` keys, a row of their data)."""
+  if jnp.issubdtype(jax.typeof(x).dtype, jax.dtypes.extended):
+    data = first_real_row(jax.random.key_data(x), onehot)
+    return jax.random.wrap_key_data(data, impl=jax.random.key_impl(x))
   x = jnp.asarray(x)
   work = jnp.int32 if x.dtype == jnp.bool_ else x.dtype
   picked = jnp.where(

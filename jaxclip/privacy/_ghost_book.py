@@ -9,7 +9,11 @@ takes its own group's weights. Where the model holds bfloat16 or float16
 values, the sum is formed in float32: the weighted output gradients, the
 pull-back through each site and through ``h`` are evaluated in float32
 (``wide``), so that nothing rounds it to half precision before the noise.
-The second backward pass's float16 book-keeping with weights above 1
+The second backward pass does so too: its forward pass takes float32 copies
+of the leaves and evaluates each site in float32, its outputs rounded to
+their dtypes (``wide`` in :class:`jaxclip.privacy._ghost_capture.Forward`),
+so each site's sum over the batch, and the leaves' gradients, are float32.
+The second backward pass's float16 output gradients with weights above 1
 (automatic clipping) is scaled by a power of two into float16's range
 (:func:`_in_range`).
 """

@@ -55,6 +55,13 @@ class Forward(Walker):
       (:func:`jaxclip.privacy._ghost_norms.accumulates`). Where the input is
       the same value in every iteration of the site's scans, the zero is
       closed over by them, and the gradient is summed over the iterations.
+    wide: Whether the parameters' values come in float32 copies of
+      half-precision leaves (the two-pass plan's forward pass, whose second
+      backward pass gives the clipped sum): what depends on the parameters
+      alone is then evaluated in float32 (:func:`wide_bind`), and each site
+      in float32 with its outputs rounded to their dtypes, so that the model's
+      values are those of its own dtypes while the parameters' gradients,
+      summed over the batch at each site, are float32 (:func:`_narrowed`).
   """
 
   def __init__(
@@ -64,6 +71,7 @@ class Forward(Walker):
     tapped: frozenset[int] = frozenset(),
     probed: Mapping[int, Callable[..., Any]] | None = None,
     accumulated: frozenset[int] = frozenset(),
+    wide: bool = False,
     **kwargs: Any,
   ):
     super().__init__(sites, **kwargs)
@@ -71,6 +79,24 @@ class Forward(Walker):
     self.tapped = tapped
     self.probed = probed or {}
     self.accumulated = accumulated
+    self.wide = wide
+
+  def bind(self, eqn: Any, vals: list[Any], info: Info | None = None) -> list[Any]:
+    if not self.wide:
+      return _jax.bind(eqn, vals)
+    if info is not None and info.kind == PARAM:
+      return wide_bind(eqn, vals)
+    return _jax.bind(eqn, _narrowed(vals, eqn.invars))
+
+  def bind_site(self, eqn: Any, vals: list[Any]) -> list[Any]:
+    """A site's outputs: with ``wide``, evaluated in float32 and rounded to their dtypes."""
+    if not self.wide:
+      return _jax.bind(eqn, vals)
+    return _narrowed(wide_bind(eqn, vals), eqn.outvars)
+
+  def run(self, closed: Any, ins: Sequence[Pair]) -> list[Any]:
+    outs = super().run(closed, ins)
+    return _narrowed(outs, closed.jaxpr.outvars) if self.wide else outs
 
   def site(self, eqn: Any, vals: list[Any], infos: list[Info], aval: Any = None) -> list[Any]:
     index = len(self.records)
@@ -79,13 +105,14 @@ class Forward(Walker):
     fn = self.probed.get(u) or (_param_gradient(eqn, roles) if u in self.accumulated else None)
     if eqn is not None and fn is not None:
       self.records.append([])
-      out = _jax.bind(eqn, vals)
+      out = self.bind_site(eqn, vals)
       floats = _sites.float_outs(eqn, aval)
       (z,) = self.zs[index]
+      narrow = _narrowed(vals, eqn.invars) if self.wide else vals
       probed = _probe(
         fn,
         [out[j] for j in floats],
-        [v for v, r in zip(vals, roles, strict=True) if r == PARAM],
+        [v for v, r in zip(narrow, roles, strict=True) if r == PARAM],
         [v for v, r in zip(vals, roles, strict=True) if r == DATA],
         z,
       )
@@ -95,10 +122,15 @@ class Forward(Walker):
     if eqn is not None and self.base + index in self.tapped:
       self.records.append([])
       zs = iter(self.zs[index])
-      vals = [v + next(zs) if r == PARAM else v for v, r in zip(vals, roles, strict=True)]
-      return _jax.bind(eqn, vals)
+      vals = [
+        v + next(zs).astype(v.dtype) if r == PARAM else v for v, r in zip(vals, roles, strict=True)
+      ]
+      return self.bind_site(eqn, vals)
     self.records.append([v for v, r in zip(vals, roles, strict=True) if r == DATA])
-    out = list(vals) if eqn is None else _jax.bind(eqn, vals)
+    if eqn is None:  # the loss, which depends on the parameters alone
+      out = [vals[0].astype(aval.dtype)] if self.wide else list(vals)
+    else:
+      out = self.bind_site(eqn, vals)
     if self.zs[index]:  # none where the site takes another's output gradient (``borrowed``)
       for j, z in zip(_sites.float_outs(eqn, aval), self.zs[index], strict=True):
         out[j] = out[j] + z
@@ -116,6 +148,7 @@ class Forward(Walker):
       self.tapped,
       self.probed,
       self.accumulated,
+      self.wide,
       base=base,
       stack=stack,
       scans=scans,
@@ -236,7 +269,8 @@ class WideParamsPass(ParamsPass):
   no rounding to half precision on the way (:mod:`jaxclip.privacy._ghost_book`).
   """
 
-  def bind(self, eqn: Any, vals: list[Any]) -> list[Any]:
+  def bind(self, eqn: Any, vals: list[Any], info: Info | None = None) -> list[Any]:
+    del info
     return wide_bind(eqn, vals)
 
   def site(self, eqn: Any, vals: list[Any], infos: list[Info], aval: Any = None) -> list[Any]:
@@ -250,13 +284,27 @@ _HALF = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
 def is_half(x: Any) -> bool:
-  """Whether ``x`` (a value or abstract value) is bfloat16 or float16."""
-  return x is not None and jnp.result_type(getattr(x, "dtype", x)) in _HALF
+  """Whether ``x`` (a value or abstract value) is bfloat16 or float16 (``False`` for a key)."""
+  if x is None:
+    return False
+  dtype = getattr(x, "dtype", None)
+  if dtype is not None and jnp.issubdtype(dtype, jax.dtypes.extended):
+    return False
+  return jnp.result_type(x if dtype is None else dtype) in _HALF
 
 
 def widened(x: Any) -> Any:
   """``x`` in float32 if it is bfloat16 or float16 (exact), else ``x``."""
   return x.astype(jnp.float32) if is_half(x) else x
+
+
+def _narrowed(vals: Sequence[Any], avars: Sequence[Any]) -> list[Any]:
+  """Each value in its variable's half-precision dtype where it was widened (:func:`widened`);
+  the others as they are."""
+  return [
+    x.astype(v.aval.dtype) if x is not None and is_half(v.aval) and x.dtype != v.aval.dtype else x
+    for x, v in zip(vals, avars, strict=True)
+  ]
 
 
 class _Wide(NamedTuple):
@@ -343,7 +391,9 @@ class Captured(NamedTuple):
       are their param inputs' gradients too).
     accumulated: As in :class:`Inputs`.
     weighted: With probed sites, ``weights -> sum_b weights_b grad_b`` (the
-      parameters' gradients, in their dtypes): the second backward pass.
+      parameters' gradients, in their dtypes, in float32 where the model has
+      half precision: see ``wide`` in :class:`Forward`): the second backward
+      pass.
     wide_pass: ``params_pass`` evaluated in float32 where the model has half
       precision (:class:`WideParamsPass`), for float32 leaves.
   """
@@ -418,9 +468,13 @@ def _site_gradients(
     it = iter(data_b)
     return [next(it) if b else x for x, b in zip(inputs.arg_leaves, inputs.batched, strict=True)]
 
+  # Two passes with half precision: the forward pass takes float32 copies of the leaves (see
+  # ``wide`` in :class:`Forward`), so the second backward pass sums in float32.
+  wide = bool(inputs.probed) and _has_half(inputs.leaves, sites)
+
   def losses(leaves, zs):
     def one(zs_b, data_b):
-      walker = Forward(zs_b, sites, inputs.tapped, inputs.probed, inputs.accumulated)
+      walker = Forward(zs_b, sites, inputs.tapped, inputs.probed, inputs.accumulated, wide)
       ins = list(zip(list(leaves) + merge(data_b), in_infos, strict=True))
       outs = walker.run(inputs.closed, ins)
       return outs[0], (outs[1:], walker.records)
@@ -447,9 +501,26 @@ def _site_gradients(
   if not inputs.probed:  # the zeros only
     loss, vjp, (aux, drecs) = jax.vjp(lambda zs: losses(inputs.leaves, zs), zs, has_aux=True)
     return drecs, lend(vjp(jnp.ones_like(loss))[0]), aux, None
-  loss, vjp, (aux, drecs) = jax.vjp(losses, inputs.leaves, zs, has_aux=True)
+  leaves = [widened(x) for x in inputs.leaves] if wide else inputs.leaves
+  loss, vjp, (aux, drecs) = jax.vjp(losses, leaves, zs, has_aux=True)
   gs = lend(vjp(jnp.ones_like(loss))[1])
-  return drecs, gs, aux, lambda weights: vjp(weights.astype(loss.dtype))[0]
+  return drecs, gs, aux, lambda weights: vjp(_rounded_down(weights, loss.dtype))[0]
+
+
+def _rounded_down(weights: jax.Array, dtype: Any) -> jax.Array:
+  """``weights`` in ``dtype``, each rounded toward zero where ``dtype`` is narrower: a clip
+  weight rounded up to half precision would let its example exceed its clip."""
+  out = weights.astype(dtype)
+  if jnp.finfo(dtype).bits >= jnp.finfo(weights.dtype).bits:
+    return out
+  above = jnp.abs(out.astype(weights.dtype)) > jnp.abs(weights)
+  return jnp.where(above, jnp.nextafter(out, jnp.zeros((), dtype)), out)
+
+
+def _has_half(leaves: Sequence[Any], sites: Sequence[Site]) -> bool:
+  """Whether a leaf, or a site's input or output, is bfloat16 or float16."""
+  avals = [v.aval for s in sites if s.eqn is not None for v in (*s.eqn.invars, *s.eqn.outvars)]
+  return any(is_half(x) for x in [*leaves, *avals, *(a for s in sites for a in s.out_avals)])
 
 
 def _params_pass(inputs: Inputs, sites: Sequence[Site], kind: type = ParamsPass) -> Any:

@@ -181,11 +181,13 @@ class Walker:
       info = _sites.view_of(eqn, infos)
     else:
       info = _sites.CONST_INFO
-    res = self.bind(eqn, vals) if self.computes(info) else [None] * len(eqn.outvars)
+    res = self.bind(eqn, vals, info) if self.computes(info) else [None] * len(eqn.outvars)
     return [(x, info) for x in res]
 
-  def bind(self, eqn: Any, vals: list[Any]) -> list[Any]:
-    """Evaluates an equation that is not a site (its primitive applied to ``vals``)."""
+  def bind(self, eqn: Any, vals: list[Any], info: Info | None = None) -> list[Any]:
+    """Evaluates an equation that is not a site (its primitive applied to ``vals``); ``info``
+    is its outputs' class."""
+    del info
     return _jax.bind(eqn, vals)
 
   def scan(self, eqn: Any, shape: _ScanShape, ins: list[Pair]) -> list[Pair]:
