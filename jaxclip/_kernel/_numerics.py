@@ -311,9 +311,7 @@ def _scaled_with_one_rescue(fn, ord, axes, leaves, companions, operands) -> list
     norms = jax.lax.cond(flag, slow, fast, sums)
   n = len(leaves)
   others = [None] * n if companions is None else norms[n:]
-  return [
-    _leaf_applier(fn)(x, norms[i], others[i], operands) for i, x in enumerate(leaves)
-  ]
+  return [_leaf_applier(fn)(x, norms[i], others[i], operands) for i, x in enumerate(leaves)]
 
 
 @functools.lru_cache(maxsize=256)

@@ -356,7 +356,9 @@ def scaled_leaf_sums(
   if alone:
     m = [share(jax.lax.stop_gradient(leaves[i]), max_term, "max").astype(acc) for i in alone]
     e = [exponent_fn(x) for x in m]
-    s = [share(scale_fn(leaves[i], k), term, "sum").astype(acc) for i, k in zip(alone, e)]
+    s = [
+      share(scale_fn(leaves[i], k), term, "sum").astype(acc) for i, k in zip(alone, e, strict=True)
+    ]
     order += alone
     maxima.append(jnp.stack(m))
     exps.append(jnp.stack(e))
