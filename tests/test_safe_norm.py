@@ -154,7 +154,7 @@ def _conds(jaxpr) -> int:
 
 @pytest.mark.parametrize("axis", [None, 0])
 def test_leaf_norms_of_many_shapes_rescued_each(axis):
-  """scale_by_leaf_norms on leaves of distinct shapes: one rescue for all, each leaf its own scale."""
+  """scale_by_leaf_norms on leaves of distinct shapes: one rescue, each leaf its own scale."""
   mags = [3e20, 1e-25, 1.0, 0.0, 1e30]
   leaves = [jnp.full((2, 3 + i), m, jnp.float32).at[0, 0].set(2 * m) for i, m in enumerate(mags)]
   out = _numerics.scale_by_leaf_norms(
