@@ -173,9 +173,9 @@ def test_leaf_norms_rescue_is_one_cond_for_the_tree():
   def conds(k):
     leaves = [jax.ShapeDtypeStruct((2, 3 + i), jnp.float32) for i in range(k)]
     fn = lambda n, size, c: c / jnp.maximum(n, c)  # noqa: E731
-    jaxpr = jax.make_jaxpr(
-      lambda xs: _numerics.scale_by_leaf_norms(fn, xs, 2, operands=(1.0,))
-    )(leaves)
+    jaxpr = jax.make_jaxpr(lambda xs: _numerics.scale_by_leaf_norms(fn, xs, 2, operands=(1.0,)))(
+      leaves
+    )
     return _conds(jaxpr.jaxpr)
 
   assert conds(4) == conds(16) == 1

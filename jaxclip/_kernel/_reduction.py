@@ -229,7 +229,9 @@ def tree_leaf_norms(
   norms, total_norm = jax.lax.cond(jnp.any(needs) | needs_total, slow, fast, vector, total, needs)
   if as_vector:
     return norms, total_norm
-  return [norms[i] for i in range(len(leaves))], total_norm
+  # One split, then a reshape per leaf (indexing is a slice and a squeeze per leaf).
+  parts = jax.lax.split(norms, (1,) * len(leaves)) if len(leaves) > 1 else [norms]
+  return [jax.lax.reshape(p, ()) for p in parts], total_norm
 
 
 def tree_leaf_shares(
