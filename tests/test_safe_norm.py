@@ -137,3 +137,50 @@ def test_times_pow2_is_exact_across_the_range():
       np.asarray(_numerics.times_pow2(x, -k)) != 0
     )
     np.testing.assert_array_equal(np.asarray(back)[ok], np.asarray(x)[ok])
+
+
+def _conds(jaxpr) -> int:
+  """``cond`` equations of ``jaxpr``, nested ones included."""
+  total = 0
+  for eqn in jaxpr.eqns:
+    total += eqn.primitive.name == "cond"
+    for p in eqn.params.values():
+      for q in p if isinstance(p, (list, tuple)) else [p]:
+        inner = getattr(q, "jaxpr", q)
+        if hasattr(inner, "eqns"):
+          total += _conds(inner)
+  return total
+
+
+@pytest.mark.parametrize("axis", [None, 0])
+def test_leaf_norms_of_many_shapes_rescued_each(axis):
+  """scale_by_leaf_norms on leaves of distinct shapes: one rescue, each leaf its own scale."""
+  mags = [3e20, 1e-25, 1.0, 0.0, 1e30]
+  leaves = [jnp.full((2, 3 + i), m, jnp.float32).at[0, 0].set(2 * m) for i, m in enumerate(mags)]
+  out = _numerics.scale_by_leaf_norms(
+    lambda n, size, c: c / jnp.maximum(n, c), leaves, 2, axis, operands=(1.0,)
+  )
+  for x, y in zip(leaves, out, strict=True):
+    x64 = np.asarray(x, np.float64)
+    norm = np.sqrt(np.sum(x64**2, axis=axis, keepdims=True))
+    want = x64 / np.maximum(norm, 1.0)
+    np.testing.assert_allclose(np.asarray(y, np.float64), want, rtol=1e-5, atol=1e-30)
+
+
+def test_leaf_norms_rescue_is_one_cond_for_the_tree():
+  """The rescue does not grow the program by a ``cond`` per leaf (issue #51's safe norm, #50)."""
+
+  def conds(k):
+    leaves = [jax.ShapeDtypeStruct((2, 3 + i), jnp.float32) for i in range(k)]
+    fn = lambda n, size, c: c / jnp.maximum(n, c)  # noqa: E731
+    jaxpr = jax.make_jaxpr(lambda xs: _numerics.scale_by_leaf_norms(fn, xs, 2, operands=(1.0,)))(
+      leaves
+    )
+    return _conds(jaxpr.jaxpr)
+
+  assert conds(4) == conds(16) == 1
+  tree = {f"w{i}": jax.ShapeDtypeStruct((4, 5 + i % 3), jnp.float32) for i in range(24)}
+  leaf_norms = lambda t, v: _reduction.tree_leaf_norms(t, as_vector=v)  # noqa: E731
+  for as_vector in (False, True):
+    jaxpr = jax.make_jaxpr(lambda t, v=as_vector: leaf_norms(t, v))(tree)
+    assert _conds(jaxpr.jaxpr) == 1

@@ -254,8 +254,88 @@ def scale_by_leaf_norms(
   def scaler(shape):
     return _leaf_scaler(fn, ord, _canonical_axes(len(shape), axes_of(shape)))
 
+  leaves = [as_array(x) for x in leaves]
   others = None if companions is None else [as_array(c) for c in companions]
-  return _platform.scale_each_leaf(scaler, [as_array(x) for x in leaves], others, tuple(operands))
+  together = None
+  arrays = leaves + (others or [])
+  if ord != math.inf and all(_validation.constant_size(a) is not None for a in arrays):
+
+    def together(xs, cs):
+      axes = [_canonical_axes(x.ndim, axes_of(x.shape)) for x in xs]
+      return _scaled_with_one_rescue(fn, ord, axes, xs, cs, tuple(operands))
+
+  return _platform.scale_each_leaf(scaler, leaves, others, tuple(operands), together)
+
+
+def _scaled_with_one_rescue(fn, ord, axes, leaves, companions, operands) -> list[jax.Array]:
+  """:func:`scale_by_leaf_norms`' result, every norm rescued under one ``lax.cond``.
+
+  Each leaf's (and companion's) fast sums come from one pass; where any of
+  them :func:`needs_rescaling`, the slow branch recomputes the norms scaled
+  (:func:`_leaf_rescue`), vmapped over stacks of small leaves of one shape
+  (:func:`jaxclip._kernel._platform.map_grouped`), so that the program grows
+  by a few equations per leaf rather than by a rescue per leaf. Each leaf is
+  then scaled by ``fn`` of its norms outside the ``cond``: the multiply still
+  fuses into the leaf's consumer.
+  """
+  arrays = list(leaves) + (list(companions) if companions is not None else [])
+  axes = list(axes) * (1 if companions is None else 2)
+  term = norm_term(ord)
+  sums = [
+    _platform.reduce(term(a), "sum", ax, True, of_float16=a.dtype == jnp.float16)
+    for a, ax in zip(arrays, axes, strict=True)
+  ]
+  by_dtype: dict[Any, tuple[list[jax.Array], list[int]]] = {}
+  for a, ax, t in zip(arrays, axes, sums, strict=True):
+    size = constant_size_of(a, ax)
+    if size and t.size:  # an empty norm is 0, exactly: nothing to rescue
+      flat, sizes = by_dtype.setdefault(t.dtype, ([], []))
+      flat.append(jax.lax.reshape(t, (t.size,)))
+      sizes.extend([size] * t.size)
+  flags = [
+    jnp.any(needs_rescaling(f[0] if len(f) == 1 else jax.lax.concatenate(f, 0), sizes))
+    for f, sizes in by_dtype.values()
+  ]
+  root = safe_sqrt if ord == 2 else (lambda t: t)
+
+  def fast(sums):
+    return [root(t) for t in sums]
+
+  def slow(sums):
+    return _platform.map_grouped(lambda ax: _leaf_rescue(ord, ax), arrays, sums, axes)
+
+  if not flags:
+    norms = fast(sums)
+  else:
+    flag = flags[0] if len(flags) == 1 else functools.reduce(jnp.logical_or, flags)
+    norms = jax.lax.cond(flag, slow, fast, sums)
+  n = len(leaves)
+  others = [None] * n if companions is None else norms[n:]
+  return [_leaf_applier(fn)(x, norms[i], others[i], operands) for i, x in enumerate(leaves)]
+
+
+@functools.lru_cache(maxsize=256)
+def _leaf_rescue(ord, axes):
+  """One leaf's norm from its fast ``total`` (kept dims): rescued where it needs it (jitted)."""
+
+  def rescue(x, total):
+    size = constant_size_of(x, axes)
+    root = safe_sqrt(total) if ord == 2 else total
+    return jax.lax.select(needs_rescaling(total, size), _rescued(x, ord, axes), root)
+
+  return jax.jit(rescue)
+
+
+@functools.lru_cache(maxsize=256)
+def _leaf_applier(fn):
+  """One leaf times ``fn`` of its norms (and its companion's), jitted: traced once per type."""
+
+  def apply(x, norm, companion_norm, operands):
+    if companion_norm is None:
+      return apply_scale(x, fn(norm, x.size, *operands))
+    return apply_scale(x, fn(norm, x.size, companion_norm, *operands))
+
+  return jax.jit(apply)
 
 
 @functools.lru_cache(maxsize=256)
@@ -577,14 +657,47 @@ def leaf_norm_rescued(
   size = constant_size_of(x, axes)
 
   def rescue():
-    of16 = x.dtype == jnp.float16
-    m = _platform.reduce(max_term(x), "max", axes, True, of_float16=of16)
-    e = scale_exponent(m)
-    s = _platform.reduce(norm_term(ord)(scaled_down(x, e)), "sum", axes, True)
-    norm = scaled_norm(m, s, e, ord)
+    norm = _rescued(x, ord, axes)
     return norm if keepdims else jnp.reshape(norm, fast.shape)
 
   return rescued_norm(fast, ord, size, rescue)
+
+
+def _rescued(x: jax.Array, ord: float, axes: tuple[int, ...] | None) -> jax.Array:
+  """``x``'s ``ord``-norm over ``axes`` (kept dims), recomputed scaled by a power of two.
+
+  The bits of the largest magnitude pick the power of two (:func:`_pow2_pair`;
+  no derivative goes through them); a finite leaf whose norm overflows
+  saturates at ``finfo.max``, an ``inf`` or NaN entry stays visible.
+  """
+  m = _platform.reduce(max_term(x), "max", axes, True)
+  up, down = _pow2_pair(m)
+  xa = _convert(x, jnp.result_type(m.dtype, x.dtype))  # complex stays complex
+  s = _platform.reduce(norm_term(ord)(xa * _convert(up, xa.dtype)), "sum", axes, True)
+  norm = (safe_sqrt(s) if ord == 2 else s) * down
+  big = jnp.full_like(norm, jnp.finfo(norm.dtype).max)
+  return jax.lax.select(jax.lax.is_finite(m), jax.lax.min(norm, big), norm)
+
+
+def _pow2_pair(m: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """``(2**k, 2**-k)`` that bring ``m >= 0`` into ``[0.5, 4)`` as ``m * 2**k``, from its bits.
+
+  Both are normal (``|k| <= bias - 1``): an ``m`` at the top of the range lands in
+  ``[2, 4)``, a zero or subnormal ``m`` is multiplied by ``2**(bias - 1)``, an ``inf`` or
+  NaN stays what it is. A few integer ops, where :func:`scale_exponent` is a ``frexp``:
+  the rescue of :func:`leaf_norm` is traced once per leaf.
+  """
+  info = jnp.finfo(m.dtype)
+  bias, bits = info.maxexp - 1, info.nmant
+  itype = jnp.int32 if m.dtype.itemsize == 4 else jnp.int64
+  field = jax.lax.shift_right_logical(jax.lax.bitcast_convert_type(m, itype), itype(bits))
+  # The biased exponent of 2**k is 2 * bias - 1 - field, kept within [1, 2 * bias - 1].
+  biased = jax.lax.clamp(itype(1), itype(2 * bias - 1) - field, itype(2 * bias - 1))
+  up = jax.lax.bitcast_convert_type(jax.lax.shift_left(biased, itype(bits)), m.dtype)
+  down = jax.lax.bitcast_convert_type(
+    jax.lax.shift_left(itype(2 * bias) - biased, itype(bits)), m.dtype
+  )
+  return up, down
 
 
 def constant_size_of(x: jax.Array, axes: tuple[int, ...] | None) -> int | None:
@@ -707,7 +820,10 @@ def saturate(x: Any) -> jax.Array:
   """
   x = jnp.asarray(x)
   big = jnp.finfo(x.dtype).max
-  return jnp.where(jnp.isnan(x), x, jnp.clip(x, -big, big))
+  # One clamp: a per-tensor rule runs this once per leaf on other platforms
+  # (jnp's where and clip are nested jits). XLA's clamp is max then min, both
+  # NaN-propagating, so NaN stays NaN.
+  return jax.lax.clamp(jnp.asarray(-big, x.dtype), x, jnp.asarray(big, x.dtype))
 
 
 def per_example_norms(leaves: Sequence[Any], acc: Any = None) -> jax.Array:

@@ -207,6 +207,26 @@ def tree_leaf_norms(
     return root(vector), root(total)
 
   def slow(vector, total, needs):
+    m, e, s = rescaled_shares(vector)
+    norms = jnp.where(needs, _numerics.scaled_norm(m, s, e, ord), root(vector))
+    # The total from the scaled shares, each relative to the largest maximum's exponent.
+    big = jnp.max(m)
+    top = _numerics.scale_exponent(big)
+    power = e - top if ord == 1 else 2 * (e - top)
+    shares = jnp.where(m > 0, _numerics.times_pow2(s, power), 0)
+    return norms, _numerics.scaled_norm(big, jnp.sum(shares), top, ord)
+
+  def rescaled_shares(vector):
+    """Every leaf's maximum, exponent and scaled share, as three vectors."""
+    if axis_name is None:
+      return _platform.scaled_leaf_sums(
+        [_numerics.as_array(x) for x in leaves],
+        _numerics.norm_term(ord),
+        _numerics.max_term,
+        vector.dtype,
+        _numerics.scaled_down,
+        _numerics.scale_exponent,
+      )
     maxima, _ = tree_leaf_shares(
       jax.lax.stop_gradient(tree),
       math.inf,
@@ -224,19 +244,14 @@ def tree_leaf_norms(
     s, _ = tree_leaf_shares(
       scaled, ord, axis_name, replicated, partition_specs, as_vector=as_vector
     )
-    s = s if as_vector else jnp.stack(s)
-    norms = jnp.where(needs, _numerics.scaled_norm(m, s, e, ord), root(vector))
-    # The total from the scaled shares, each relative to the largest maximum's exponent.
-    big = jnp.max(m)
-    top = _numerics.scale_exponent(big)
-    power = e - top if ord == 1 else 2 * (e - top)
-    shares = jnp.where(m > 0, _numerics.times_pow2(s, power), 0)
-    return norms, _numerics.scaled_norm(big, jnp.sum(shares), top, ord)
+    return m, e, s if as_vector else jnp.stack(s)
 
   norms, total_norm = jax.lax.cond(jnp.any(needs) | needs_total, slow, fast, vector, total, needs)
   if as_vector:
     return norms, total_norm
-  return [norms[i] for i in range(len(leaves))], total_norm
+  # One split, then a reshape per leaf (indexing is a slice and a squeeze per leaf).
+  parts = jax.lax.split(norms, (1,) * len(leaves)) if len(leaves) > 1 else [norms]
+  return [jax.lax.reshape(p, ()) for p in parts], total_norm
 
 
 def tree_leaf_shares(

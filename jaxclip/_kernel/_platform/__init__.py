@@ -44,10 +44,12 @@ from jaxclip._kernel._platform._reductions import combine_scalars as combine_sca
 from jaxclip._kernel._platform._reductions import count_all as count_all
 from jaxclip._kernel._platform._reductions import reduce as reduce
 from jaxclip._kernel._platform._reductions import reduction_input as reduction_input
+from jaxclip._kernel._platform._reductions import scaled_leaf_sums as scaled_leaf_sums
 from jaxclip._kernel._platform._reductions import scaled_sums as scaled_sums
 from jaxclip._kernel._platform._reductions import share as share
 from jaxclip._kernel._platform._reductions import share_vector as share_vector
 from jaxclip._kernel._platform._reductions import shares_by_group as shares_by_group
+from jaxclip._kernel._platform._stacks import map_grouped as map_grouped
 from jaxclip._kernel._platform._stacks import scale_each_leaf as scale_each_leaf
 from jaxclip._kernel._platform._switch import cuda_in_process as cuda_in_process
 from jaxclip._kernel._platform._switch import on_cpu as on_cpu

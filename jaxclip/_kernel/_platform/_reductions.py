@@ -310,6 +310,66 @@ def scaled_sums(
   return jnp.stack(maxima), jnp.stack(exps), jnp.stack(sums)
 
 
+def scaled_leaf_sums(
+  leaves: list[jax.Array],
+  term: Term,
+  max_term: Term,
+  acc: Any,
+  scale_fn: Callable[..., jax.Array],
+  exponent_fn: Callable[[jax.Array], jax.Array],
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """``(maxima, exponents, sums)``, one entry per leaf: each leaf scaled by its own exponent.
+
+  The rescued pass of the per-leaf norms: leaf ``i``'s largest ``max_term``
+  gives its exponent ``e[i]`` (``exponent_fn``), and its sum is that of
+  ``term(scale_fn(x, e[i]))``. Small local real leaves are joined: flattened
+  and concatenated per dtype, their maxima and scaled sums taken by two
+  segment reductions, each entry's exponent read by one gather. So the
+  program grows by one reshape per leaf, not by a scaled pass per leaf (the
+  rescue is compiled with every step, though it rarely runs). Other leaves
+  (large, sharded, complex) are scaled one by one.
+  """
+  joined: dict[Any, list[int]] = {}
+  alone: list[int] = []
+  for i, x in enumerate(leaves):
+    if segmentable(x) and not jnp.issubdtype(x.dtype, jnp.complexfloating):
+      joined.setdefault(x.dtype, []).append(i)
+    else:
+      alone.append(i)
+  order: list[int] = []
+  maxima, exps, sums = [], [], []
+  for members in joined.values():
+    flat = [jax.lax.reshape(leaves[i], (leaves[i].size,)) for i in members]
+    flat = flat[0] if len(flat) == 1 else jax.lax.concatenate(flat, 0)
+    segments = np.repeat(np.arange(len(members), dtype=np.int32), [leaves[i].size for i in members])
+    m = jax.ops.segment_max(
+      max_term(jax.lax.stop_gradient(flat)), segments, len(members), indices_are_sorted=True
+    )
+    e = exponent_fn(m)
+    s = jax.ops.segment_sum(
+      term(scale_fn(flat, e[segments])), segments, len(members), indices_are_sorted=True
+    )
+    order += members
+    maxima.append(m.astype(acc))
+    exps.append(e)
+    sums.append(s.astype(acc))
+  if alone:
+    m = [share(jax.lax.stop_gradient(leaves[i]), max_term, "max").astype(acc) for i in alone]
+    e = [exponent_fn(x) for x in m]
+    s = [
+      share(scale_fn(leaves[i], k), term, "sum").astype(acc) for i, k in zip(alone, e, strict=True)
+    ]
+    order += alone
+    maxima.append(jnp.stack(m))
+    exps.append(jnp.stack(e))
+    sums.append(jnp.stack(s))
+  out = tuple(v[0] if len(v) == 1 else jnp.concatenate(v) for v in (maxima, exps, sums))
+  if order == list(range(len(leaves))):
+    return out
+  back = np.argsort(np.asarray(order, np.int32)).astype(np.int32)
+  return tuple(v[back] for v in out)
+
+
 def combine_scalars(parts: list[jax.Array], op: str) -> jax.Array:
   """The sum (``op="sum"``) or max of scalars, as one reduction."""
   if len(parts) == 1:

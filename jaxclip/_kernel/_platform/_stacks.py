@@ -35,7 +35,11 @@ Scaler = Callable[[tuple[int, ...]], Callable[..., jax.Array]]
 
 
 def scale_each_leaf(
-  scaler: Scaler, leaves: list[jax.Array], companions: list[jax.Array] | None, operands: tuple
+  scaler: Scaler,
+  leaves: list[jax.Array],
+  companions: list[jax.Array] | None,
+  operands: tuple,
+  together: Callable[[list[jax.Array], list[jax.Array] | None], list[jax.Array]] | None = None,
 ) -> list[jax.Array]:
   """``scaler(x.shape)(x, companion, operands)`` for each leaf ``x``.
 
@@ -47,6 +51,11 @@ def scale_each_leaf(
   one per leaf is thousands of kernels. Large and sharded leaves are scaled
   one by one, so their multiply fuses into their consumer and keeps their
   sharding.
+
+  ``together(leaves, companions)``, where given, computes the same values for
+  a list of leaves at once (one rescue of every norm under one ``lax.cond``):
+  it replaces the per-leaf calls of the leaves scaled one by one, on every
+  platform, and the stacks' plain branch (what platforms other than CPU run).
   """
   others = [None] * len(leaves) if companions is None else companions
   alone, groups = [], {}
@@ -58,12 +67,19 @@ def scale_each_leaf(
     else:
       alone.append(i)
   alone += [g[0] for g in groups.values() if len(g) == 1]
-  out = {i: scaler(leaves[i].shape)(leaves[i], others[i], operands) for i in alone}
+  if together is not None and alone:
+    alone.sort()
+    pick = None if companions is None else [companions[i] for i in alone]
+    out = dict(zip(alone, together([leaves[i] for i in alone], pick), strict=True))
+  else:
+    out = {i: scaler(leaves[i].shape)(leaves[i], others[i], operands) for i in alone}
   stacked = [i for g in groups.values() if len(g) > 1 for i in g]
   if stacked:
     sizes = tuple(len(g) for g in groups.values() if len(g) > 1)
     companions = None if companions is None else [companions[i] for i in stacked]
-    scaled = _scale_stacked(scaler, sizes, [leaves[i] for i in stacked], companions, operands)
+    scaled = _scale_stacked(
+      scaler, sizes, together, [leaves[i] for i in stacked], companions, operands
+    )
     out.update(zip(stacked, scaled, strict=True))
   return [out[i] for i in range(len(leaves))]
 
@@ -79,24 +95,27 @@ def _one_by_one(scaler, leaves, companions, operands):
   ]
 
 
-@functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1))
-def _scale_stacked(scaler, sizes, leaves, companions, operands):
-  """:func:`_by_stacks` on CPU, :func:`_one_by_one` elsewhere and under ``jax.jvp``."""
-  return on_cpu(
-    lambda *args: _by_stacks(scaler, sizes, *args),
-    lambda *args: _one_by_one(scaler, *args),
-    leaves,
-    companions,
-    operands,
-  )
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1, 2))
+def _scale_stacked(scaler, sizes, together, leaves, companions, operands):
+  """:func:`_by_stacks` on CPU, ``together`` (or :func:`_one_by_one`) elsewhere.
+
+  Under ``jax.jvp`` the tangents are :func:`_one_by_one`'s.
+  """
+
+  def plain(leaves, companions, operands):
+    if together is None:
+      return _one_by_one(scaler, leaves, companions, operands)
+    return together(leaves, companions)
+
+  return on_cpu(lambda *args: _by_stacks(scaler, sizes, *args), plain, leaves, companions, operands)
 
 
 @_scale_stacked.defjvp
-def _scale_stacked_jvp(scaler, sizes, primals, tangents):
+def _scale_stacked_jvp(scaler, sizes, together, primals, tangents):
   # Each leaf's tangent is its own plain math's: transposed (for jax.grad),
   # a stack's rows would each become a full-stack update.
   _, tangent_out = jax.jvp(lambda *a: _one_by_one(scaler, *a), primals, tangents)
-  return _scale_stacked(scaler, sizes, *primals), tangent_out
+  return _scale_stacked(scaler, sizes, together, *primals), tangent_out
 
 
 def _by_stacks(scaler, sizes, leaves, companions, operands) -> list[jax.Array]:
@@ -134,6 +153,38 @@ def _by_stacks(scaler, sizes, leaves, companions, operands) -> list[jax.Array]:
       # Rows an earlier stack gave are skipped.
       out.extend(rows(scaled, done - start, None if static else index[:k]))
       done = start + k
+  return out
+
+
+def map_grouped(
+  fn_of: Callable[[Any], Callable[..., jax.Array]],
+  arrays: list[jax.Array],
+  extras: list[jax.Array],
+  keys: list[Any],
+) -> list[jax.Array]:
+  """``fn_of(key)(array, extra)`` for each ``(array, extra, key)``, small arrays by stacks.
+
+  Small local arrays of one shape, dtype and ``key`` (and extras of one shape)
+  are stacked and ``fn_of(key)`` is vmapped over the stack once: the program
+  holds one copy of ``fn`` per stack, not per array (on every platform: what
+  a rarely taken branch, such as a norm's rescue, is made of). Other arrays
+  are mapped one by one.
+  """
+  groups: dict[Any, list[int]] = {}
+  out: list[Any] = [None] * len(arrays)
+  for i, (x, e) in enumerate(zip(arrays, extras, strict=True)):
+    if constant_size(x) and constant_size(x) <= SMALL_LEAF and _local(x) and _local(e):
+      groups.setdefault((x.shape, x.dtype, e.shape, e.dtype, keys[i]), []).append(i)
+    else:
+      out[i] = fn_of(keys[i])(x, e)
+  for (shape, _, extra_shape, _, key), members in groups.items():
+    if len(members) == 1:
+      out[members[0]] = fn_of(key)(arrays[members[0]], extras[members[0]])
+      continue
+    xs = stack([arrays[i] for i in members], shape)
+    es = stack([extras[i] for i in members], extra_shape)
+    for i, row in zip(members, _split(jax.vmap(fn_of(key))(xs, es), 0, 0), strict=True):
+      out[i] = row
   return out
 
 
