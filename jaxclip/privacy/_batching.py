@@ -55,7 +55,13 @@ def rows(mask: jax.Array, like: jax.Array) -> jax.Array:
 
 
 def first_real_row(x: jax.Array, onehot: jax.Array) -> jax.Array:
-  """Row ``argmax(onehot)`` of ``x``, as a masked sum: safe on a sharded batch axis."""
+  """Row ``argmax(onehot)`` of ``x``, as a masked sum: safe on a sharded batch axis.
+
+  A typed PRNG key array (``jax.random.key``) is picked by its key data.
+  """
+  if hasattr(x, "dtype") and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+    data = first_real_row(jax.random.key_data(x), onehot)
+    return jax.random.wrap_key_data(data, impl=jax.random.key_impl(x))
   x = jnp.asarray(x)
   work = jnp.int32 if x.dtype == jnp.bool_ else x.dtype
   picked = jnp.where(
