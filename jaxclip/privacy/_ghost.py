@@ -304,7 +304,20 @@ def _two_pass_kept(
     )
     return _ghost_book.two_pass(again, weights, leaf_groups)
 
-  return jax.lax.cond(jnp.all(keep), as_captured, rerun)
+  # Two conds, not one: a cond's operands are live until it returns, so one
+  # cond over both branches would hold the capture's residuals (the first
+  # pass's) through the rerun's own. The first cond is their last use.
+  every = jnp.all(keep)
+  first = jax.lax.cond(every, as_captured, lambda: _placeholders(jax.eval_shape(as_captured)))
+  return jax.lax.cond(every, lambda: first, rerun)
+
+
+def _placeholders(avals: Sequence[Any]) -> list[Any]:
+  """Values of the types of ``avals`` (and their manual axes' variance), never read."""
+  return [
+    _sharding.cast_varying(jnp.zeros(a.shape, a.dtype), tuple(_sharding.varying_axes(a)))
+    for a in avals
+  ]
 
 
 def inputs_for(traced: Traced, spmd_axis_name: Any) -> Inputs:
@@ -335,7 +348,22 @@ def inputs_for(traced: Traced, spmd_axis_name: Any) -> Inputs:
     probes,
     _ghost_sites.borrowed(plan.sites, own),
     accumulated,
+    {du: _probe_sumsq(plan.sites[du], dk, "dot") for du, dk in _early_heads(plan)},
   )
+
+
+def _early_heads(plan: Plan) -> list[tuple[int, int]]:
+  """The tied heads whose own term is taken in the backward pass (:class:`Forward`'s ``early``).
+
+  In a two-pass plan a head's output gradient, as large as its logits, is
+  needed for the norms only: taken at the head, its own term frees it before
+  the rest of the backward pass. Its cross term with the lookup needs only
+  its rows at the lookup's ids. Not in a scan (a term per iteration is not
+  the norm of a weight the iterations share).
+  """
+  if not plan.two_pass:
+    return []
+  return [(du, dk) for _, (du, dk) in plan.tied if not plan.sites[du].stack]
 
 
 def plan_sumsq(
@@ -366,10 +394,11 @@ def plan_sumsq(
       parts[g] = parts[g] + _ghost_norms.safe_sumsq(cap.gs[u][k]).astype(acc)
       continue
     parts[g] = parts[g] + _rule_sumsq(cap, u, k, rule).astype(acc)
+  early = {du for du, _ in _early_heads(plan)}
   for pair in plan.tied:
     (gu, gk), _ = pair
     g = group(plan.sites[gu].infos[gk].view)
-    parts[g] = parts[g] + _tied_sumsq(cap, pair).astype(acc)
+    parts[g] = parts[g] + _tied_sumsq(cap, pair, early).astype(acc)
   for inst in plan.groups:
     if leaf_groups is None:
       parts[0] = parts[0] + _ghost_instantiate.instantiated_sumsq(inst, cap).astype(acc)
@@ -432,14 +461,21 @@ def _probe_sumsq(site: Site, k: int, rule: str) -> Callable[..., jax.Array]:
   return lambda pv, dv, gs: fn(one(pv[k]), one(dv[0]), one(gs[0]))[0]
 
 
-def _tied_sumsq(cap: Captured, pair: _ghost_rules.Tied) -> jax.Array:
-  """A tied table's squared norms: its lookup's, its head's and twice their cross term."""
+def _tied_sumsq(
+  cap: Captured, pair: _ghost_rules.Tied, early: frozenset[int] | set[int] = frozenset()
+) -> jax.Array:
+  """A tied table's squared norms: its lookup's, its head's and twice their cross term.
+
+  A head in ``early`` took its own term in the backward pass (its last zero's
+  gradient, :func:`_early_heads`).
+  """
   (gu, _), (du, dk) = pair
   lookup, head = cap.sites[gu], cap.sites[du]
   pos = head.param_positions()[dk]
   ids, rows, a, g = cap.drecs[gu][0], cap.gs[gu][0], cap.drecs[du][0], cap.gs[du][0]
+  own = cap.gs[du][-1] if du in early else _ghost_norms.dot_sumsq(head, pos, a, g)
   return (
     _ghost_norms.gather_sumsq(lookup, ids, rows)
-    + _ghost_norms.dot_sumsq(head, pos, a, g)
+    + own
     + 2 * _ghost_norms.tied_cross(lookup, ids, rows, head, pos, a, g)
   )

@@ -48,6 +48,13 @@ class Forward(Walker):
     probed: For each probed site, ``fn(pvals, dvals, gs)``: one example's
       squared norm from the site's param and data inputs and its output
       gradients (of one scan iteration).
+    early: For some recorded sites, ``fn(pvals, dvals, gs)`` as in ``probed``:
+      one more scalar zero (the last of ``zs[u]``), whose gradient is that
+      site's squared norm, taken in the backward pass *before* its output
+      gradient flows on (``lax.optimization_barrier``), so that XLA need not
+      hold that gradient through the rest of the backward pass for the
+      norm (a tied head's own term in a two-pass plan, whose output gradient
+      is as large as its logits).
     accumulated: Sites of one param input whose zero goes to that input:
       the gradient with respect to it, the example's gradient of that
       input, is formed in the backward pass from the site's data input and
@@ -72,6 +79,7 @@ class Forward(Walker):
     probed: Mapping[int, Callable[..., Any]] | None = None,
     accumulated: frozenset[int] = frozenset(),
     wide: bool = False,
+    early: Mapping[int, Callable[..., Any]] | None = None,
     **kwargs: Any,
   ):
     super().__init__(sites, **kwargs)
@@ -80,6 +88,7 @@ class Forward(Walker):
     self.probed = probed or {}
     self.accumulated = accumulated
     self.wide = wide
+    self.early = early or {}
 
   def bind(self, eqn: Any, vals: list[Any], info: Info | None = None) -> list[Any]:
     if not self.wide:
@@ -131,9 +140,19 @@ class Forward(Walker):
       out = [vals[0].astype(aval.dtype)] if self.wide else list(vals)
     else:
       out = self.bind_site(eqn, vals)
-    if self.zs[index]:  # none where the site takes another's output gradient (``borrowed``)
-      for j, z in zip(_sites.float_outs(eqn, aval), self.zs[index], strict=True):
+    zs, early = list(self.zs[index]), self.early.get(u) if eqn is not None else None
+    z_early = zs.pop() if early is not None else None
+    if zs:  # none where the site takes another's output gradient (``borrowed``)
+      floats = _sites.float_outs(eqn, aval)
+      for j, z in zip(floats, zs, strict=True):
         out[j] = out[j] + z
+      if early is not None:
+        narrow = _narrowed(vals, eqn.invars) if self.wide else vals
+        pvals = [v for v, r in zip(narrow, roles, strict=True) if r == PARAM]
+        dvals = [v for v, r in zip(vals, roles, strict=True) if r == DATA]
+        taken = _probe(early, [out[j] for j in floats], pvals, dvals, z_early, barrier=True)
+        for j, x in zip(floats, taken, strict=True):
+          out[j] = x
     return out
 
   def site_zeros(self, u0: int, u1: int) -> tuple[list[Any], frozenset[int]]:
@@ -149,6 +168,7 @@ class Forward(Walker):
       self.probed,
       self.accumulated,
       self.wide,
+      self.early,
       base=base,
       stack=stack,
       scans=scans,
@@ -207,7 +227,12 @@ def _param_gradient(eqn: Any, roles: Sequence[str]) -> Callable[..., Any]:
 
 
 def _probe(
-  fn: Callable[..., Any], outs: list[Any], pvals: list[Any], dvals: list[Any], z: Any
+  fn: Callable[..., Any],
+  outs: list[Any],
+  pvals: list[Any],
+  dvals: list[Any],
+  z: Any,
+  barrier: bool = False,
 ) -> list[Any]:
   """``outs``, unchanged; the gradient with respect to ``z`` is ``fn(pvals, dvals, gs)``.
 
@@ -217,7 +242,10 @@ def _probe(
   meet, and nothing of the site outlives that step (inside a rematerialised
   layer, ``a`` is recomputed there as the model asks). Inside a ``lax.scan``
   the gradient with respect to a per-iteration ``z`` is that iteration's
-  value; with respect to a ``z`` the scan closes over, their sum.
+  value; with respect to a ``z`` the scan closes over, their sum. With
+  ``barrier``, ``gs`` pass on only with the norm taken
+  (``lax.optimization_barrier``): the rest of the backward pass waits for
+  it, and XLA's scheduler cannot hold ``gs`` past that point for it.
   """
 
   dtype = z.dtype
@@ -231,7 +259,10 @@ def _probe(
 
   def bwd(res, gs):
     pvals, dvals = res
-    return gs, None, None, fn(pvals, dvals, gs).astype(dtype)
+    norm = fn(pvals, dvals, gs).astype(dtype)
+    if barrier:
+      gs, norm = jax.lax.optimization_barrier((gs, norm))
+    return gs, None, None, norm
 
   identity.defvjp(fwd, bwd)
   return identity(outs, pvals, dvals, z)
@@ -347,6 +378,7 @@ class Inputs(NamedTuple):
     borrowed: ``{site: site}``: the sites that take another's output
       gradient, the same value (:func:`jaxclip.privacy._ghost_sites.borrowed`).
     accumulated: As in :class:`Forward`.
+    early: As in :class:`Forward`.
   """
 
   closed: Any
@@ -358,6 +390,7 @@ class Inputs(NamedTuple):
   probed: Mapping[int, Callable[..., Any]] = types.MappingProxyType({})
   borrowed: Mapping[int, int] = types.MappingProxyType({})
   accumulated: frozenset[int] = frozenset()
+  early: Mapping[int, Callable[..., Any]] = types.MappingProxyType({})
 
   def infos(self) -> list[Info]:
     return input_infos([jnp.ndim(x) for x in self.leaves], self.batched)
@@ -474,7 +507,9 @@ def _site_gradients(
 
   def losses(leaves, zs):
     def one(zs_b, data_b):
-      walker = Forward(zs_b, sites, inputs.tapped, inputs.probed, inputs.accumulated, wide)
+      walker = Forward(
+        zs_b, sites, inputs.tapped, inputs.probed, inputs.accumulated, wide, early=inputs.early
+      )
       ins = list(zip(list(leaves) + merge(data_b), in_infos, strict=True))
       outs = walker.run(inputs.closed, ins)
       return outs[0], (outs[1:], walker.records)
@@ -489,6 +524,8 @@ def _site_gradients(
     tapped = u in inputs.tapped or u in inputs.accumulated
     stack = () if tapped and s.summed else tuple(length for _, length in s.stack)
     avals = [jax.ShapeDtypeStruct((), acc)] if u in inputs.probed else s.zero_avals(tapped)
+    if u in inputs.early:
+      avals = [*avals, jax.ShapeDtypeStruct((), acc)]
     return tuple(_batch_zeros((n, *stack, *a.shape), a.dtype, data[0]) for a in avals)
 
   zs = [zeros(u, s) for u, s in enumerate(sites)]
