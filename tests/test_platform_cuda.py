@@ -78,6 +78,16 @@ def test_interpreted_kernel_under_vmap():
   np.testing.assert_allclose(got, want, rtol=1e-6)
 
 
+def test_small_leaves_share_one_branch():
+  leaves = _leaves(6, jnp.bfloat16)
+  inputs = _cuda.kernel_inputs(leaves)
+  big = [x for x in leaves if x.size >= _cuda.PACK_BELOW]
+  assert len(big) == 1 and len(inputs) == 2  # (40_000,), then (7,), (1000, 3), (2049,), (5, 5)
+  assert inputs[0].dtype == jnp.bfloat16 and inputs[1].dtype == jnp.float32
+  assert inputs[1].size == sum(x.size for x in leaves if 0 < x.size < _cuda.PACK_BELOW)
+  assert float(_cuda.cuda_norm(leaves, True)) == pytest.approx(_reference(leaves), rel=1e-6)
+
+
 def test_applies_only_where_measured():
   f32 = [jnp.zeros((4, 4)), jnp.zeros((3,))]
   assert _cuda.cuda_norm_applies(f32)

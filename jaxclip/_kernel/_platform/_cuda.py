@@ -6,9 +6,10 @@ keep the norm at about a third of the card's bandwidth, and the overflow
 rescue's ``lax.cond`` makes XLA:GPU copy its predicate to the host and wait:
 the device idles for the round trip in every step. Here one kernel reads
 every leaf once: program ``p`` of its grid reduces one tile of one leaf (a
-static table says which: one ``pl.when`` branch per leaf), scaled by the
-power of two of the tile's largest magnitude, so no sum overflows or
-underflows, and XLA combines the tiles' ``(exponent, sum)`` pairs. There is
+static table says which: one ``pl.when`` branch per leaf, the small ones
+packed into one), scaled by the power of two of the tile's largest
+magnitude, so no sum overflows or underflows, and XLA combines the tiles'
+``(exponent, sum)`` pairs. There is
 no conditional. Derivatives are the plain norm's (:func:`cuda_norm`'s JVP).
 
 Only for what was measured there: float32 and bfloat16 leaves, whole on
@@ -28,11 +29,15 @@ from jaxclip._kernel import _sharding
 from jaxclip._kernel._validation import constant_size
 
 # The tile of one program: BLOCK entries per step, STEPS steps (the fastest
-# of the three measured; 4 warps). The kernel has one branch per leaf, and
-# its compile time grows with them: 34 s at 148 leaves (the one tree
-# measured, against 6 s for XLA's reductions); MAX_LEAVES bounds it.
+# of the three measured; 4 warps). The kernel has one branch per input, and
+# its compile time grows with them: 34 s at 148 leaves, one branch each (the
+# one tree measured, against 6 s for XLA's reductions); MAX_LEAVES bounds it.
 BLOCK, STEPS, WARPS = 1024, 32, 4
 MAX_LEAVES = 256
+# Leaves smaller than one program's tile are packed into one float32 buffer
+# first (a copy of few bytes), so they share one branch: GPT-2 small's 98
+# biases and norms' scales would otherwise be 98 of its 148 branches.
+PACK_BELOW = BLOCK * STEPS
 _DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 _MIN_EXP, _MAX_EXP = -126, 126  # 2**-e stays a normal float32
 
@@ -117,12 +122,23 @@ def _kernel(*refs, sizes, table):
       s_ref[...] = jnp.full((1,), total, jnp.float32)
 
 
+def kernel_inputs(leaves: list[jax.Array]) -> list[jax.Array]:
+  """The kernel's flat inputs, one branch each: the leaves of ``PACK_BELOW`` or more entries,
+  then the smaller ones packed into one float32 buffer."""
+  flat = [jnp.reshape(x, (x.size,)) for x in leaves if x.size]
+  small = [x for x in flat if x.size < PACK_BELOW]
+  if len(small) < 2:
+    return flat
+  packed = jnp.concatenate([x.astype(jnp.float32) for x in small])
+  return [x for x in flat if x.size >= PACK_BELOW] + [packed]
+
+
 def _parts(leaves: list[jax.Array], interpret: bool) -> tuple[jax.Array, jax.Array]:
   """Every tile's ``(exponent, scaled sum of squares)``: one kernel."""
   from jax.experimental import pallas as pl
   from jax.experimental.pallas import triton as plgpu
 
-  flat = [jnp.reshape(x, (x.size,)) for x in leaves if x.size]
+  flat = kernel_inputs(leaves)
   sizes = [x.size for x in flat]
   table = tile_table(sizes)
   programs = table[-1][0] + table[-1][1]
