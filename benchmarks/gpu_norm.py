@@ -241,6 +241,16 @@ def _platform_cuda():
   return _cuda
 
 
+def _cuda_unpacked(leaves: list[jax.Array]) -> jax.Array:
+  """jaxclip's CUDA kernel as first built: one branch per leaf, small leaves included."""
+  cuda = _platform_cuda()
+  pack, cuda.PACK_BELOW = cuda.PACK_BELOW, 0  # read while tracing, below
+  try:
+    return cuda.cuda_norm(leaves, jax.default_backend() != "gpu")
+  finally:
+    cuda.PACK_BELOW = pack
+
+
 def formulations(quick: bool) -> dict[str, Callable[[list[jax.Array]], jax.Array]]:
   forms = {
     "jaxclip.ops.global_norm": lambda leaves: jaxclip.ops.global_norm(leaves),
@@ -256,6 +266,7 @@ def formulations(quick: bool) -> dict[str, Callable[[list[jax.Array]], jax.Array
     "jaxclip's CUDA kernel (scaled tiles 1024x32)": lambda leaves: _platform_cuda().cuda_norm(
       leaves, jax.default_backend() != "gpu"
     ),
+    "jaxclip's CUDA kernel, a branch per leaf (unpacked)": _cuda_unpacked,
     "jaxclip's plain program (XLA reductions, rescue cond)": _plain_norm,
     "pallas: 1 kernel, tiles 4096x8, 8 warps, 3 stages": _pallas(
       block=4096, steps=8, num_warps=8, num_stages=3
