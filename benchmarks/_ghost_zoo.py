@@ -221,7 +221,8 @@ def earlier_runs(text: str, jax_version: str) -> tuple[list[str], list[list[str]
   The rows measured on another jax (a table written before the ``jax``
   column takes its version from its ``machine`` line), and one line naming
   each run they come from, so that one table holds a run on each jax.
-  Rows of a table of other columns are not kept.
+  Rows of a table of other columns are not kept, nor the line naming a
+  run whose rows are rewritten.
   """
   lines = text.splitlines()
   meta = []
@@ -242,7 +243,10 @@ def earlier_runs(text: str, jax_version: str) -> tuple[list[str], list[list[str]
   if header != HEADER:
     return runs, []
   kept = [r for r in rows if r[1] != jax_version]
-  if any(r[1] == found.group(1) for r in kept):
+  versions = {r[1] for r in kept}
+  # A line naming a run whose rows this run rewrites goes with them.
+  runs = [line for line in runs if re.match(r"- earlier run on jax (\S+) ", line)[1] in versions]
+  if found.group(1) in versions:
     keys = ("command", "date", "machine", "load average (1, 5, 15 min) at start")
     runs.insert(
       0,

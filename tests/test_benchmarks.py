@@ -188,6 +188,26 @@ def test_zoo_benchmark_keeps_the_rows_of_another_jax():
   assert len(runs) == 1 and runs[0].startswith("- earlier run on jax 0.10.2")
   assert _ghost_zoo.earlier_runs(old, "0.10.2") == ([], [])  # its own rows are rewritten
   assert _ghost_zoo.earlier_runs(old.replace("| model |", "| name |"), "0.12.0.1")[1] == []
+  # The table a 0.12 run wrote, with the 0.10 rows it kept: a new 0.10 run keeps the 0.12 rows
+  # and names their run, not the 0.10 run whose rows it rewrites.
+  new = "\n".join(
+    [
+      "# Ghost norms on the model zoo",
+      "",
+      "- command: python -m benchmarks.ghost --zoo",
+      "- machine: AMD EPYC, 2 cores; jax device: cpu (cpu); jax 0.12.0.1, jaxlib 0.12.0.1",
+      runs[0],
+      "",
+      "| " + " | ".join(_ghost_zoo.HEADER) + " |",
+      "|" + "---|" * len(_ghost_zoo.HEADER),
+      "| " + " | ".join(row[:1] + ["0.12.0.1"] + row[1:]) + " |",
+      "| " + " | ".join(rows[0]) + " |",
+    ]
+  )
+  again, kept = _ghost_zoo.earlier_runs(new, "0.10.2")
+  assert kept == [row[:1] + ["0.12.0.1"] + row[1:]]
+  assert len(again) == 1 and again[0].startswith("- earlier run on jax 0.12.0.1"), again
+  assert _ghost_zoo.earlier_runs(new, "0.12.0.1") == (runs, rows)
 
 
 def test_ghost_benchmark_memory_only_redraws_the_figure_and_times_nothing(tmp_path):
