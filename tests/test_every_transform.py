@@ -54,8 +54,9 @@ def _jaxpr_eqns(tx: optax.GradientTransformation, leaves: int) -> int:
 # traces jnp.stack of n scalars as n + 1 equations, 0.10.1 on as one `stack`:
 # adaptive_norm_scale is 5.13x adam there, 4.84x on jax 0.10.2.)
 _JAXPR_BOUND = 5.5
-# Four times the leaves at most this many times the ops (linear, with slack).
-_GROWTH_BOUND = 4.5
+# Four times the leaves at most this many times the ops (linear, with slack: on
+# jax 0.10.2 every factory reads 3.06-3.98x from 100 to 400 leaves, dp_noise the most).
+_GROWTH_BOUND = 4.25
 
 
 def test_every_transform_chained_with_adam_stays_linear_in_the_leaves():

@@ -354,3 +354,51 @@ def test_entries_reads_every_entry_of_a_vector_at_opaque_indices(k, b):
   np.testing.assert_array_equal(read(v), v)
   # Differentiable at the cost of the plain math: the tangent is the identity.
   np.testing.assert_array_equal(jax.grad(lambda v: jnp.sum(read(v) * v))(v), 2 * v)
+
+
+@pytest.mark.parametrize("op", ["sum", "max"])
+def test_share_vector_takes_the_small_leaves_terms_in_one_kernel(op):
+  """Every leaf's share, the small leaves' terms joined: the old per-leaf terms' sums, bit for bit.
+
+  Terms taken leaf by leaf before they are joined make XLA:CPU compute each
+  leaf's terms in a kernel of its own: thousands of kernels to compile for a
+  tree of thousands of small leaves.
+  """
+  rng = np.random.default_rng(1)
+  shapes = [(64 + i % 7,) if i % 2 else (8, 3 + i % 4) for i in range(60)]
+  leaves = [jnp.asarray(rng.normal(size=s), jnp.float32) for s in shapes]
+  leaves += [
+    jnp.asarray(rng.normal(size=(5, 7)), jnp.bfloat16),
+    jnp.asarray(rng.normal(size=(9,)), jnp.float16),
+    jnp.asarray(rng.normal(size=(3,)) + 1j * rng.normal(size=(3,)), jnp.complex64),
+    jnp.asarray(rng.normal(size=(2000,)), jnp.float32),  # large: reduced alone
+    jnp.zeros((0, 3), jnp.float32),  # empty: its share is 0
+    jnp.asarray(2.5, jnp.float32),
+  ]
+  term = _numerics.abs_sq if op == "sum" else _numerics.safe_abs
+  vector = jax.jit(lambda xs: _reductions.share_vector(xs, term, op, jnp.float32))
+  plain = jnp.stack([_reductions.share(x, term, op).astype(jnp.float32) for x in leaves])
+  np.testing.assert_allclose(vector(leaves), plain, rtol=1e-6)
+  # The same segment reduction of the same terms as when each leaf's were taken alone.
+  segmentable = _reductions.segmentable
+  per_leaf = tuple(
+    term(x).astype(jnp.float32)
+    if segmentable(x)
+    else jnp.reshape(_reductions.share(x, term, op).astype(jnp.float32), (1,))
+    for x in leaves
+  )
+  np.testing.assert_array_equal(
+    vector(leaves), jax.jit(_reductions.small_parts, static_argnums=1)(per_leaf, op)
+  )
+  hlo = vector.lower(leaves).compile().as_text()
+  assert hlo.count(" fusion(") < 20, hlo.count(" fusion(")
+  # Derivatives are the plain shares': finite at zero.
+  weights = jnp.arange(1.0, len(leaves) + 1.0)
+  grad = jax.grad(lambda xs: jnp.sum(vector(xs) * weights))
+  reference = jax.grad(
+    lambda xs: jnp.sum(jnp.stack([_reductions.share(x, term, op) for x in xs]) * weights)
+  )(leaves)
+  for a, b in zip(grad(leaves), reference, strict=True):
+    np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=1e-6)
+  zeros = [jnp.zeros_like(x) for x in leaves]
+  assert all(np.isfinite(np.asarray(g, np.complex64)).all() for g in grad(zeros))
