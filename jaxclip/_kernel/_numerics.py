@@ -672,11 +672,23 @@ def _rescued(x: jax.Array, ord: float, axes: tuple[int, ...] | None) -> jax.Arra
   """
   m = _platform.reduce(max_term(x), "max", axes, True)
   up, down = _pow2_pair(m)
-  xa = _convert(x, jnp.result_type(m.dtype, x.dtype))  # complex stays complex
+  xa = _convert(x, _wider(m.dtype, x.dtype))  # complex stays complex
   s = _platform.reduce(norm_term(ord)(xa * _convert(up, xa.dtype)), "sum", axes, True)
   norm = (safe_sqrt(s) if ord == 2 else s) * down
   big = jnp.full_like(norm, jnp.finfo(norm.dtype).max)
   return jax.lax.select(jax.lax.is_finite(m), jax.lax.min(norm, big), norm)
+
+
+def _wider(real: Any, dtype: Any) -> jnp.dtype:
+  """The wider of float dtype ``real`` and ``dtype``'s precision, complex where ``dtype`` is.
+
+  Explicit, as ``jnp.result_type`` refuses mixed float widths under strict promotion.
+  """
+  real, dtype = jnp.dtype(real), jnp.dtype(dtype)
+  width = max(jnp.finfo(real).bits, jnp.finfo(dtype).bits)
+  if jnp.issubdtype(dtype, jnp.complexfloating):
+    return jnp.dtype(jnp.complex128 if width == 64 else jnp.complex64)
+  return real if jnp.finfo(real).bits >= jnp.finfo(dtype).bits else dtype
 
 
 def _pow2_pair(m: jax.Array) -> tuple[jax.Array, jax.Array]:
