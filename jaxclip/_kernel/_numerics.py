@@ -18,6 +18,7 @@ Everything that measures a gradient goes through this module:
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
@@ -525,11 +526,19 @@ def needs_rescaling(total: jax.Array, size: Any) -> jax.Array:
   total = jnp.asarray(total)
   info = jnp.finfo(total.dtype)
   sizes = [size] if size is None or isinstance(size, int) else list(size)
-  low = np.minimum(
+  bounds = np.minimum(
     float(info.max),
     np.array([_size_bound(n) for n in sizes], np.float64) * float(info.tiny) / float(info.eps),
   ).astype(total.dtype)
-  low = low[0] if size is None or isinstance(size, int) else low
+  if size is None or isinstance(size, int):
+    low = bounds[0]
+  else:
+    # Runs of equal bounds as broadcast scalars, not an array constant: a jitted
+    # program hoists array constants into arguments, which jax 0.10's compiled
+    # gradients of a ``lax.cond`` were then called without.
+    runs = [(b, len(list(g))) for b, g in itertools.groupby(bounds.tolist())]
+    pieces = [jnp.full((n,), b, total.dtype) for b, n in runs]
+    low = pieces[0] if len(pieces) == 1 else jax.lax.concatenate(pieces, 0)
   return (total == jnp.inf) | (total < low)
 
 
