@@ -34,6 +34,12 @@ def compiled(lowered: jax.stages.Lowered) -> jax.stages.Compiled:
   return lowered.compile(compiler_options=xla_options.AS_USERS_COMPILE)
 
 
+def entry_fusions(compiled_text: str) -> int:
+  """The fusions (kernels) of a program's ENTRY computation: those of no ``cond`` branch."""
+  entry = compiled_text[compiled_text.index("\nENTRY") :]
+  return entry.split("\n}", 1)[0].count(" fusion(")
+
+
 def tree_allclose(a, b, *, rtol=1e-6, atol=0.0) -> bool:
   """True if two pytrees have one structure, equal dtypes and close leaves."""
   if jax.tree.structure(a) != jax.tree.structure(b):

@@ -122,7 +122,9 @@ def test_half_precision_clip_adam_step_costs_no_more_than_any_elementwise_transf
   # For float16 the control holds nothing, and neither may the clip.
   control = _half_step_temp(optax.chain(optax.scale(0.5), optax.adam(1e-3)), dtype)
   temp = _half_step_temp(optax.chain(clip(), optax.adam(1e-3)), dtype)
-  assert temp <= control + 4096, (temp, control)
+  # 8 KiB: the float32 partial sums of the float16 reductions (one per 1,024
+  # entries, for the fast norm and for its rescue); a copy of a leaf is >= 128 KB.
+  assert temp <= control + 8192, (temp, control)
   if dtype == jnp.float16:
     assert temp < _SMALLEST_WEIGHT // 8
 
@@ -164,7 +166,11 @@ def test_many_leaves_compile_to_about_one_kernel_per_leaf(mixed):
   tx = jaxclip.clip_by_global_norm(1.0)
   clip = helpers.compiled(jax.jit(lambda t: tx.update(t, tx.init(t))[0]).lower(tree))
   count = lambda c: c.as_text().count(" fusion(")  # noqa: E731
-  assert count(clip) <= count(scale_only) + 256 // 8, (count(clip), count(scale_only))
+  entry = helpers.entry_fusions(clip.as_text())
+  assert entry <= count(scale_only) + 256 // 8, (entry, count(scale_only))
+  # The overflow rescue (a lax.cond branch, compiled with every step): a few
+  # kernels per dtype and width of small leaves, not a rescue per leaf.
+  assert count(clip) - entry <= 24, (count(clip), entry)
 
 
 @pytest.mark.hlo
@@ -303,4 +309,6 @@ def test_per_leaf_clip_of_many_shapes_compiles_one_kernel_per_shape_not_per_row(
   scale_only = helpers.compiled(jax.jit(lambda t: jax.tree.map(lambda x: x * 0.5, t)).lower(tree))
   clip = helpers.compiled(jax.jit(lambda t: jaxclip.ops.clip_by_norm(t, 1.0)).lower(tree))
   assert _distinct_fusions(scale_only) <= 24 + 2
-  assert _distinct_fusions(clip) <= 4 * 24, _distinct_fusions(clip)
+  # Per shape: the norm, the scale and each stack's overflow rescue (a lax.cond
+  # branch: the maximum, the scaled sum and the root), about six kernels.
+  assert _distinct_fusions(clip) <= 7 * 24, _distinct_fusions(clip)

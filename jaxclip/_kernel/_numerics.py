@@ -252,8 +252,8 @@ def scale_by_leaf_norms(
   """
   axes_of = axis if callable(axis) else lambda shape: axis
 
-  def scaler(shape):
-    return _leaf_scaler(fn, ord, _canonical_axes(len(shape), axes_of(shape)))
+  def scaler(shape, stacked=False):
+    return _leaf_scaler(fn, ord, _canonical_axes(len(shape), axes_of(shape)), stacked)
 
   leaves = [as_array(x) for x in leaves]
   others = None if companions is None else [as_array(c) for c in companions]
@@ -340,21 +340,29 @@ def _leaf_applier(fn):
 
 
 @functools.lru_cache(maxsize=256)
-def _leaf_scaler(fn, ord, axes):
+def _leaf_scaler(fn, ord, axes, stacked=False):
   """One leaf's scale as a jitted function, traced once per leaf type.
 
   A call of a jitted function whose argument types it has seen is one cached
   equation, and XLA inlines it: the compiled program is the same as the
   inline math, and the Python cost of tracing it is paid once.
+
+  ``stacked``: the function takes a stack of leaves (a new leading axis) and
+  scales each row by its own norms, rescued under one ``lax.cond`` for the
+  whole stack. (A ``vmap`` of the one-leaf function would batch the ``cond``'s
+  predicate, which makes the ``cond`` a ``select`` that runs the rescue at
+  every step.)
   """
 
   def scale(x, companion, operands):
-    norms = leaf_norm(x, ord, axes, keepdims=True)
+    ax, size = axes, x.size
+    if stacked:
+      ax = tuple(a + 1 for a in (range(x.ndim - 1) if axes is None else axes))
+      size = math.prod(x.shape[1:])
+    norms = leaf_norm(x, ord, ax, keepdims=True)
     if companion is None:
-      return apply_scale(x, fn(norms, x.size, *operands))
-    return apply_scale(
-      x, fn(norms, x.size, leaf_norm(companion, ord, axes, keepdims=True), *operands)
-    )
+      return apply_scale(x, fn(norms, size, *operands))
+    return apply_scale(x, fn(norms, size, leaf_norm(companion, ord, ax, keepdims=True), *operands))
 
   return jax.jit(scale)
 
@@ -679,10 +687,13 @@ def _rescued(x: jax.Array, ord: float, axes: tuple[int, ...] | None) -> jax.Arra
   no derivative goes through them); a finite leaf whose norm overflows
   saturates at ``finfo.max``, an ``inf`` or NaN entry stays visible.
   """
-  m = _platform.reduce(max_term(x), "max", axes, True)
+  half = x.dtype == jnp.float16  # reduced so that no float32 copy of the leaf is made
+  m = _platform.reduce(max_term(x), "max", axes, True, of_float16=half)
   up, down = _pow2_pair(m)
   xa = _convert(x, _wider(m.dtype, x.dtype))  # complex stays complex
-  s = _platform.reduce(norm_term(ord)(xa * _convert(up, xa.dtype)), "sum", axes, True)
+  s = _platform.reduce(
+    norm_term(ord)(xa * _convert(up, xa.dtype)), "sum", axes, True, of_float16=half
+  )
   norm = (safe_sqrt(s) if ord == 2 else s) * down
   big = jnp.full_like(norm, jnp.finfo(norm.dtype).max)
   return jax.lax.select(jax.lax.is_finite(m), jax.lax.min(norm, big), norm)

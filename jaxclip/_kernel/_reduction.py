@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any
@@ -190,24 +191,37 @@ def tree_leaf_norms(
   (:func:`jaxclip._kernel._numerics.needs_rescaling`), every leaf is
   recomputed scaled by its own maximum magnitude (one ``lax.cond``), and
   the total from the scaled shares: no norm of finite leaves is ``inf``.
+  With ``as_vector`` (programs lowered for CPU) the norms come as one vector,
+  rescued by segment reductions (:func:`jaxclip._kernel._platform.scaled_leaf_sums`);
+  otherwise as a list of scalars, each leaf rescued by its own plain math.
   """
   totals, total = tree_leaf_shares(
     tree, ord, axis_name, replicated, partition_specs, as_vector=as_vector
   )
-  leaves, treedef = jax.tree.flatten(tree)
+  leaves = jax.tree.leaves(tree)
   if ord == math.inf or not leaves:
     return totals, total
-  vector = totals if as_vector else jnp.stack(totals)
-  sizes = [_validation.constant_size(x) for x in leaves]
-  needs = _numerics.needs_rescaling(vector, sizes)
   needs_total = _numerics.needs_rescaling(total, _tree_size(leaves))
+  if not isinstance(totals, jax.Array):  # a list: other platforms, or across devices
+    return _leaf_norms_one_by_one(
+      tree, ord, axis_name, replicated, partition_specs, totals, total, needs_total
+    )
   root = _numerics.safe_sqrt if ord == 2 else (lambda t: t)
+  vector = totals
+  needs = _numerics.needs_rescaling(vector, [_validation.constant_size(x) for x in leaves])
 
   def fast(vector, total, needs):
     return root(vector), root(total)
 
   def slow(vector, total, needs):
-    m, e, s = rescaled_shares(vector)
+    m, e, s = _platform.scaled_leaf_sums(
+      [_numerics.as_array(x) for x in leaves],
+      _numerics.norm_term(ord),
+      _numerics.max_term,
+      vector.dtype,
+      _numerics.scaled_down,
+      _numerics.scale_exponent,
+    )
     norms = jnp.where(needs, _numerics.scaled_norm(m, s, e, ord), root(vector))
     # The total from the scaled shares, each relative to the largest maximum's exponent.
     big = jnp.max(m)
@@ -216,42 +230,73 @@ def tree_leaf_norms(
     shares = jnp.where(m > 0, _numerics.times_pow2(s, power), 0)
     return norms, _numerics.scaled_norm(big, jnp.sum(shares), top, ord)
 
-  def rescaled_shares(vector):
-    """Every leaf's maximum, exponent and scaled share, as three vectors."""
-    if axis_name is None:
-      return _platform.scaled_leaf_sums(
-        [_numerics.as_array(x) for x in leaves],
-        _numerics.norm_term(ord),
-        _numerics.max_term,
-        vector.dtype,
-        _numerics.scaled_down,
-        _numerics.scale_exponent,
-      )
-    maxima, _ = tree_leaf_shares(
-      jax.lax.stop_gradient(tree),
-      math.inf,
-      axis_name,
-      replicated,
-      partition_specs,
-      as_vector=as_vector,
-      term=_numerics.max_term,
-    )
-    m = maxima if as_vector else jnp.stack(maxima)
-    e = _numerics.scale_exponent(m)
-    scaled = treedef.unflatten(
-      [_numerics.scaled_down(_numerics.as_array(x), e[i]) for i, x in enumerate(leaves)]
-    )
-    s, _ = tree_leaf_shares(
-      scaled, ord, axis_name, replicated, partition_specs, as_vector=as_vector
-    )
-    return m, e, s if as_vector else jnp.stack(s)
+  return jax.lax.cond(jnp.any(needs) | needs_total, slow, fast, vector, total, needs)
 
-  norms, total_norm = jax.lax.cond(jnp.any(needs) | needs_total, slow, fast, vector, total, needs)
-  if as_vector:
-    return norms, total_norm
-  # One split, then a reshape per leaf (indexing is a slice and a squeeze per leaf).
-  parts = jax.lax.split(norms, (1,) * len(leaves)) if len(leaves) > 1 else [norms]
-  return [jax.lax.reshape(p, ()) for p in parts], total_norm
+
+def _leaf_norms_one_by_one(
+  tree, ord, axis_name, replicated, partition_specs, totals, total, needs_total
+) -> tuple[list[jax.Array], jax.Array]:
+  """:func:`tree_leaf_norms` as a list of scalars: no vector is stacked, split or segmented.
+
+  What programs lowered for platforms other than CPU run (and every program
+  with ``axis_name``): each leaf's rescue is its own plain math, under one
+  ``lax.cond`` for the tree.
+  """
+  leaves, treedef = jax.tree.flatten(tree)
+  root = _numerics.safe_sqrt if ord == 2 else (lambda t: t)
+  needs = [
+    _numerics.needs_rescaling(t, _validation.constant_size(x))
+    for t, x in zip(totals, leaves, strict=True)
+  ]
+  flag = functools.reduce(jnp.logical_or, needs, needs_total)
+
+  def fast(totals, total):
+    return [root(t) for t in totals], root(total)
+
+  def slow(totals, total):
+    if axis_name is None:
+      m = [
+        _platform.share(jax.lax.stop_gradient(_numerics.as_array(x)), _numerics.max_term, "max")
+        for x in leaves
+      ]
+      m = [mi.astype(t.dtype) for mi, t in zip(m, totals, strict=True)]
+      e = [_numerics.scale_exponent(mi) for mi in m]
+      s = [
+        _platform.share(
+          _numerics.scaled_down(_numerics.as_array(x), ei), _numerics.norm_term(ord), "sum"
+        )
+        for x, ei in zip(leaves, e, strict=True)
+      ]
+    else:
+      # The maxima only pick the powers of two: no derivative goes through them.
+      m, _ = tree_leaf_shares(
+        jax.lax.stop_gradient(tree),
+        math.inf,
+        axis_name,
+        replicated,
+        partition_specs,
+        term=_numerics.max_term,
+      )
+      e = [_numerics.scale_exponent(mi) for mi in m]
+      scaled = treedef.unflatten(
+        [_numerics.scaled_down(_numerics.as_array(x), ei) for x, ei in zip(leaves, e, strict=True)]
+      )
+      s, _ = tree_leaf_shares(scaled, ord, axis_name, replicated, partition_specs)
+    s = [si.astype(t.dtype) for si, t in zip(s, totals, strict=True)]
+    norms = [
+      jnp.where(nd, _numerics.scaled_norm(mi, si, ei, ord), root(t))
+      for nd, mi, si, ei, t in zip(needs, m, s, e, totals, strict=True)
+    ]
+    # The total from the scaled shares, each relative to the largest maximum's exponent.
+    big = functools.reduce(jax.lax.max, m)
+    top = _numerics.scale_exponent(big)
+    shares = [
+      jnp.where(mi > 0, _numerics.times_pow2(si, ei - top if ord == 1 else 2 * (ei - top)), 0)
+      for mi, si, ei in zip(m, s, e, strict=True)
+    ]
+    return norms, _numerics.scaled_norm(big, functools.reduce(jax.lax.add, shares), top, ord)
+
+  return jax.lax.cond(flag, slow, fast, list(totals), total)
 
 
 def tree_leaf_shares(

@@ -188,12 +188,17 @@ def shares_by_group(
   plan = _group_plan(leaves)
   fn, e = scale if scale is not None else (None, None)
   if all(len(members) == 1 for _, members in plan):
-    return [share(_prescaled(leaves[m[0]], fn, e), term, op).astype(acc) for _, m in plan]
+    return [_prescaled_share(leaves[m[0]], term, op, fn, e).astype(acc) for _, m in plan]
   return list(_grouped_sums(plan, term, op, acc, fn, leaves, e))
 
 
 def _prescaled(x, fn, e):
   return x if fn is None else fn(x, e)
+
+
+def _prescaled_share(x, term, op, fn, e):
+  """:func:`share` of ``fn(x, e)``, reduced as a float16 leaf's where ``x`` is one."""
+  return reduce(term(_prescaled(x, fn, e)), op, of_float16=x.dtype == jnp.float16)
 
 
 def _group_plan(leaves: list[jax.Array]) -> tuple[tuple[Any, tuple[int, ...]], ...]:
@@ -226,24 +231,16 @@ def _group_plan(leaves: list[jax.Array]) -> tuple[tuple[Any, tuple[int, ...]], .
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1, 2, 3, 4))
 def _grouped_sums(plan, term, op, acc, fn, leaves, e):
-  combine = jax.lax.max if op == "max" else jax.lax.add
   parts = []
   for how, members in plan:
     if how is None:
-      parts.append(share(_prescaled(leaves[members[0]], fn, e), term, op))
+      parts.append(_prescaled_share(leaves[members[0]], term, op, fn, e))
     elif how == "concat":
       flat = [jax.lax.reshape(leaves[i], (leaves[i].size,)) for i in members]
       joined = flat[0] if len(flat) == 1 else jax.lax.concatenate(flat, 0)
-      parts.append(share(_prescaled(joined, fn, e), term, op))
+      parts.append(_prescaled_share(joined, term, op, fn, e))
     else:
-      total = None
-      for i in members:
-        t = term(_prescaled(leaves[i], fn, e))
-        if how:  # flatten and pad to the group's width
-          t = jax.lax.reshape(t, (t.size,))
-          if t.size < how:
-            t = jax.lax.pad(t, jnp.zeros((), t.dtype), ((0, how - t.size, 0),))
-        total = t if total is None else combine(total, t)
+      total = _combined(how, [term(_prescaled(leaves[i], fn, e)) for i in members], op)
       of_float16 = any(leaves[i].dtype == jnp.float16 for i in members)
       parts.append(reduce(total, op, of_float16=of_float16))
   return tuple(p.astype(acc) for p in parts)
@@ -279,35 +276,65 @@ def scaled_sums(
   a part's exponent computed from its own values is shared by no other.
   """
   maxima, exps, sums = [], [], []
-  for how, members in _group_plan(leaves):
+  for how, members in _rescue_plan(leaves):
     if how is None or how == "concat":
       if how is None:  # one leaf as it lies (it may be sharded: no reshape)
         x = leaves[members[0]]
       else:
         flat = [jax.lax.reshape(leaves[i], (leaves[i].size,)) for i in members]
         x = flat[0] if len(flat) == 1 else jax.lax.concatenate(flat, 0)
-      m = share(jax.lax.stop_gradient(x), max_term, "max").astype(acc)
+      half = x.dtype == jnp.float16
+      m = reduce(max_term(jax.lax.stop_gradient(x)), "max", of_float16=half).astype(acc)
       e = exponent_fn(m)
-      total = share(scale_fn(x, e), term, "sum")
+      # The scaled terms are float32, but computed from float16 values.
+      total = reduce(term(scale_fn(x, e)), "sum", of_float16=half)
     else:
-      m = combine_scalars(
-        [share(jax.lax.stop_gradient(leaves[i]), max_term, "max").astype(acc) for i in members],
+      # The group's maximum as its sum: combined elementwise, one reduction.
+      half = any(leaves[i].dtype == jnp.float16 for i in members)
+      m = reduce(
+        _combined(how, [max_term(jax.lax.stop_gradient(leaves[i])) for i in members], "max"),
         "max",
-      )
+        of_float16=half,
+      ).astype(acc)
       e = exponent_fn(m)
-      total = None
-      for i in members:
-        t = term(scale_fn(leaves[i], e))
-        if how:
-          t = jax.lax.reshape(t, (t.size,))
-          if t.size < how:
-            t = jax.lax.pad(t, jnp.zeros((), t.dtype), ((0, how - t.size, 0),))
-        total = t if total is None else jax.lax.add(total, t)
-      total = reduce(total, "sum")
+      total = _combined(how, [term(scale_fn(leaves[i], e)) for i in members], "sum")
+      total = reduce(total, "sum", of_float16=half)
     maxima.append(m)
     exps.append(e)
     sums.append(total.astype(acc))
   return jnp.stack(maxima), jnp.stack(exps), jnp.stack(sums)
+
+
+def _rescue_plan(leaves: list[jax.Array]) -> list[tuple[Any, tuple[int, ...]]]:
+  """:func:`_group_plan` with the padded groups of one width and term dtype made one.
+
+  The rescue runs rarely, but compiles with every step: a part per group of
+  ``_GROUP`` tiny leaves is six kernels per group on XLA:CPU (a maximum and a
+  sum, each a windowed and a final reduction), a part per width is six in all.
+  """
+  plan: list[tuple[Any, tuple[int, ...]]] = []
+  merged: dict[Any, list[int]] = {}
+  for how, members in _group_plan(leaves):
+    if isinstance(how, int) and how > 0:
+      wide = jnp.finfo(leaves[members[0]].dtype).dtype == jnp.float64
+      merged.setdefault((how, wide), []).extend(members)
+    else:
+      plan.append((how, members))
+  plan.extend((how, tuple(members)) for (how, _), members in merged.items())
+  return plan
+
+
+def _combined(how: int, terms: list[jax.Array], op: str) -> jax.Array:
+  """A padded group's ``terms`` combined elementwise (flattened, zero-padded to ``how``)."""
+  combine = jax.lax.max if op == "max" else jax.lax.add
+  total = None
+  for t in terms:
+    if how:  # flatten and pad to the group's width
+      t = jax.lax.reshape(t, (t.size,))
+      if t.size < how:
+        t = jax.lax.pad(t, jnp.zeros((), t.dtype), ((0, how - t.size, 0),))
+    total = t if total is None else combine(total, t)
+  return total
 
 
 def scaled_leaf_sums(
@@ -357,7 +384,8 @@ def scaled_leaf_sums(
     m = [share(jax.lax.stop_gradient(leaves[i]), max_term, "max").astype(acc) for i in alone]
     e = [exponent_fn(x) for x in m]
     s = [
-      share(scale_fn(leaves[i], k), term, "sum").astype(acc) for i, k in zip(alone, e, strict=True)
+      _prescaled_share(leaves[i], term, "sum", scale_fn, k).astype(acc)
+      for i, k in zip(alone, e, strict=True)
     ]
     order += alone
     maxima.append(jnp.stack(m))

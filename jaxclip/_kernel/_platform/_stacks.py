@@ -2,8 +2,8 @@
 
 A per-leaf clip written leaf by leaf is one reduction and one multiply per
 leaf: thousands of kernels for a tree of thousands of small leaves. On
-XLA:CPU the small leaves of one shape are stacked, the one per-leaf function
-is vmapped over each stack (:func:`scale_each_leaf`), and each leaf reads its
+XLA:CPU the small leaves of one shape are stacked, the per-leaf function's
+stacked form scales each stack (:func:`scale_each_leaf`), and each leaf reads its
 row back (:func:`rows`) at an index XLA cannot fold (:func:`opaque_indices`),
 so that the leaves of one shape share one kernel.
 """
@@ -31,7 +31,9 @@ _STACK = 64
 _FLAT_STACK = 128
 _STATIC_ROWS = 512
 
-Scaler = Callable[[tuple[int, ...]], Callable[..., jax.Array]]
+# scaler(shape) scales one leaf of shape; scaler(shape, stacked=True) a stack of
+# them (a new leading axis), each row by its own norms.
+Scaler = Callable[..., Callable[..., jax.Array]]
 
 
 def scale_each_leaf(
@@ -46,7 +48,7 @@ def scale_each_leaf(
   ``scaler(shape)`` is the plain math of one leaf of ``shape``: what every
   other platform runs, and what ``jax.jvp`` and ``jax.grad`` differentiate
   everywhere. In programs lowered for CPU the small local leaves of one
-  shape and dtype are stacked and ``scaler(shape)`` is vmapped over each
+  shape and dtype are stacked and ``scaler(shape, stacked=True)`` scales each
   stack (:func:`_by_stacks`): one reduction and one multiply per stack, where
   one per leaf is thousands of kernels. Large and sharded leaves are scaled
   one by one, so their multiply fuses into their consumer and keeps their
@@ -54,8 +56,8 @@ def scale_each_leaf(
 
   ``together(leaves, companions)``, where given, computes the same values for
   a list of leaves at once (one rescue of every norm under one ``lax.cond``):
-  it replaces the per-leaf calls of the leaves scaled one by one, on every
-  platform, and the stacks' plain branch (what platforms other than CPU run).
+  in programs lowered for CPU it replaces the per-leaf calls of the leaves
+  scaled one by one. Other platforms run the plain per-leaf math.
   """
   others = [None] * len(leaves) if companions is None else companions
   alone, groups = [], {}
@@ -70,16 +72,20 @@ def scale_each_leaf(
   if together is not None and alone:
     alone.sort()
     pick = None if companions is None else [companions[i] for i in alone]
-    out = dict(zip(alone, together([leaves[i] for i in alone], pick), strict=True))
+    scaled = on_cpu(
+      together,
+      lambda xs, cs: _one_by_one(scaler, xs, cs, operands),
+      [leaves[i] for i in alone],
+      pick,
+    )
+    out = dict(zip(alone, scaled, strict=True))
   else:
     out = {i: scaler(leaves[i].shape)(leaves[i], others[i], operands) for i in alone}
   stacked = [i for g in groups.values() if len(g) > 1 for i in g]
   if stacked:
     sizes = tuple(len(g) for g in groups.values() if len(g) > 1)
     companions = None if companions is None else [companions[i] for i in stacked]
-    scaled = _scale_stacked(
-      scaler, sizes, together, [leaves[i] for i in stacked], companions, operands
-    )
+    scaled = _scale_stacked(scaler, sizes, [leaves[i] for i in stacked], companions, operands)
     out.update(zip(stacked, scaled, strict=True))
   return [out[i] for i in range(len(leaves))]
 
@@ -95,27 +101,24 @@ def _one_by_one(scaler, leaves, companions, operands):
   ]
 
 
-@functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1, 2))
-def _scale_stacked(scaler, sizes, together, leaves, companions, operands):
-  """:func:`_by_stacks` on CPU, ``together`` (or :func:`_one_by_one`) elsewhere.
-
-  Under ``jax.jvp`` the tangents are :func:`_one_by_one`'s.
-  """
-
-  def plain(leaves, companions, operands):
-    if together is None:
-      return _one_by_one(scaler, leaves, companions, operands)
-    return together(leaves, companions)
-
-  return on_cpu(lambda *args: _by_stacks(scaler, sizes, *args), plain, leaves, companions, operands)
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1))
+def _scale_stacked(scaler, sizes, leaves, companions, operands):
+  """:func:`_by_stacks` on CPU, :func:`_one_by_one` elsewhere and under ``jax.jvp``."""
+  return on_cpu(
+    lambda *args: _by_stacks(scaler, sizes, *args),
+    lambda *args: _one_by_one(scaler, *args),
+    leaves,
+    companions,
+    operands,
+  )
 
 
 @_scale_stacked.defjvp
-def _scale_stacked_jvp(scaler, sizes, together, primals, tangents):
+def _scale_stacked_jvp(scaler, sizes, primals, tangents):
   # Each leaf's tangent is its own plain math's: transposed (for jax.grad),
   # a stack's rows would each become a full-stack update.
   _, tangent_out = jax.jvp(lambda *a: _one_by_one(scaler, *a), primals, tangents)
-  return _scale_stacked(scaler, sizes, together, *primals), tangent_out
+  return _scale_stacked(scaler, sizes, *primals), tangent_out
 
 
 def _by_stacks(scaler, sizes, leaves, companions, operands) -> list[jax.Array]:
@@ -144,7 +147,7 @@ def _by_stacks(scaler, sizes, leaves, companions, operands) -> list[jax.Array]:
   if dynamic:
     index = opaque_indices(max(k for k, _ in dynamic), leaves[dynamic[0][1]])
   for shape, members, k, starts, static in plans:
-    scale = jax.vmap(scaler(shape), in_axes=(0, None if companions is None else 0, None))
+    scale = scaler(shape, stacked=True)
     done = 0
     for start in starts:
       batch = members[start : start + k]
@@ -166,7 +169,7 @@ def map_grouped(
 
   Small local arrays of one shape, dtype and ``key`` (and extras of one shape)
   are stacked and ``fn_of(key)`` is vmapped over the stack once: the program
-  holds one copy of ``fn`` per stack, not per array (on every platform: what
+  holds one copy of ``fn`` per stack, not per array (in programs lowered for CPU: what
   a rarely taken branch, such as a norm's rescue, is made of). Other arrays
   are mapped one by one.
   """
