@@ -261,14 +261,14 @@ def scale_by_leaf_norms(
   arrays = leaves + (others or [])
   if ord != math.inf and all(_validation.constant_size(a) is not None for a in arrays):
 
-    def together(xs, cs):
+    def together(xs, cs, stacks):
       axes = [_canonical_axes(x.ndim, axes_of(x.shape)) for x in xs]
-      return _scaled_with_one_rescue(fn, ord, axes, xs, cs, tuple(operands))
+      return _scaled_with_one_rescue(fn, ord, axes, xs, cs, tuple(operands), stacks)
 
   return _platform.scale_each_leaf(scaler, leaves, others, tuple(operands), together)
 
 
-def _scaled_with_one_rescue(fn, ord, axes, leaves, companions, operands) -> list[jax.Array]:
+def _scaled_with_one_rescue(fn, ord, axes, leaves, companions, operands, stacks) -> list[jax.Array]:
   """:func:`scale_by_leaf_norms`' result, every norm rescued under one ``lax.cond``.
 
   Each leaf's (and companion's) fast sums come from one pass; where any of
@@ -278,6 +278,10 @@ def _scaled_with_one_rescue(fn, ord, axes, leaves, companions, operands) -> list
   by a few equations per leaf rather than by a rescue per leaf. Each leaf is
   then scaled by ``fn`` of its norms outside the ``cond``: the multiply still
   fuses into the leaf's consumer.
+
+  Without ``stacks`` (programs lowered for platforms other than CPU) nothing
+  is stacked or concatenated: the flags are or-ed as scalars and each norm is
+  rescued by its own plain math, still under the one ``cond``.
   """
   arrays = list(leaves) + (list(companions) if companions is not None else [])
   axes = list(axes) * (1 if companions is None else 2)
@@ -287,13 +291,18 @@ def _scaled_with_one_rescue(fn, ord, axes, leaves, companions, operands) -> list
     for a, ax in zip(arrays, axes, strict=True)
   ]
   by_dtype: dict[Any, tuple[list[jax.Array], list[int]]] = {}
+  flags = []
   for a, ax, t in zip(arrays, axes, sums, strict=True):
     size = constant_size_of(a, ax)
-    if size and t.size:  # an empty norm is 0, exactly: nothing to rescue
-      flat, sizes = by_dtype.setdefault(t.dtype, ([], []))
-      flat.append(jax.lax.reshape(t, (t.size,)))
-      sizes.extend([size] * t.size)
-  flags = [
+    if not (size and t.size):  # an empty norm is 0, exactly: nothing to rescue
+      continue
+    if not stacks:
+      flags.append(jnp.any(needs_rescaling(t, size)))
+      continue
+    flat, sizes = by_dtype.setdefault(t.dtype, ([], []))
+    flat.append(jax.lax.reshape(t, (t.size,)))
+    sizes.extend([size] * t.size)
+  flags += [
     jnp.any(needs_rescaling(f[0] if len(f) == 1 else jax.lax.concatenate(f, 0), sizes))
     for f, sizes in by_dtype.values()
   ]
@@ -303,6 +312,8 @@ def _scaled_with_one_rescue(fn, ord, axes, leaves, companions, operands) -> list
     return [root(t) for t in sums]
 
   def slow(sums):
+    if not stacks:
+      return [_leaf_rescue(ord, ax)(a, t) for a, t, ax in zip(arrays, sums, axes, strict=True)]
     return _platform.map_grouped(lambda ax: _leaf_rescue(ord, ax), arrays, sums, axes)
 
   if not flags:

@@ -54,10 +54,11 @@ def scale_each_leaf(
   one by one, so their multiply fuses into their consumer and keeps their
   sharding.
 
-  ``together(leaves, companions)``, where given, computes the same values for
-  a list of leaves at once (one rescue of every norm under one ``lax.cond``):
-  in programs lowered for CPU it replaces the per-leaf calls of the leaves
-  scaled one by one. Other platforms run the plain per-leaf math.
+  ``together(leaves, companions, stacks)``, where given, computes the same
+  values for a list of leaves at once (one rescue of every norm under one
+  ``lax.cond``; with ``stacks``, small leaves rescued by stacks): it replaces
+  the per-leaf calls of the leaves scaled one by one, with stacks in programs
+  lowered for CPU, and is what other platforms run for every leaf.
   """
   others = [None] * len(leaves) if companions is None else companions
   alone, groups = [], {}
@@ -73,8 +74,8 @@ def scale_each_leaf(
     alone.sort()
     pick = None if companions is None else [companions[i] for i in alone]
     scaled = on_cpu(
-      together,
-      lambda xs, cs: _one_by_one(scaler, xs, cs, operands),
+      lambda xs, cs: together(xs, cs, True),
+      lambda xs, cs: together(xs, cs, False),
       [leaves[i] for i in alone],
       pick,
     )
@@ -85,7 +86,9 @@ def scale_each_leaf(
   if stacked:
     sizes = tuple(len(g) for g in groups.values() if len(g) > 1)
     companions = None if companions is None else [companions[i] for i in stacked]
-    scaled = _scale_stacked(scaler, sizes, [leaves[i] for i in stacked], companions, operands)
+    scaled = _scale_stacked(
+      scaler, sizes, together, [leaves[i] for i in stacked], companions, operands
+    )
     out.update(zip(stacked, scaled, strict=True))
   return [out[i] for i in range(len(leaves))]
 
@@ -101,24 +104,27 @@ def _one_by_one(scaler, leaves, companions, operands):
   ]
 
 
-@functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1))
-def _scale_stacked(scaler, sizes, leaves, companions, operands):
-  """:func:`_by_stacks` on CPU, :func:`_one_by_one` elsewhere and under ``jax.jvp``."""
-  return on_cpu(
-    lambda *args: _by_stacks(scaler, sizes, *args),
-    lambda *args: _one_by_one(scaler, *args),
-    leaves,
-    companions,
-    operands,
-  )
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1, 2))
+def _scale_stacked(scaler, sizes, together, leaves, companions, operands):
+  """:func:`_by_stacks` on CPU; elsewhere ``together`` without stacks (or :func:`_one_by_one`).
+
+  Under ``jax.jvp`` the tangents are :func:`_one_by_one`'s.
+  """
+
+  def plain(leaves, companions, operands):
+    if together is None:
+      return _one_by_one(scaler, leaves, companions, operands)
+    return together(leaves, companions, False)
+
+  return on_cpu(lambda *args: _by_stacks(scaler, sizes, *args), plain, leaves, companions, operands)
 
 
 @_scale_stacked.defjvp
-def _scale_stacked_jvp(scaler, sizes, primals, tangents):
+def _scale_stacked_jvp(scaler, sizes, together, primals, tangents):
   # Each leaf's tangent is its own plain math's: transposed (for jax.grad),
   # a stack's rows would each become a full-stack update.
   _, tangent_out = jax.jvp(lambda *a: _one_by_one(scaler, *a), primals, tangents)
-  return _scale_stacked(scaler, sizes, *primals), tangent_out
+  return _scale_stacked(scaler, sizes, together, *primals), tangent_out
 
 
 def _by_stacks(scaler, sizes, leaves, companions, operands) -> list[jax.Array]:
