@@ -157,11 +157,30 @@ def test_grad_matches_naive_math(name):
 
 @pytest.mark.hlo
 @pytest.mark.parametrize("name", sorted(CLIPS))
-def test_grad_costs_at_most_twice_the_naive_math(name):
+def test_grad_costs_at_most_twice_the_naive_math(name, monkeypatch):
+  # XLA's cost analysis counts every branch of a conditional. The overflow
+  # rescue (a lax.cond branch taken only where a sum overflowed or lost
+  # squares to subnormals) is counted apart: with it, at most 3.5x.
   flops, nbytes, _ = _analysis(_compiled_grad(name, 0, as_users=True))
   naive_flops, naive_bytes, _ = _analysis(_compiled_grad(name, 1, as_users=True))
-  assert flops <= 2 * naive_flops, (flops, naive_flops)
-  assert nbytes <= 2 * naive_bytes, (nbytes, naive_bytes)
+  assert flops <= 3.5 * naive_flops, (flops, naive_flops)
+  assert nbytes <= 3.5 * naive_bytes, (nbytes, naive_bytes)
+  # Without it (a predicate that is constantly false: XLA drops the branch),
+  # the step's own math costs at most twice the naive math.
+  jax.clear_caches()
+  monkeypatch.setattr(_numerics, "needs_rescaling", lambda total, size: jnp.zeros_like(total, bool))
+  try:
+    fast = jax.jit(jax.grad(_loss(CLIPS[name][0]), argnums=(0, 1)))
+    fast_flops, fast_bytes, _ = _analysis(
+      helpers.compiled(fast.lower(_tree(0), jnp.float32(THRESHOLD[name])))
+    )
+  finally:
+    monkeypatch.undo()
+    jax.clear_caches()
+  if name != "ops.clip_by_value":  # a norm's rescue was counted above, and is not here
+    assert fast_flops < flops, (fast_flops, flops)
+  assert fast_flops <= 2 * naive_flops, (fast_flops, naive_flops)
+  assert fast_bytes <= 2 * naive_bytes, (fast_bytes, naive_bytes)
 
 
 def _batched(seed, batch=3):
