@@ -184,7 +184,9 @@ def test_adaptive_grad_clip_of_many_leaves_compiles_to_a_few_kernels_per_leaf(mi
   tx = jaxclip.adaptive_grad_clip(0.01)
   agc = helpers.compiled(jax.jit(lambda g, p: tx.update(g, tx.init(p), p)[0]).lower(g, p))
   count = lambda c: c.as_text().count(" fusion(")  # noqa: E731
-  assert count(agc) <= 2.5 * count(product), (count(agc), count(product))
+  # 3x: each stack's norms (of the updates and of the params) are measured
+  # scaled, a maximum and then a sum, so that none overflows (jaxclip/_kernel).
+  assert count(agc) <= 3 * count(product), (count(agc), count(product))
   # Its factor, computed once per stack, and not again in each row's kernel:
   # beside clip_by_norm on the same tree, only the params' inputs and stacks
   # are extra. A factor ending in a select made 2.1x clip_by_norm's program.
@@ -309,6 +311,4 @@ def test_per_leaf_clip_of_many_shapes_compiles_one_kernel_per_shape_not_per_row(
   scale_only = helpers.compiled(jax.jit(lambda t: jax.tree.map(lambda x: x * 0.5, t)).lower(tree))
   clip = helpers.compiled(jax.jit(lambda t: jaxclip.ops.clip_by_norm(t, 1.0)).lower(tree))
   assert _distinct_fusions(scale_only) <= 24 + 2
-  # Per shape: the norm, the scale and each stack's overflow rescue (a lax.cond
-  # branch: the maximum, the scaled sum and the root), about six kernels.
-  assert _distinct_fusions(clip) <= 7 * 24, _distinct_fusions(clip)
+  assert _distinct_fusions(clip) <= 4 * 24, _distinct_fusions(clip)
