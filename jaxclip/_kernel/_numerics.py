@@ -296,7 +296,7 @@ def _scaled_with_one_rescue(fn, ord, axes, leaves, companions, operands, stacks)
     size = constant_size_of(a, ax)
     if not (size and t.size):  # an empty norm is 0, exactly: nothing to rescue
       continue
-    if not stacks:
+    if not stacks or _sharding.layout(t) is not _sharding.LOCAL:  # a sharded one is not joined
       flags.append(jnp.any(needs_rescaling(t, size)))
       continue
     flat, sizes = by_dtype.setdefault(t.dtype, ([], []))
