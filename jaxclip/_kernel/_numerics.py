@@ -261,9 +261,9 @@ def scale_by_leaf_norms(
   arrays = leaves + (others or [])
   if ord != math.inf and all(_validation.constant_size(a) is not None for a in arrays):
 
-    def together(xs, cs, stacks):
+    def together(xs, cs, ops, stacks):  # closes over no traced value (a custom_jvp's argument)
       axes = [_canonical_axes(x.ndim, axes_of(x.shape)) for x in xs]
-      return _scaled_with_one_rescue(fn, ord, axes, xs, cs, tuple(operands), stacks)
+      return _scaled_with_one_rescue(fn, ord, axes, xs, cs, tuple(ops), stacks)
 
   return _platform.scale_each_leaf(scaler, leaves, others, tuple(operands), together)
 
@@ -297,7 +297,7 @@ def _scaled_with_one_rescue(fn, ord, axes, leaves, companions, operands, stacks)
     if not (size and t.size):  # an empty norm is 0, exactly: nothing to rescue
       continue
     if not stacks or _sharding.layout(t) is not _sharding.LOCAL:  # a sharded one is not joined
-      flags.append(jnp.any(needs_rescaling(t, size)))
+      flags.append(any_needs_rescaling(size)(t))
       continue
     flat, sizes = by_dtype.setdefault(t.dtype, ([], []))
     flat.append(jax.lax.reshape(t, (t.size,)))
@@ -565,6 +565,16 @@ def needs_rescaling(total: jax.Array, size: Any) -> jax.Array:
     pieces = [jnp.full((n,), b, total.dtype) for b, n in runs]
     low = pieces[0] if len(pieces) == 1 else jax.lax.concatenate(pieces, 0)
   return (total == jnp.inf) | (total < low)
+
+
+@functools.lru_cache(maxsize=1024)
+def any_needs_rescaling(size: int | None) -> Callable[[jax.Array], jax.Array]:
+  """``jnp.any(needs_rescaling(total, size))`` as a jitted function of ``total``.
+
+  One cached equation per call: a tree's per-leaf flags cost one equation
+  per leaf, not a comparison's few.
+  """
+  return jax.jit(lambda total: jnp.any(needs_rescaling(total, size)))
 
 
 def _pow2(k: jax.Array, dtype: Any) -> jax.Array:

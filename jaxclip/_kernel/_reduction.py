@@ -245,7 +245,7 @@ def _leaf_norms_one_by_one(
   leaves, treedef = jax.tree.flatten(tree)
   root = _numerics.safe_sqrt if ord == 2 else (lambda t: t)
   needs = [
-    _numerics.needs_rescaling(t, _validation.constant_size(x))
+    _numerics.any_needs_rescaling(_validation.constant_size(x))(t)
     for t, x in zip(totals, leaves, strict=True)
   ]
   flag = functools.reduce(jnp.logical_or, needs, needs_total)
@@ -255,18 +255,11 @@ def _leaf_norms_one_by_one(
 
   def slow(totals, total):
     if axis_name is None:
-      m = [
-        _platform.share(jax.lax.stop_gradient(_numerics.as_array(x)), _numerics.max_term, "max")
-        for x in leaves
+      # One jitted call per leaf: a cached equation each, whatever the leaf.
+      parts = [
+        _one_leaf_scaled(ord)(_numerics.as_array(x), t) for x, t in zip(leaves, totals, strict=True)
       ]
-      m = [mi.astype(t.dtype) for mi, t in zip(m, totals, strict=True)]
-      e = [_numerics.scale_exponent(mi) for mi in m]
-      s = [
-        _platform.share(
-          _numerics.scaled_down(_numerics.as_array(x), ei), _numerics.norm_term(ord), "sum"
-        )
-        for x, ei in zip(leaves, e, strict=True)
-      ]
+      m, e, s = (list(p) for p in zip(*parts, strict=True))
     else:
       # The maxima only pick the powers of two: no derivative goes through them.
       m, _ = tree_leaf_shares(
@@ -282,21 +275,44 @@ def _leaf_norms_one_by_one(
         [_numerics.scaled_down(_numerics.as_array(x), ei) for x, ei in zip(leaves, e, strict=True)]
       )
       s, _ = tree_leaf_shares(scaled, ord, axis_name, replicated, partition_specs)
-    s = [si.astype(t.dtype) for si, t in zip(s, totals, strict=True)]
-    norms = [
-      jnp.where(nd, _numerics.scaled_norm(mi, si, ei, ord), root(t))
-      for nd, mi, si, ei, t in zip(needs, m, s, e, totals, strict=True)
-    ]
+      s = [si.astype(t.dtype) for si, t in zip(s, totals, strict=True)]
     # The total from the scaled shares, each relative to the largest maximum's exponent.
     big = functools.reduce(jax.lax.max, m)
     top = _numerics.scale_exponent(big)
-    shares = [
-      jnp.where(mi > 0, _numerics.times_pow2(si, ei - top if ord == 1 else 2 * (ei - top)), 0)
-      for mi, si, ei in zip(m, s, e, strict=True)
+    out = [
+      _one_leaf_rescued(ord)(nd, mi, si, ei, t, top)
+      for nd, mi, si, ei, t in zip(needs, m, s, e, totals, strict=True)
     ]
+    norms, shares = (list(p) for p in zip(*out, strict=True))
     return norms, _numerics.scaled_norm(big, functools.reduce(jax.lax.add, shares), top, ord)
 
   return jax.lax.cond(flag, slow, fast, list(totals), total)
+
+
+@functools.lru_cache(maxsize=8)
+def _one_leaf_scaled(ord):
+  """``(max, exponent, scaled share)`` of one leaf, in its fast share ``t``'s dtype (jitted)."""
+
+  def scaled(x, t):
+    m = _platform.share(jax.lax.stop_gradient(x), _numerics.max_term, "max").astype(t.dtype)
+    e = _numerics.scale_exponent(m)
+    s = _platform.share(_numerics.scaled_down(x, e), _numerics.norm_term(ord), "sum")
+    return m, e, s.astype(t.dtype)
+
+  return jax.jit(scaled)
+
+
+@functools.lru_cache(maxsize=8)
+def _one_leaf_rescued(ord):
+  """``(norm, share of the total at exponent top)`` of one leaf from its scaled parts (jitted)."""
+
+  def rescued(needs, m, s, e, t, top):
+    root = _numerics.safe_sqrt(t) if ord == 2 else t
+    norm = jnp.where(needs, _numerics.scaled_norm(m, s, e, ord), root)
+    power = e - top if ord == 1 else 2 * (e - top)
+    return norm, jnp.where(m > 0, _numerics.times_pow2(s, power), 0)
+
+  return jax.jit(rescued)
 
 
 def tree_leaf_shares(

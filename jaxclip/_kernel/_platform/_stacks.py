@@ -54,7 +54,7 @@ def scale_each_leaf(
   one by one, so their multiply fuses into their consumer and keeps their
   sharding.
 
-  ``together(leaves, companions, stacks)``, where given, computes the same
+  ``together(leaves, companions, operands, stacks)``, where given, computes the same
   values for a list of leaves at once (one rescue of every norm under one
   ``lax.cond``; with ``stacks``, small leaves rescued by stacks): it replaces
   the per-leaf calls of the leaves scaled one by one, with stacks in programs
@@ -74,10 +74,11 @@ def scale_each_leaf(
     alone.sort()
     pick = None if companions is None else [companions[i] for i in alone]
     scaled = on_cpu(
-      lambda xs, cs: together(xs, cs, True),
-      lambda xs, cs: together(xs, cs, False),
+      lambda xs, cs, ops: together(xs, cs, ops, True),
+      lambda xs, cs, ops: together(xs, cs, ops, False),
       [leaves[i] for i in alone],
       pick,
+      operands,
     )
     out = dict(zip(alone, scaled, strict=True))
   else:
@@ -114,7 +115,7 @@ def _scale_stacked(scaler, sizes, together, leaves, companions, operands):
   def plain(leaves, companions, operands):
     if together is None:
       return _one_by_one(scaler, leaves, companions, operands)
-    return together(leaves, companions, False)
+    return together(leaves, companions, operands, False)
 
   return on_cpu(lambda *args: _by_stacks(scaler, sizes, *args), plain, leaves, companions, operands)
 
