@@ -32,13 +32,12 @@ from packaging.requirements import Requirement
 import jaxclip
 
 ROOT = Path(__file__).resolve().parents[1]
-# What a checkout holds besides the sources (.gitignore): build outputs, caches, venvs.
+# What a checkout holds besides the sources (.gitignore): build outputs, caches, venvs (and
+# every .venv-* folder: .ci/run's legs make .venv-newest and .venv-py3.12 beside .venv).
 _OUTPUTS = {
   ROOT: {
     ".git",
     ".venv",
-    ".venv-lowest",
-    ".venv-peers",
     "venv",
     "build",
     "dist",
@@ -52,7 +51,8 @@ _CACHES = shutil.ignore_patterns("__pycache__", "*.egg-info", ".ipynb_checkpoint
 
 
 def _not_sources(folder, names):
-  return set(_CACHES(folder, names)) | (_OUTPUTS.get(Path(folder), set()) & set(names))
+  venvs = {n for n in names if n.startswith(".venv-")} if Path(folder) == ROOT else set()
+  return set(_CACHES(folder, names)) | (_OUTPUTS.get(Path(folder), set()) & set(names)) | venvs
 
 
 def _run(cmd, **kwargs):

@@ -147,7 +147,7 @@ class PrivacyAccountant:
       z = _accounting._step_multiplier(sigma, count if k else None, max(k, 1))
       cut = _accounting._Truncation(size, rows) if rows else None
       segments.append(_accounting._Segment(z, q, steps, cut))
-    return _accounting._compose(dp_accounting, segments, float(d), self.accountant)
+    return _accounting._compose(dp_accounting, tuple(segments), float(d), self.accountant)
 
   def state_dict(self) -> dict[str, list[Any]]:
     """The record: a dict of seven lists of Python numbers, one entry per run of identical steps.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
@@ -126,7 +127,11 @@ def _truncation_probability(q: float, truncation: _Truncation) -> float:
   return float(stats.binom.sf(truncation.max_batch_size, truncation.num_examples + 1, q))
 
 
-def _compose(dp_accounting: Any, segments: list[_Segment], delta: float, name: str) -> float:
+# Kept: calibrate_noise's last evaluation, dp_epsilon at the σ it returned, and a
+# PrivacyAccountant that recorded those steps ask for the same ε, and one exact
+# (truncated-Poisson) PLD takes seconds. Its arguments are numbers, so a hit is the same ε.
+@functools.lru_cache(maxsize=256)
+def _compose(dp_accounting: Any, segments: tuple[_Segment, ...], delta: float, name: str) -> float:
   """ε at ``delta`` of the segments run one after the other (``name``: the accountant).
 
   A truncated segment is dp_accounting's ``TruncatedSubsampledGaussianDpEvent``
@@ -177,7 +182,7 @@ def _epsilon(
   name: str,
   truncation: _Truncation | None = None,
 ) -> float:
-  return _compose(dp_accounting, [_Segment(z, q, steps, truncation)], delta, name)
+  return _compose(dp_accounting, (_Segment(z, q, steps, truncation),), delta, name)
 
 
 def dp_epsilon(
