@@ -9,6 +9,7 @@ sum of squares and made whole updates (and adam's moments) NaN.
 
 from __future__ import annotations
 
+import functools
 import itertools
 
 import jax
@@ -52,11 +53,27 @@ def _all_finite(tree) -> bool:
   return True
 
 
-def _run(tx, tree, steps=3):
-  """``steps`` updates of ``tx`` on ``tree``, params following: (updates, state, params) each."""
+@functools.cache
+def _transform(name: str, chained: bool, half: bool, x64: bool):
+  """``(tx, jax.jit(tx.update))``: one per transform and form, so that the trees of one
+  structure (each magnitude alone) share one compiled program and differ only in data.
+
+  adam's default eps (1e-8) rounds to 0 in float16, where an all-zero leaf
+  then gives adam's own 0 / 0: its eps is float16's smallest normal there.
+  """
+  del x64  # a key only: a program traced with x64 on is not reused with it off
+  tx = every.build(name)
+  if chained:
+    tx = optax.chain(tx, optax.adam(1e-3, eps=6.2e-5 if half else 1e-8))
+  return tx, jax.jit(tx.update)
+
+
+def _run(name, tree, steps=3, chained=False):
+  """``steps`` updates of transform ``name`` (``chained`` with adam) on ``tree``, params
+  following: (updates, state, params) each."""
+  tx, update = _transform(name, chained, _has_float16(tree), bool(jax.config.jax_enable_x64))
   params = jax.tree.map(jnp.zeros_like, tree)
   state = tx.init(params)
-  update = jax.jit(tx.update)
   out = []
   for _ in range(steps):
     updates, state = update(tree, state, params)
@@ -84,17 +101,13 @@ def _check(name, tree, alone=True, steps=3):
   transform's own state is held finite in the chain.
   """
   bounded = True
-  for step, (updates, state, _) in enumerate(_run(every.build(name), tree, steps) if alone else []):
+  for step, (updates, state, _) in enumerate(_run(name, tree, steps) if alone else []):
     assert _all_finite(updates), (name, step, "updates", updates)
     assert _all_finite(state), (name, step, "state", state)
     bounded &= not _largest(updates) >= (16.0 if _has_float16(tree) else 1e18)
-  # adam's default eps (1e-8) rounds to 0 in float16, where an all-zero leaf
-  # then gives adam's own 0 / 0: its eps is float16's smallest normal there.
-  # Likewise adam squares in float16 what exceeds about 256 into inf.
-  half = _has_float16(tree)
-  limit = 16.0 if half else 1e18
-  chained = optax.chain(every.build(name), optax.adam(1e-3, eps=6.2e-5 if half else 1e-8))
-  for step, (updates, state, params) in enumerate(_run(chained, tree, steps)):
+  # adam squares in float16 what exceeds about 256 into inf (its eps: _transform).
+  limit = 16.0 if _has_float16(tree) else 1e18
+  for step, (updates, state, params) in enumerate(_run(name, tree, steps, chained=True)):
     assert _all_finite(state[0]), (name, step, "state in the chain", state[0])
     if not alone:  # the transform's own output, read off adam's first moment
       # (A NaN moment counts as bounded, so that the assertions below catch it.)

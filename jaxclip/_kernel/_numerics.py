@@ -273,11 +273,17 @@ def _scaled_with_one_rescue(fn, ord, axes, leaves, companions, operands, stacks)
 
   Each leaf's (and companion's) fast sums come from one pass; where any of
   them :func:`needs_rescaling`, the slow branch recomputes the norms scaled
-  (:func:`_leaf_rescue`), vmapped over stacks of small leaves of one shape
-  (:func:`jaxclip._kernel._platform.map_grouped`), so that the program grows
-  by a few equations per leaf rather than by a rescue per leaf. Each leaf is
-  then scaled by ``fn`` of its norms outside the ``cond``: the multiply still
-  fuses into the leaf's consumer.
+  (:func:`_leaf_rescue`). Each leaf is then scaled by ``fn`` of its norms
+  outside the ``cond``: the multiply still fuses into the leaf's consumer.
+
+  With ``stacks`` (programs lowered for CPU) the local sums enter the
+  ``cond`` as one vector per dtype, in the order of
+  :func:`jaxclip._kernel._platform.join_plan`: the fast branch is one square
+  root per dtype, the slow branch rescues the leaves by groups (stacks of
+  small leaves of one shape, whole leaves flattened and padded; vmapped once
+  per group: :func:`jaxclip._kernel._platform.map_joined`), and each leaf
+  reads its norms as a slice of the vector, fused into its scale. A branch
+  output per leaf was a kernel per leaf in each branch.
 
   Without ``stacks`` (programs lowered for platforms other than CPU) nothing
   is stacked or concatenated: the flags are or-ed as scalars and each norm is
@@ -290,40 +296,66 @@ def _scaled_with_one_rescue(fn, ord, axes, leaves, companions, operands, stacks)
     _platform.reduce(term(a), "sum", ax, True, of_float16=a.dtype == jnp.float16)
     for a, ax in zip(arrays, axes, strict=True)
   ]
-  by_dtype: dict[Any, tuple[list[jax.Array], list[int]]] = {}
-  flags = []
-  for a, ax, t in zip(arrays, axes, sums, strict=True):
-    size = constant_size_of(a, ax)
-    if not (size and t.size):  # an empty norm is 0, exactly: nothing to rescue
-      continue
-    if not stacks or _sharding.layout(t) is not _sharding.LOCAL:  # a sharded one is not joined
-      flags.append(any_needs_rescaling(size)(t))
-      continue
-    flat, sizes = by_dtype.setdefault(t.dtype, ([], []))
-    flat.append(jax.lax.reshape(t, (t.size,)))
-    sizes.extend([size] * t.size)
-  flags += [
-    jnp.any(needs_rescaling(f[0] if len(f) == 1 else jax.lax.concatenate(f, 0), sizes))
-    for f, sizes in by_dtype.values()
-  ]
   root = safe_sqrt if ord == 2 else (lambda t: t)
+  sizes = [constant_size_of(a, ax) for a, ax in zip(arrays, axes, strict=True)]
+  # An empty norm is 0, exactly: nothing to rescue. A sharded one is not joined.
+  rescued = [i for i, t in enumerate(sums) if sizes[i] and t.size]
+  joined = [i for i in rescued if stacks and _sharding.layout(sums[i]) is _sharding.LOCAL]
+  single = sorted(set(rescued) - set(joined))
+  plan = _platform.join_plan(
+    [arrays[i] for i in joined], [sums[i] for i in joined], [axes[i] for i in joined], None
+  )
+  by_dtype: dict[Any, list[int]] = {}  # the joined sums' order in their dtype's vector
+  for _, members in plan:
+    by_dtype.setdefault(sums[joined[members[0]]].dtype, []).extend(joined[j] for j in members)
+  vectors = [_flat_concatenate([sums[i] for i in order]) for order in by_dtype.values()]
+  flags = [any_needs_rescaling(sizes[i])(sums[i]) for i in single]
+  flags += [
+    jnp.any(needs_rescaling(v, [sizes[i] for i in order for _ in range(sums[i].size)]))
+    for v, order in zip(vectors, by_dtype.values(), strict=True)
+  ]
 
-  def fast(sums):
-    return [root(t) for t in sums]
+  def fast(vectors, singles):
+    return [root(v) for v in vectors], [root(t) for t in singles]
 
-  def slow(sums):
-    if not stacks:
-      return [_leaf_rescue(ord, ax)(a, t) for a, t, ax in zip(arrays, sums, axes, strict=True)]
-    return _platform.map_grouped(lambda ax: _leaf_rescue(ord, ax), arrays, sums, axes)
+  def slow(vectors, singles):
+    del vectors  # recomputed from the arrays
+    parts = _platform.map_joined(
+      lambda ax: _leaf_rescue(ord, ax),
+      plan,
+      [arrays[i] for i in joined],
+      [sums[i] for i in joined],
+      [axes[i] for i in joined],
+    )
+    by_part: dict[Any, list[jax.Array]] = {}
+    for (_, members), part in zip(plan, parts, strict=True):
+      by_part.setdefault(sums[joined[members[0]]].dtype, []).append(part)
+    rows = [_flat_concatenate(by_part[dtype]) for dtype in by_dtype]
+    return rows, [_leaf_rescue(ord, axes[i])(arrays[i], sums[i]) for i in single]
 
+  singles = [sums[i] for i in single]
   if not flags:
-    norms = fast(sums)
+    vectors, singles = fast(vectors, singles)
   else:
     flag = flags[0] if len(flags) == 1 else functools.reduce(jnp.logical_or, flags)
-    norms = jax.lax.cond(flag, slow, fast, sums)
+    vectors, singles = jax.lax.cond(flag, slow, fast, vectors, singles)
+  kept = set(rescued)
+  norms = [None if i in kept else root(t) for i, t in enumerate(sums)]  # root: the empty ones
+  for i, t in zip(single, singles, strict=True):
+    norms[i] = t
+  for v, order in zip(vectors, by_dtype.values(), strict=True):
+    at = 0
+    for i in order:
+      norms[i] = jax.lax.reshape(jax.lax.slice(v, (at,), (at + sums[i].size,)), sums[i].shape)
+      at += sums[i].size
   n = len(leaves)
   others = [None] * n if companions is None else norms[n:]
   return [_leaf_applier(fn)(x, norms[i], others[i], operands) for i, x in enumerate(leaves)]
+
+
+def _flat_concatenate(arrays: list[jax.Array]) -> jax.Array:
+  flat = [jax.lax.reshape(a, (a.size,)) for a in arrays]
+  return flat[0] if len(flat) == 1 else jax.lax.concatenate(flat, 0)
 
 
 @functools.lru_cache(maxsize=256)

@@ -166,36 +166,80 @@ def _by_stacks(scaler, sizes, leaves, companions, operands) -> list[jax.Array]:
   return out
 
 
-def map_grouped(
+def join_plan(
+  arrays: list[jax.Array], extras: list[jax.Array], keys: list[Any], flat_key: Any
+) -> list[tuple[Any, list[int]]]:
+  """How :func:`map_joined` groups ``arrays``: ``(group, members)`` pairs, every index once.
+
+  Small local arrays of one shape, dtype and ``key`` (and extras of one
+  shape) form a stack. Arrays of key ``flat_key`` (one whose function reduces
+  the whole array to ``extra``'s one entry, with the same value for the array
+  flattened and zero-padded, as a norm's) of up to ``_PADDED_LEAF`` entries
+  are flattened, zero-padded to a power-of-two width and stacked by dtype and
+  width, whatever their shapes. Every other array is a group of its own.
+  """
+  groups: dict[Any, list[int]] = {}
+  for i, (x, e) in enumerate(zip(arrays, extras, strict=True)):
+    size = constant_size(x)
+    local = size and _local(x) and _local(e)
+    if local and keys[i] == flat_key and size <= _PADDED_LEAF and e.size == 1:
+      groups.setdefault(("padded", _padded_width(size), x.dtype, e.dtype, keys[i]), []).append(i)
+    elif local and size <= SMALL_LEAF:
+      groups.setdefault(("stack", x.shape, x.dtype, e.shape, e.dtype, keys[i]), []).append(i)
+    else:
+      groups[("alone", i)] = [i]
+  return list(groups.items())
+
+
+def map_joined(
   fn_of: Callable[[Any], Callable[..., jax.Array]],
+  plan: list[tuple[Any, list[int]]],
   arrays: list[jax.Array],
   extras: list[jax.Array],
   keys: list[Any],
 ) -> list[jax.Array]:
-  """``fn_of(key)(array, extra)`` for each ``(array, extra, key)``, small arrays by stacks.
+  """``fn_of(key)(array, extra)`` (of ``extra``'s shape) for every array, by the groups of ``plan``.
 
-  Small local arrays of one shape, dtype and ``key`` (and extras of one shape)
-  are stacked and ``fn_of(key)`` is vmapped over the stack once: the program
-  holds one copy of ``fn`` per stack, not per array (in programs lowered for CPU: what
-  a rarely taken branch, such as a norm's rescue, is made of). Other arrays
-  are mapped one by one.
+  One flat vector per group: its members' results flattened, one after the
+  other. A group's function is vmapped over its stack once, so the program
+  holds one copy of it per group, not per array: what a rarely taken branch
+  (a norm's rescue, in programs lowered for CPU) is made of, compiled with
+  every step. A padded stack at most doubles the entries read.
   """
-  groups: dict[Any, list[int]] = {}
-  out: list[Any] = [None] * len(arrays)
-  for i, (x, e) in enumerate(zip(arrays, extras, strict=True)):
-    if constant_size(x) and constant_size(x) <= SMALL_LEAF and _local(x) and _local(e):
-      groups.setdefault((x.shape, x.dtype, e.shape, e.dtype, keys[i]), []).append(i)
-    else:
-      out[i] = fn_of(keys[i])(x, e)
-  for (shape, _, extra_shape, _, key), members in groups.items():
+  out = []
+  for group, members in plan:
+    key = keys[members[0]]
     if len(members) == 1:
-      out[members[0]] = fn_of(key)(arrays[members[0]], extras[members[0]])
+      i = members[0]
+      r = fn_of(key)(arrays[i], extras[i])
+      out.append(jax.lax.reshape(r, (r.size,)))
       continue
-    xs = stack([arrays[i] for i in members], shape)
-    es = stack([extras[i] for i in members], extra_shape)
-    for i, row in zip(members, _split(jax.vmap(fn_of(key))(xs, es), 0, 0), strict=True):
-      out[i] = row
+    if group[0] == "padded":
+      width = group[1]
+      xs = stack([_padded(arrays[i], width) for i in members], (width,))
+      es = stack([jax.lax.reshape(extras[i], (1,)) for i in members], (1,))
+    else:
+      xs = stack([arrays[i] for i in members], arrays[members[0]].shape)
+      es = stack([extras[i] for i in members], extras[members[0]].shape)
+    r = jax.vmap(fn_of(key))(xs, es)
+    out.append(jax.lax.reshape(r, (r.size,)))
   return out
+
+
+# join_plan's flattened arrays: at most this many entries (16 KiB of float32), padded to a
+# power of two. The padded stacks are copies, held while the rescue runs.
+_PADDED_LEAF = 4_096
+
+
+def _padded_width(size: int) -> int:
+  return 1 << max(size - 1, 0).bit_length()
+
+
+def _padded(x: jax.Array, width: int) -> jax.Array:
+  flat = jax.lax.reshape(x, (x.size,))
+  if x.size == width:
+    return flat
+  return jax.lax.pad(flat, jnp.zeros((), x.dtype), ((0, width - x.size, 0),))
 
 
 def stack(leaves: Sequence[jax.Array], shape: tuple[int, ...]) -> jax.Array:
