@@ -305,10 +305,11 @@ def _scaled_with_one_rescue(fn, ord, axes, leaves, companions, operands, stacks)
   plan = _platform.join_plan(
     [arrays[i] for i in joined], [sums[i] for i in joined], [axes[i] for i in joined], None
   )
+  group_dtypes = [sums[joined[members[0]]].dtype for _, members in plan]
   by_dtype: dict[Any, list[int]] = {}  # the joined sums' order in their dtype's vector
-  for _, members in plan:
-    by_dtype.setdefault(sums[joined[members[0]]].dtype, []).extend(joined[j] for j in members)
-  vectors = [_flat_concatenate([sums[i] for i in order]) for order in by_dtype.values()]
+  for (_, members), dtype in zip(plan, group_dtypes, strict=True):
+    by_dtype.setdefault(dtype, []).extend(joined[j] for j in members)
+  vectors = [_platform.flat_concatenate([sums[i] for i in order]) for order in by_dtype.values()]
   flags = [any_needs_rescaling(sizes[i])(sums[i]) for i in single]
   flags += [
     jnp.any(needs_rescaling(v, [sizes[i] for i in order for _ in range(sums[i].size)]))
@@ -328,9 +329,9 @@ def _scaled_with_one_rescue(fn, ord, axes, leaves, companions, operands, stacks)
       [axes[i] for i in joined],
     )
     by_part: dict[Any, list[jax.Array]] = {}
-    for (_, members), part in zip(plan, parts, strict=True):
-      by_part.setdefault(sums[joined[members[0]]].dtype, []).append(part)
-    rows = [_flat_concatenate(by_part[dtype]) for dtype in by_dtype]
+    for dtype, part in zip(group_dtypes, parts, strict=True):
+      by_part.setdefault(dtype, []).append(part)
+    rows = [_platform.flat_concatenate(by_part[dtype]) for dtype in by_dtype]
     return rows, [_leaf_rescue(ord, axes[i])(arrays[i], sums[i]) for i in single]
 
   singles = [sums[i] for i in single]
@@ -351,11 +352,6 @@ def _scaled_with_one_rescue(fn, ord, axes, leaves, companions, operands, stacks)
   n = len(leaves)
   others = [None] * n if companions is None else norms[n:]
   return [_leaf_applier(fn)(x, norms[i], others[i], operands) for i, x in enumerate(leaves)]
-
-
-def _flat_concatenate(arrays: list[jax.Array]) -> jax.Array:
-  flat = [jax.lax.reshape(a, (a.size,)) for a in arrays]
-  return flat[0] if len(flat) == 1 else jax.lax.concatenate(flat, 0)
 
 
 @functools.lru_cache(maxsize=256)

@@ -49,6 +49,7 @@ from jaxclip._kernel._platform._reductions import scaled_sums as scaled_sums
 from jaxclip._kernel._platform._reductions import share as share
 from jaxclip._kernel._platform._reductions import share_vector as share_vector
 from jaxclip._kernel._platform._reductions import shares_by_group as shares_by_group
+from jaxclip._kernel._platform._stacks import flat_concatenate as flat_concatenate
 from jaxclip._kernel._platform._stacks import join_plan as join_plan
 from jaxclip._kernel._platform._stacks import map_joined as map_joined
 from jaxclip._kernel._platform._stacks import scale_each_leaf as scale_each_leaf

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxclip._kernel import _sharding
+from jaxclip._kernel._platform._stacks import flat_concatenate
 from jaxclip._kernel._platform._switch import is_small, on_cpu, segmentable
 from jaxclip._kernel._validation import constant_size
 
@@ -236,8 +237,7 @@ def _grouped_sums(plan, term, op, acc, fn, leaves, e):
     if how is None:
       parts.append(_prescaled_share(leaves[members[0]], term, op, fn, e))
     elif how == "concat":
-      flat = [jax.lax.reshape(leaves[i], (leaves[i].size,)) for i in members]
-      joined = flat[0] if len(flat) == 1 else jax.lax.concatenate(flat, 0)
+      joined = flat_concatenate([leaves[i] for i in members])
       parts.append(_prescaled_share(joined, term, op, fn, e))
     else:
       total = _combined(how, [term(_prescaled(leaves[i], fn, e)) for i in members], op)
@@ -281,8 +281,7 @@ def scaled_sums(
       if how is None:  # one leaf as it lies (it may be sharded: no reshape)
         x = leaves[members[0]]
       else:
-        flat = [jax.lax.reshape(leaves[i], (leaves[i].size,)) for i in members]
-        x = flat[0] if len(flat) == 1 else jax.lax.concatenate(flat, 0)
+        x = flat_concatenate([leaves[i] for i in members])
       half = x.dtype == jnp.float16
       m = reduce(max_term(jax.lax.stop_gradient(x)), "max", of_float16=half).astype(acc)
       e = exponent_fn(m)
@@ -366,8 +365,7 @@ def scaled_leaf_sums(
   order: list[int] = []
   maxima, exps, sums = [], [], []
   for members in joined.values():
-    flat = [jax.lax.reshape(leaves[i], (leaves[i].size,)) for i in members]
-    flat = flat[0] if len(flat) == 1 else jax.lax.concatenate(flat, 0)
+    flat = flat_concatenate([leaves[i] for i in members])
     segments = np.repeat(np.arange(len(members), dtype=np.int32), [leaves[i].size for i in members])
     m = jax.ops.segment_max(
       max_term(jax.lax.stop_gradient(flat)), segments, len(members), indices_are_sorted=True
@@ -443,8 +441,7 @@ def joined_parts(leaves: tuple[jax.Array, ...], term: Term, op: str, acc: Any) -
       owners.append(i)
       sizes.append(1)
   for members in joined.values():
-    flat = [jax.lax.reshape(leaves[i], (leaves[i].size,)) for i in members]
-    pieces.append(term(flat[0] if len(flat) == 1 else jax.lax.concatenate(flat, 0)).astype(acc))
+    pieces.append(term(flat_concatenate([leaves[i] for i in members])).astype(acc))
     owners += members
     sizes += [leaves[i].size for i in members]
   flat = pieces[0] if len(pieces) == 1 else jax.lax.concatenate(pieces, 0)

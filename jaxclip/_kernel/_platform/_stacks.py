@@ -242,6 +242,12 @@ def _padded(x: jax.Array, width: int) -> jax.Array:
   return jax.lax.pad(flat, jnp.zeros((), x.dtype), ((0, width - x.size, 0),))
 
 
+def flat_concatenate(arrays: Sequence[jax.Array]) -> jax.Array:
+  """``arrays`` flattened and joined into one vector (one concatenate; one array: its reshape)."""
+  flat = [jax.lax.reshape(a, (a.size,)) for a in arrays]
+  return flat[0] if len(flat) == 1 else jax.lax.concatenate(flat, 0)
+
+
 def stack(leaves: Sequence[jax.Array], shape: tuple[int, ...]) -> jax.Array:
   """``leaves`` (all of ``shape``) stacked on a new leading axis, by one concatenate.
 
