@@ -264,3 +264,54 @@ def test_the_ops_still_check_their_arguments_on_every_call():
     ops.clip_by_global_norm(tree, -1.0)
   with pytest.raises(ValueError, match="must not exceed"):
     ops.clip_by_value(tree, 2.0, 1.0)
+
+
+class _Compiles:
+  """Counts XLA compiles (jax's backend-compile events) while it is entered."""
+
+  _EVENT = "/jax/core/compile/backend_compile_duration"
+
+  def __enter__(self):
+    self.count = 0
+    jax.monitoring.register_event_duration_secs_listener(self._listen)
+    return self
+
+  def _listen(self, event, duration, **kwargs):
+    del duration, kwargs
+    if event == self._EVENT:
+      self.count += 1
+
+  def __exit__(self, *exc):
+    jax.monitoring.unregister_event_duration_listener(self._listen)
+
+
+def _eager_calls():
+  """``(name, call)`` for every transform's ``update`` and every op, called eagerly (no jit)."""
+  grads = {"w": jnp.full((4, 3), 0.5), "b": jnp.full((3,), 2.0), "s": jnp.float32(3.0)}
+  calls = []
+  for name in FACTORIES:
+    tx = build(name)
+    state = tx.init(grads)
+    calls.append((name, functools.partial(tx.update, grads, state, grads)))
+  for name in ops.__all__:
+    args = (-1.0, 1.0) if name == "clip_by_value" else () if name == "global_norm" else (1.0,)
+    calls.append((f"ops.{name}", functools.partial(getattr(ops, name), grads, *args)))
+  return calls
+
+
+def test_every_transform_and_op_called_eagerly_compiles_nothing_the_second_time():
+  """Called eagerly, an ``update`` (or an op) compiles on its first call only.
+
+  jax compiles each primitive the first time it sees its shapes, and reuses it
+  after. A ``lax.cond`` called eagerly is compiled at every call (its branches
+  are traced anew): the overflow rescue's made every eager call of a per-leaf or
+  global norm compile, about half a second each on XLA:CPU, against optax's 2 ms.
+  """
+  recompiled = {}
+  for name, call in _eager_calls():
+    jax.block_until_ready(call())
+    with _Compiles() as compiles:
+      jax.block_until_ready(call())
+    if compiles.count:
+      recompiled[name] = compiles.count
+  assert not recompiled, f"compiled again on a second eager call (compiles): {recompiled}"

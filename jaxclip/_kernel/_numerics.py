@@ -339,7 +339,7 @@ def _scaled_with_one_rescue(fn, ord, axes, leaves, companions, operands, stacks)
     vectors, singles = fast(vectors, singles)
   else:
     flag = flags[0] if len(flags) == 1 else functools.reduce(jnp.logical_or, flags)
-    vectors, singles = jax.lax.cond(flag, slow, fast, vectors, singles)
+    vectors, singles = _platform.cond(flag, slow, fast, vectors, singles)
   kept = set(rescued)
   norms = [None if i in kept else root(t) for i, t in enumerate(sums)]  # root: the empty ones
   for i, t in zip(single, singles, strict=True):
@@ -719,7 +719,7 @@ def rescued_norm(
   def slow(root, needs):
     return jnp.where(needs, rescue().astype(root.dtype), root)
 
-  return jax.lax.cond(flag, slow, lambda root, needs: root, root, needs)
+  return _platform.cond(flag, slow, lambda root, needs: root, root, needs)
 
 
 def leaf_norm_rescued(
@@ -881,7 +881,7 @@ def per_example_scaled_norms(leaves: Sequence[Any], acc: Any = None) -> ScaledNo
   def quick(fast, needs):
     return zeros, fast, safe_sqrt(fast)
 
-  exponent, sumsq, norms = jax.lax.cond(jnp.any(needs), slow, quick, fast, needs)
+  exponent, sumsq, norms = _platform.cond(jnp.any(needs), slow, quick, fast, needs)
   return ScaledNorms(exponent, sumsq, norms)
 
 

@@ -230,7 +230,7 @@ def tree_leaf_norms(
     shares = jnp.where(m > 0, _numerics.times_pow2(s, power), 0)
     return norms, _numerics.scaled_norm(big, jnp.sum(shares), top, ord)
 
-  return jax.lax.cond(jnp.any(needs) | needs_total, slow, fast, vector, total, needs)
+  return _platform.cond(jnp.any(needs) | needs_total, slow, fast, vector, total, needs)
 
 
 def _leaf_norms_one_by_one(
@@ -286,7 +286,7 @@ def _leaf_norms_one_by_one(
     norms, shares = (list(p) for p in zip(*out, strict=True))
     return norms, _numerics.scaled_norm(big, functools.reduce(jax.lax.add, shares), top, ord)
 
-  return jax.lax.cond(flag, slow, fast, list(totals), total)
+  return _platform.cond(flag, slow, fast, list(totals), total)
 
 
 @functools.lru_cache(maxsize=8)

@@ -21,7 +21,7 @@ branch is never traced.
 
 The rooms:
 
-* ``_switch``: :func:`on_cpu`, and which leaves count as small;
+* ``_switch``: :func:`on_cpu`, the rescues' :func:`cond`, and which leaves count as small;
 * ``_reductions``: one leaf's norm reduction (bfloat16 barrier, float16
   two-output reduction); a tree norm's partial sums by group; every leaf's
   sum as one vector by one segment reduction;
@@ -53,6 +53,7 @@ from jaxclip._kernel._platform._stacks import flat_concatenate as flat_concatena
 from jaxclip._kernel._platform._stacks import join_plan as join_plan
 from jaxclip._kernel._platform._stacks import map_joined as map_joined
 from jaxclip._kernel._platform._stacks import scale_each_leaf as scale_each_leaf
+from jaxclip._kernel._platform._switch import cond as cond
 from jaxclip._kernel._platform._switch import cuda_in_process as cuda_in_process
 from jaxclip._kernel._platform._switch import on_cpu as on_cpu
 from jaxclip._kernel._platform._switch import on_cuda as on_cuda

@@ -281,7 +281,13 @@ def opaque_indices(k: int, like: jax.Array) -> tuple[jax.Array, ...]:
     jax.lax.broadcast_in_dim(jax.lax.add(zero, np.int32(j)), (2,), ()) for j in range(k)
   )
   lowest = tuple(np.int32(np.iinfo(np.int32).min) for _ in range(k))
-  return tuple(jax.lax.reduce(operands, lowest, lambda a, b: tuple(map(jax.lax.max, a, b)), (0,)))
+  return tuple(jax.lax.reduce(operands, lowest, _each_max, (0,)))
+
+
+def _each_max(a: tuple[jax.Array, ...], b: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
+  """The maxima of a multi-output reduction, one function for every call: jax caches the
+  reduction's jaxpr by this function, so an eager call (no ``jit``) reuses its compiled kernel."""
+  return tuple(map(jax.lax.max, a, b))
 
 
 def rows(stacked: jax.Array, first: int, indices: tuple[jax.Array, ...] | None) -> list[jax.Array]:

@@ -25,6 +25,24 @@ def on_cpu(cpu: Callable[..., Any], default: Callable[..., Any], *args: Any) -> 
   return jax.lax.platform_dependent(*args, cpu=cpu, default=default)
 
 
+def cond(flag: Any, slow: Callable[..., Any], fast: Callable[..., Any], *operands: Any) -> Any:
+  """``jax.lax.cond(flag, slow, fast, *operands)``; decided in Python where ``flag`` is concrete.
+
+  Called eagerly (no ``jax.jit`` around it), a ``lax.cond`` is compiled as a
+  program of its own, both branches, at every call: the branches are
+  closures traced anew each time, so jax's compile cache never hits. A
+  rescue's ``cond`` made every eager call of ``jaxclip.ops.global_norm``
+  take about half a second on XLA:CPU (optax's: 2 ms). With a concrete
+  ``flag`` only the branch taken runs, op by op like the rest of an eager
+  call, with the same values (and the same derivatives under an eager
+  ``jax.grad``). Under a trace (``jit``, ``vmap``, ``shard_map``) it is
+  ``lax.cond``.
+  """
+  if isinstance(flag, jax.core.Tracer):
+    return jax.lax.cond(flag, slow, fast, *operands)
+  return slow(*operands) if bool(flag) else fast(*operands)
+
+
 def on_cuda(cuda: Callable[..., Any], default: Callable[..., Any], *args: Any) -> Any:
   """``cuda(*args)`` in programs lowered for CUDA GPUs, ``default(*args)`` elsewhere (ROCm too)."""
   return jax.lax.platform_dependent(*args, cuda=cuda, default=default)
