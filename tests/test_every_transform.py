@@ -286,7 +286,8 @@ class _Compiles:
 
 
 def _eager_calls():
-  """``(name, call)`` for every transform's ``update`` and every op, called eagerly (no jit)."""
+  """``(name, call)`` for every transform's ``update``, every op and the per-example and unitwise
+  functions, each called eagerly (no jit)."""
   grads = {"w": jnp.full((4, 3), 0.5), "b": jnp.full((3,), 2.0), "s": jnp.float32(3.0)}
   calls = []
   for name in FACTORIES:
@@ -296,6 +297,13 @@ def _eager_calls():
   for name in ops.__all__:
     args = (-1.0, 1.0) if name == "clip_by_value" else () if name == "global_norm" else (1.0,)
     calls.append((f"ops.{name}", functools.partial(getattr(ops, name), grads, *args)))
+  per_example = {"w": jnp.full((5, 4, 3), 0.5), "b": jnp.full((5, 3), 2.0)}  # 5 examples
+  w_norm = jaxclip.unitwise_norm(grads["w"])
+  for name in ("per_example_global_norm_clip", "per_example_layer_norm_clip"):
+    calls.append((name, functools.partial(getattr(jaxclip, name), per_example, 1.0)))
+  calls.append(("unitwise_norm", functools.partial(jaxclip.unitwise_norm, grads["w"])))
+  unitwise_clip = functools.partial(jaxclip.unitwise_clip, w_norm, 0.1 * w_norm, grads["w"])
+  calls.append(("unitwise_clip", unitwise_clip))
   return calls
 
 
