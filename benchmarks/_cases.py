@@ -16,7 +16,7 @@ import optax
 
 import jaxclip
 from benchmarks import _model, _timing
-from tests import every, trees
+from workloads import every, trees
 
 MAX_NORM = 1.0
 
@@ -344,7 +344,7 @@ TRANSFORMS = {
 }
 
 
-# Every other transform of jaxclip.__all__ (tests/every.py), so that a
+# Every other transform of jaxclip.__all__ (workloads/every.py), so that a
 # new one is timed without anyone adding it here.
 for _name in every.factories():
   if not any(k == _name or k.startswith(_name + "(") for k in TRANSFORMS):

@@ -2,7 +2,7 @@
 
 ``python -m benchmarks --only transforms --leaves 400 5000`` (or this module
 directly, ``python -m benchmarks._compile_table --leaves 400``) profiles
-every factory of ``jaxclip.__all__`` (``tests/every.py``) twice: its
+every factory of ``jaxclip.__all__`` (``workloads/every.py``) twice: its
 update ``chained`` in front of adam (``optax.chain(t, optax.adam(1e-3))``,
 what a user compiles) and ``alone``. Each profile runs in a fresh process
 and records the seconds to trace, lower and XLA-compile, the jaxpr's
@@ -30,7 +30,7 @@ from typing import Any
 import jax
 import optax
 
-from tests import every, trees
+from workloads import every, trees
 
 ADAM = "optax.adam"
 # Transforms profiled between two profiles of adam.

@@ -1,6 +1,6 @@
 """Ghost norms on the model zoo: ``python -m benchmarks.ghost --zoo``.
 
-For each model of :mod:`tests.zoo` (at its ``"bench"`` size) and each
+For each model of :mod:`workloads.zoo` (at its ``"bench"`` size) and each
 batch size ``B``, four ways to get one step's gradient, each jitted and
 compiled on its own:
 
@@ -41,7 +41,7 @@ import numpy as np
 
 import jaxclip
 from benchmarks import _cases, _main, _report, _timing
-from tests import zoo
+from workloads import zoo
 
 METHODS = ("grad", "vmap", "ghost", "auto")
 BATCHES, QUICK_BATCHES = (16, 128), (4,)
@@ -402,7 +402,7 @@ def main(args: Any, argv_text: str) -> str:
     f"{importlib.metadata.version('flax')}, equinox "
     f"{importlib.metadata.version('equinox')}, optax "
     f"{importlib.metadata.version('optax')}",
-    "models": f"tests/zoo.py at size {size!r}; {reps} timed steps per case",
+    "models": f"workloads/zoo.py at size {size!r}; {reps} timed steps per case",
     "load average (1, 5, 15 min) at start": " ".join(f"{x:.2f}" for x in os.getloadavg()),
   }
   t_start = time.perf_counter()

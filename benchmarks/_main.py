@@ -16,8 +16,8 @@ import jaxlib
 import optax
 
 from benchmarks import _cases, _compile_table, _model, _report
-from tests import trees
 from tools.figure_record import package_sources, write_record
+from workloads import trees
 
 HERE = Path(__file__).resolve().parent
 SECTIONS = ("train", "full-step", "standalone", "compile", "transforms", "sizes")
@@ -188,7 +188,7 @@ def main(argv: list[str] | None = None) -> str:
   _report.plot(str(args.out / "results.png"), compile_rows, _cases.COMPILE_IMPLS, size_rows)
   command = " ".join(["python -m benchmarks", *(sys.argv[1:] if argv is None else argv)])
   write_record(
-    args.out / "results.png", package_sources("benchmarks") + package_sources("tests"), command
+    args.out / "results.png", package_sources("benchmarks") + package_sources("workloads"), command
   )
   print(text)
   return text

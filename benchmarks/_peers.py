@@ -63,7 +63,7 @@ import jax
 import jaxlib
 import numpy as np
 
-from benchmarks import _cases, _main, _model, _report
+from benchmarks import _cases, _ghost_cases, _main, _model, _report
 
 EXTRA = "peers"
 INSTALL = 'python3 -m venv .venv-peers && .venv-peers/bin/pip install -e ".[peers]" torch==2.13.0'
@@ -254,15 +254,14 @@ def _as_numpy(tree: Any) -> dict[str, np.ndarray]:
 
 def jax_cases(cfg: _model.GPTConfig, clip: float, have: dict) -> dict:
   """``{key: (fn(params, tokens) -> {name: array}, None) or (None, why not)}``."""
-  from benchmarks import ghost
 
   def loss_fn(params, tokens):
     return _model.loss_fn(params, tokens, cfg)
 
   out = {}
-  for key, (fn, why) in ghost.make_cases(cfg, clip).items():
+  for key, (fn, why) in _ghost_cases.make_cases(cfg, clip).items():
     out["jax grad" if key == "grad" else f"jaxclip {key}"] = (fn, why)
-  out["jaxclip auto"] = ghost.private_grad_fn(loss_fn, clip, "auto")
+  out["jaxclip auto"] = _ghost_cases.private_grad_fn(loss_fn, clip, "auto")
   if have["jax_privacy"][1] is None:
     from jax_privacy import clipping
 
@@ -470,13 +469,12 @@ def add_ratios(rows: dict[str, dict]) -> None:
 def run(
   batches: list[int], seq_lens: list[int], model: dict, clip: float | None, reps: int, probes: int
 ) -> list[dict]:
-  from benchmarks import ghost
 
   have = availability()
   rows = []
   for t in seq_lens:
     base = _model.GPTConfig(seq_len=t, tied=True, **model)
-    t_clip = ghost.median_norm(base) if clip is None else clip
+    t_clip = _ghost_cases.median_norm(base) if clip is None else clip
     for b in batches:
       print(f"  B={b:4d} T={t:4d} l2_norm_clip {t_clip:.3g} ...", flush=True)
       cfg = _model.GPTConfig(seq_len=t, batch=b, tied=True, **model)
@@ -662,7 +660,6 @@ def _source() -> str:
 
 def main(args: argparse.Namespace, command: str) -> str:
   """Runs the peers (``args`` from :func:`benchmarks.ghost._parser`), writes ghost_peers.md."""
-  from benchmarks import ghost
 
   have = availability()
   for peer, (_, why) in have.items():
@@ -674,7 +671,7 @@ def main(args: argparse.Namespace, command: str) -> str:
   probes = 1 if quick else 3
   batches = args.batch or list(QUICK_BATCHES if quick else BATCHES)
   seq_lens = args.seq or list(QUICK_SEQ_LENS if quick else SEQ_LENS)
-  model = ghost.QUICK_MODEL if quick else ghost.MODEL
+  model = _ghost_cases.QUICK_MODEL if quick else _ghost_cases.MODEL
   device = jax.devices()[0]
   load = " ".join(f"{x:.2f}" for x in os.getloadavg())
   meta = {
@@ -692,7 +689,7 @@ def main(args: argparse.Namespace, command: str) -> str:
     "threads": threads,
     "l2_norm_clip": f"{args.clip:g}"
     if args.clip is not None
-    else f"for each T, the median per-example gradient norm of {ghost.NORM_SAMPLE} random "
+    else f"for each T, the median per-example gradient norm of {_ghost_cases.NORM_SAMPLE} random "
     "sequences",
     "repetitions": f"{reps} timed rounds after one warm-up call, {probes} memory probes per case",
     "load average (1, 5, 15 min) at start": load,

@@ -26,7 +26,7 @@ import jax
 import optax
 
 import jaxclip
-from tests import trees
+from workloads import trees
 
 Factory = Callable[[], optax.GradientTransformation]
 # Each jaxclip clip and its optax counterpart (None: optax has none).

@@ -39,15 +39,12 @@ a venv of their own (torch 2.13.0 is the CPU wheel)::
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import datetime
-import inspect
 import math
 import os
 import platform
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -55,24 +52,12 @@ import jax
 import jax.numpy as jnp
 import jaxlib
 
-import jaxclip
-from benchmarks import _cases, _ghost_mask, _main, _model, _report, _timing
+from benchmarks import _cases, _ghost_cases, _ghost_mask, _main, _model, _report, _timing
 from tools.figure_record import package_sources, write_record
 
 HERE = Path(__file__).resolve().parent
-METHODS = ("grad", "vmap", "ghost")
-# About 0.85M params: 0.79M in the 4 blocks, 33K in the (tied) token
-# embedding, 128 * T in the position embedding.
-MODEL = {"vocab": 256, "d_model": 128, "n_layers": 4, "n_heads": 4}
 BATCHES, SEQ_LENS = (32, 128, 512), (16, 128)
-QUICK_MODEL = {"vocab": 32, "d_model": 16, "n_layers": 1, "n_heads": 2}
 QUICK_BATCHES, QUICK_SEQ_LENS = (2, 8), (8,)
-# The private cases' l2_norm_clip, by default the median of the per-example
-# gradient norms of NORM_SAMPLE random sequences of length T (they are about 11
-# at T=16 and 4 at T=128 at initialisation), so that some examples are
-# clipped and some are not. It does not change the work done; the counts are
-# reported as a check.
-NORM_SAMPLE = 16
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -125,7 +110,7 @@ def _parser() -> argparse.ArgumentParser:
   p.add_argument(
     "--zoo",
     action="store_true",
-    help="the model zoo (tests/zoo.py) instead of the GPT: writes ghost_zoo.md "
+    help="the model zoo (workloads/zoo.py) instead of the GPT: writes ghost_zoo.md "
     "(batches 16 and 128; with --quick, the tiny models at batch 4)",
   )
   p.add_argument(
@@ -148,7 +133,7 @@ def _parser() -> argparse.ArgumentParser:
     type=float,
     default=None,
     help="l2_norm_clip of the private cases (default: for each T, the median "
-    f"per-example gradient norm of {NORM_SAMPLE} random sequences)",
+    f"per-example gradient norm of {_ghost_cases.NORM_SAMPLE} random sequences)",
   )
   return p
 
@@ -156,50 +141,6 @@ def _parser() -> argparse.ArgumentParser:
 # ----------------------------------------------------------------------------
 # The cases.
 # ----------------------------------------------------------------------------
-
-
-def _has_method_arg() -> bool:
-  return "method" in inspect.signature(jaxclip.per_example_clipped_grad).parameters
-
-
-def private_grad_fn(
-  loss_fn: Callable, clip: float, method: str
-) -> tuple[Callable | None, str | None]:
-  """``(per_example_clipped_grad(loss_fn, clip, method=method), None)``, or ``(None, why)``.
-
-  Before ``per_example_clipped_grad`` had a ``method`` argument, vmap was its
-  only way: ``"vmap"`` then calls it without the argument, and ``"ghost"``
-  is unavailable. A ``method`` it refuses when called (a ``TypeError`` or
-  ``ValueError``) is unavailable too.
-  """
-  if not _has_method_arg():
-    if method == "vmap":
-      return jaxclip.per_example_clipped_grad(loss_fn, clip), None
-    return None, "per_example_clipped_grad has no `method` argument"
-  try:
-    return jaxclip.per_example_clipped_grad(loss_fn, clip, method=method), None
-  except (TypeError, ValueError, NotImplementedError) as e:
-    return None, f"per_example_clipped_grad(method={method!r}) raised {type(e).__name__}: {e}"
-
-
-def ghost_available() -> bool:
-  """Whether this jaxclip's ``per_example_clipped_grad`` takes ``method="ghost"``."""
-  return private_grad_fn(lambda p, x: jnp.sum(p * x), 1.0, "ghost")[0] is not None
-
-
-def make_cases(cfg: _model.GPTConfig, clip: float) -> dict[str, tuple[Callable | None, str | None]]:
-  """``{method: (fn(params, tokens), None) or (None, why not)}`` for every method."""
-
-  def loss_fn(params, tokens):  # one example: tokens is (T + 1,)
-    return _model.loss_fn(params, tokens, cfg)
-
-  def summed_loss(params, tokens):
-    return jnp.sum(jax.vmap(loss_fn, (None, 0))(params, tokens))
-
-  cases = {"grad": (jax.grad(summed_loss), None)}
-  for method in METHODS[1:]:
-    cases[method] = private_grad_fn(loss_fn, clip, method)
-  return cases
 
 
 def _grad_mb(b: int, p: int) -> float:
@@ -220,24 +161,6 @@ def _compare(vmap_out: Any, ghost_out: Any) -> dict:
     "clipped_vmap": int(nv),
     "clipped_ghost": int(ng),
   }
-
-
-def median_norm(cfg: _model.GPTConfig) -> float:
-  """The median L2 norm of the per-example gradients of ``NORM_SAMPLE`` random sequences.
-
-  The params and tokens are drawn as :func:`run_config` draws them (another
-  batch size gives other sequences from the same distribution).
-  """
-  cfg = dataclasses.replace(cfg, batch=NORM_SAMPLE)
-  params, tokens = _model.init_params(cfg, seed=0), _model.make_tokens(cfg, seed=1)
-
-  @jax.jit
-  def median(params, tokens):
-    grads = jax.vmap(jax.grad(lambda p, x: _model.loss_fn(p, x, cfg)), (None, 0))(params, tokens)
-    sq = sum(jnp.sum(jnp.square(g.reshape(g.shape[0], -1)), axis=1) for g in jax.tree.leaves(grads))
-    return jnp.median(jnp.sqrt(sq))
-
-  return float(median(params, tokens))
 
 
 def run_config(
@@ -265,7 +188,7 @@ def run_config(
     "clip": clip,
   }
   compiled, outputs = {}, {}
-  for name, (fn, why) in make_cases(cfg, clip).items():
+  for name, (fn, why) in _ghost_cases.make_cases(cfg, clip).items():
     res: dict[str, Any] = {"status": "n/a", "temp_mb": None, "ms": None, "why": why}
     row[name] = res
     if fn is None:
@@ -334,7 +257,7 @@ def run(
   for t in seq_lens:
     last: dict[str, tuple[int, float]] = {}
     t_clip = (
-      (median_norm(_model.GPTConfig(seq_len=t, tied=True, **model)) if timed else 1.0)
+      (_ghost_cases.median_norm(_model.GPTConfig(seq_len=t, tied=True, **model)) if timed else 1.0)
       if clip is None
       else clip
     )
@@ -343,7 +266,7 @@ def run(
       cfg = _model.GPTConfig(seq_len=t, batch=b, tied=True, **model)
       print(f"  B={b:4d} T={t:4d} ...", flush=True)
       row = run_config(cfg, t_clip, reps, time_budget_s, max_mb, estimates, timed)
-      for m in METHODS:
+      for m in _ghost_cases.METHODS:
         res = row[m]
         if res["ms"] is not None:
           last[m] = (b, res["ms"] / 1e3)
@@ -437,11 +360,11 @@ def markdown(meta: dict, rows: list[dict]) -> str:
   out.append("")
   notes = []
   for r in rows:
-    for m in METHODS:
+    for m in _ghost_cases.METHODS:
       res = r[m]
       if res["status"] in ("not run", "error"):
         notes.append(f"- B={r['B']}, T={r['T']}, {m}: {res['status']}: {res['why']}")
-  unavailable = {r[m]["why"] for r in rows for m in METHODS if r[m]["status"] == "n/a"}
+  unavailable = {r[m]["why"] for r in rows for m in _ghost_cases.METHODS if r[m]["status"] == "n/a"}
   notes += [f"- n/a: {why}" for why in sorted(unavailable)]
   if notes:
     out += ["## Cases not run or not available", ""] + notes + [""]
@@ -476,7 +399,7 @@ def plot(path: str, rows: list[dict]) -> None:
   fig, axes = plt.subplots(1, len(seq_lens), figsize=(5.5 * len(seq_lens), 4.5), squeeze=False)
   for ax, t in zip(axes[0], seq_lens, strict=True):
     rs = sorted((r for r in rows if r["T"] == t), key=lambda r: r["B"])
-    for m, marker in zip(METHODS, "osD", strict=True):
+    for m, marker in zip(_ghost_cases.METHODS, "osD", strict=True):
       pts = [(r["B"], r[m]["temp_mb"]) for r in rs if r[m]["temp_mb"]]
       if pts:
         ax.plot(*zip(*pts, strict=True), marker=marker, label=m)
@@ -520,7 +443,7 @@ def main(argv: list[str] | None = None) -> str:
     return _ghost_mask.main(
       args.out,
       args.quick,
-      QUICK_MODEL if args.quick else MODEL,
+      _ghost_cases.QUICK_MODEL if args.quick else _ghost_cases.MODEL,
       args.reps or (2 if args.quick else 20),
       args.clip,
     )
@@ -528,7 +451,7 @@ def main(argv: list[str] | None = None) -> str:
   reps = args.reps or (2 if quick else 10)
   batches = args.batch or list(QUICK_BATCHES if quick else BATCHES)
   seq_lens = args.seq or list(QUICK_SEQ_LENS if quick else SEQ_LENS)
-  model = QUICK_MODEL if quick else MODEL
+  model = _ghost_cases.QUICK_MODEL if quick else _ghost_cases.MODEL
   device = jax.devices()[0]
   sizes = ", ".join(
     f"{_model.num_params(_model.GPTConfig(seq_len=t, tied=True, **model)):,} at T={t}"
@@ -547,12 +470,13 @@ def main(argv: list[str] | None = None) -> str:
     f"the token embedding; per-example loss: next-token cross-entropy of one "
     f"sequence, mean over its T positions; float32 params: {sizes}",
     "methods": "ghost: "
-    + ("available" if ghost_available() else "n/a (not in this jaxclip)")
+    + ("available" if _ghost_cases.ghost_available() else "n/a (not in this jaxclip)")
     + "; l2_norm_clip "
     + (
       f"{args.clip:g}"
       if args.clip is not None
-      else f"for each T, the median per-example gradient norm of {NORM_SAMPLE} random sequences"
+      else "for each T, the median per-example gradient norm of "
+      f"{_ghost_cases.NORM_SAMPLE} random sequences"
     )
     + f"; {reps} timed steps per case",
     "budgets": f"a case is timed if one step takes at most {args.time_budget:g} s and its "
@@ -572,7 +496,7 @@ def main(argv: list[str] | None = None) -> str:
   plot(str(args.out / "ghost.png"), rows)
   command = " ".join(["python -m benchmarks.ghost", *(sys.argv[1:] if argv is None else argv)])
   write_record(
-    args.out / "ghost.png", package_sources("benchmarks") + package_sources("tests"), command
+    args.out / "ghost.png", package_sources("benchmarks") + package_sources("workloads"), command
   )
   print(text)
   return text

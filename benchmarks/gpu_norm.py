@@ -45,7 +45,7 @@ import numpy as np
 import optax
 
 import jaxclip
-from tests import trees
+from workloads import trees
 
 MAX_NORM = 1.0
 

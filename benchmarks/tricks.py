@@ -57,7 +57,7 @@ from benchmarks import _cases, _main, _timing
 from jaxclip._kernel import _numerics, _platform
 from jaxclip._kernel._platform import _reductions, _stacks
 from jaxclip.transforms import _per_tensor
-from tests import trees
+from workloads import trees
 
 # ----------------------------------------------------------------------------
 # The switches: each turns one trick off while the context is open.

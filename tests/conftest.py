@@ -8,7 +8,7 @@ in one piece rather than in parallel parts (small programs, one per core).
 So the tests and every subprocess they start (which inherit the environment)
 run with ``--xla_backend_optimization_level=0
 --xla_llvm_disable_expensive_passes --xla_cpu_use_fusion_emitters=false
---xla_cpu_parallel_codegen_split_count=1`` (``tests/xla_options.py``: the
+--xla_cpu_parallel_codegen_split_count=1`` (``workloads/xla_options.py``: the
 emitters' option only where the XLA has it) unless ``XLA_FLAGS`` already sets
 a backend optimisation level (set
 ``XLA_FLAGS=--xla_backend_optimization_level=3`` to test as users compile).
@@ -33,7 +33,7 @@ eviction scan of the folder per write) it made the README's command take
 
 import os
 
-from tests import xla_options
+from workloads import xla_options
 
 # Before JAX starts its backend (it reads XLA_FLAGS then).
 if "--xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tests import xla_options
+from workloads import xla_options
 
 
 def compiled(lowered: jax.stages.Lowered) -> jax.stages.Compiled:

@@ -19,7 +19,7 @@ import optax
 import pytest
 
 import jaxclip
-from benchmarks import _cases, _ghost_zoo, _main, _model, _peers, ghost, tricks
+from benchmarks import _cases, _ghost_cases, _ghost_zoo, _main, _model, _peers, ghost, tricks
 
 
 def test_benchmark_quick_run_writes_table_and_plot(tmp_path):
@@ -118,7 +118,7 @@ def test_ghost_benchmark_quick_run_writes_table_and_plot(tmp_path):
   assert [(int(r["B"]), int(r["T"])) for r in rows] == [
     (b, t) for t in ghost.QUICK_SEQ_LENS for b in ghost.QUICK_BATCHES
   ]
-  has_ghost = ghost.ghost_available()
+  has_ghost = _ghost_cases.ghost_available()
   for r in rows:
     numeric = [
       "B x P x 4 MiB",
@@ -220,8 +220,8 @@ def test_ghost_benchmark_memory_only_redraws_the_figure_and_times_nothing(tmp_pa
   assert [row[:2] for row in rows] == [["2", "4"]]
   for row in rows:
     cells = dict(zip(header, row, strict=True))
-    assert all(cells[f"{m} ms"] == "not run" for m in ghost.METHODS), cells
-    assert all(float(cells[f"{m} MiB"]) >= 0 for m in ghost.METHODS), cells
+    assert all(cells[f"{m} ms"] == "not run" for m in _ghost_cases.METHODS), cells
+    assert all(float(cells[f"{m} MiB"]) >= 0 for m in _ghost_cases.METHODS), cells
     assert float(cells["vmap MiB"]) > 0, cells
   assert "memory only" in text
   png = (tmp_path / "ghost.png").read_bytes()
@@ -233,8 +233,12 @@ def test_ghost_benchmark_memory_only_redraws_the_figure_and_times_nothing(tmp_pa
 
 
 def test_ghost_benchmark_model_is_a_tied_gpt_of_about_085m_params():
-  assert 0.8e6 < _model.num_params(_model.GPTConfig(seq_len=128, tied=True, **ghost.MODEL)) < 0.9e6
-  cfg = _model.GPTConfig(seq_len=8, batch=3, tied=True, **ghost.QUICK_MODEL)
+  assert (
+    0.8e6
+    < _model.num_params(_model.GPTConfig(seq_len=128, tied=True, **_ghost_cases.MODEL))
+    < 0.9e6
+  )
+  cfg = _model.GPTConfig(seq_len=8, batch=3, tied=True, **_ghost_cases.QUICK_MODEL)
   params = _model.init_params(cfg)
   assert "head.kernel" not in params and set(params) == set(_model.param_shapes(cfg))
   tokens = _model.make_tokens(cfg)

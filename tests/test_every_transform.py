@@ -1,7 +1,7 @@
 """Checks generated from ``jaxclip.__all__``: every transform, including ones added later.
 
 Every public factory of an optax ``GradientTransformation`` is built from the
-small table of ``tests/every.py`` (only where a required argument exists); a new public
+small table of ``workloads/every.py`` (only where a required argument exists); a new public
 function that is neither in the table, nor buildable with no arguments, nor
 listed as not being a transform factory fails :func:`test_the_table_builds_every_factory`.
 """
@@ -16,7 +16,7 @@ import optax
 import pytest
 
 import jaxclip
-from tests import every, trees
+from workloads import every, trees
 
 NOT_TRANSFORMS, REQUIRED = every.NOT_TRANSFORMS, every.REQUIRED
 FACTORIES = every.factories()

@@ -20,7 +20,7 @@ import pytest
 
 import jaxclip
 from jaxclip import ops
-from tests import every
+from workloads import every
 
 FACTORIES = every.factories()
 # The magnitudes the issue names, and a mixed tree.

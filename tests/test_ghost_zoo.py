@@ -1,4 +1,4 @@
-"""Ghost norms on the zoo of library-built models (``tests/zoo.py``).
+"""Ghost norms on the zoo of library-built models (``workloads/zoo.py``).
 
 For each model (flax linen ``nn.scan(nn.remat(Block))`` GPT and Conv +
 GroupNorm ResNet, flax nnx stacked-and-scanned Llama, equinox ViT with a
@@ -37,7 +37,7 @@ import pytest
 
 import jaxclip
 from jaxclip.privacy import _ghost
-from tests import zoo
+from workloads import zoo
 
 BATCH = 8
 # Path patterns (searched in ``jax.tree_util.keystr`` of each leaf) and the rule

@@ -20,7 +20,8 @@ import pytest
 
 import jaxclip
 from jaxclip._kernel._platform import _stacks
-from tests import helpers, trees
+from tests import helpers
+from workloads import trees
 
 # Gradient-sized leaves (one above the kernel's small-leaf size, the others
 # grouped) and a bias: a clipped copy of any weight would need at least

@@ -1,6 +1,6 @@
 """Every public transform in the loops users write, generated from ``jaxclip.__all__``.
 
-Each factory of :mod:`tests.every` (so a transform added later is
+Each factory of :mod:`workloads.every` (so a transform added later is
 covered the day it is added) is run:
 
 * with its state donated (``jax.jit(..., donate_argnums=...)``), from an
@@ -28,8 +28,8 @@ from flax import nnx
 from flax.training import train_state
 from jax import export
 
-from tests import every
 from tests.helpers import assert_tree_allclose
+from workloads import every
 
 FACTORIES = every.factories()
 

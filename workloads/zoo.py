@@ -55,7 +55,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from tests import xla_options
+from workloads import xla_options
 
 PyTree = Any
 

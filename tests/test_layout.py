@@ -1,0 +1,99 @@
+"""What may import what: the benchmarks stand on their own (issue #49).
+
+``workloads/`` (the trees, models and transforms both run on) sits below
+``tests/`` and ``benchmarks/``; ``benchmarks/`` imports nothing from
+``tests/`` and its modules import one another without a cycle. Read from
+the sources (every ``import``, at any depth), not by importing them.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _imported(path: Path) -> set[str]:
+  """Every module ``path`` imports, anywhere in it (``from a import b``: ``a`` and ``a.b``)."""
+  names = set()
+  for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    if isinstance(node, ast.Import):
+      names.update(alias.name for alias in node.names)
+    elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+      names.add(node.module)
+      names.update(f"{node.module}.{alias.name}" for alias in node.names)
+  return names
+
+
+def _modules(package: str) -> dict[str, Path]:
+  return {
+    (package if p.stem == "__init__" else f"{package}.{p.stem}"): p
+    for p in sorted((ROOT / package).glob("*.py"))
+  }
+
+
+def _graph(package: str) -> dict[str, set[str]]:
+  """``{module: the modules of package it imports}``."""
+  modules = _modules(package)
+  return {
+    name: {m for m in _imported(path) if m in modules and m not in (name, package)}
+    for name, path in modules.items()
+  }
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str]:
+  """One import cycle of ``graph`` (``[a, b, a]``), or ``[]``."""
+  state: dict[str, int] = {}  # 1: on the current path, 2: done
+
+  def visit(node: str, path: list[str]) -> list[str]:
+    state[node] = 1
+    for nxt in sorted(graph.get(node, ())):
+      if state.get(nxt) == 1:
+        return [*path[path.index(nxt) :], node, nxt] if nxt in path else [node, nxt]
+      if nxt not in state:
+        found = visit(nxt, [*path, node])
+        if found:
+          return found
+    state[node] = 2
+    return []
+
+  for node in sorted(graph):
+    if node not in state:
+      found = visit(node, [])
+      if found:
+        return found
+  return []
+
+
+def test_the_cycle_finder_finds_a_cycle():
+  # The check below could not fail if this found nothing: benchmarks.ghost and benchmarks._peers
+  # imported each other until the GPT's cases moved to benchmarks._ghost_cases.
+  assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+  assert _cycle({"ghost": {"_peers"}, "_peers": {"ghost", "_cases"}, "_cases": set()}) == [
+    "_peers",
+    "ghost",
+    "_peers",
+  ]
+  assert _cycle({"a": {"b"}, "b": {"c"}, "c": set()}) == []
+
+
+def test_benchmarks_and_workloads_import_nothing_from_tests():
+  offenders = {
+    f"{path.relative_to(ROOT)}: {sorted(m for m in _imported(path) if m.split('.')[0] == 'tests')}"
+    for package in ("benchmarks", "workloads")
+    for path in _modules(package).values()
+    if any(m.split(".")[0] == "tests" for m in _imported(path))
+  }
+  assert not offenders, offenders
+
+
+def test_workloads_import_neither_tests_nor_benchmarks():
+  for path in _modules("workloads").values():
+    assert not {m.split(".")[0] for m in _imported(path)} & {"tests", "benchmarks"}, path
+
+
+def test_benchmark_modules_import_one_another_without_a_cycle():
+  graph = _graph("benchmarks")
+  assert "benchmarks._peers" in graph and "benchmarks._ghost_cases" in graph["benchmarks._peers"]
+  assert not _cycle(graph), " -> ".join(_cycle(graph))
