@@ -30,4 +30,11 @@ test (tiny sizes, a tiny model, few repetitions).
 ``jaxclip.per_example_clipped_grad`` with ``method="vmap"`` and, once it
 exists, ``method="ghost"`` against a plain gradient, on a 0.85M-parameter
 GPT with a tied output head; it writes ``ghost.md`` and ``ghost.png``.
+
+Each writes its tables and figures into :data:`RESULTS` (``benchmarks/results/``)
+unless given ``--out``.
 """
+
+from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parent / "results"

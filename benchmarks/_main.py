@@ -15,11 +15,11 @@ import jax.numpy as jnp
 import jaxlib
 import optax
 
+import benchmarks
 from benchmarks import _cases, _compile_table, _model, _report
 from tools.figure_record import package_sources, write_record
 from workloads import trees
 
-HERE = Path(__file__).resolve().parent
 SECTIONS = ("train", "full-step", "standalone", "compile", "transforms", "sizes")
 
 
@@ -33,8 +33,8 @@ def _parser() -> argparse.ArgumentParser:
   p.add_argument(
     "--out",
     type=Path,
-    default=HERE,
-    help="folder for results.md and results.png (default: benchmarks/)",
+    default=benchmarks.RESULTS,
+    help="folder for results.md and results.png (default: benchmarks/results/)",
   )
   p.add_argument("--reps", type=int, default=None, help="timed repetitions per case")
   p.add_argument(
@@ -158,7 +158,7 @@ def main(argv: list[str] | None = None) -> str:
     meta["compiles per impl and leaf count (median kept)"] = str(repeats)
   if "transforms" in run and "compile" not in run:
     # Only the table of every transform's compile time against adam's, chained
-    # and alone, at each --leaves count: benchmarks/compile.md.
+    # and alone, at each --leaves count: benchmarks/results/compile.md.
     print("transform compiles ...", flush=True)
     rows = _compile_table.run(leaves, repeats=args.compile_repeats or 1, timeout_s=timeout)
     text = _compile_table.markdown(rows, meta)

@@ -10,7 +10,7 @@
 #   OUT=/tmp/x QUICK=1 bash benchmarks/device_run.sh        # a smoke run, any machine
 #
 # Each step has its own time limit; SIGINT lets pytest and the benchmarks end
-# cleanly. benchmarks/gpu.md gives what these steps measured on an H200 (run
+# cleanly. benchmarks/results/gpu.md gives what these steps measured on an H200 (run
 # there over three calls, within a session's device time). Everything lands in $OUT: env.txt, one markdown table per benchmark,
 # run.log (each step's output, the tests' included).
 set -u

@@ -8,7 +8,7 @@ noise for a target ε and :func:`jaxclip.dp_epsilon` giving the claimed ε),
 with canaries inserted, scores them as an attacker would, and turns the
 scores into a lower bound on ε with ``jax_privacy.auditing``: Steinke, Nasr
 and Jagielski's one-run audit (``CanaryScoreAuditor.epsilon_one_run``), at
-95% confidence. It writes the table to ``benchmarks/dp_audit.md``.
+95% confidence. It writes the table to ``benchmarks/results/dp_audit.md``.
 
 An audit that cannot fail proves nothing, so the same audit runs on four
 pipelines: the correct one, whose audited bound must stay at most the
@@ -80,9 +80,9 @@ import numpy as np
 import optax
 from jax_privacy import auditing
 
+import benchmarks
 import jaxclip
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 PUBLIC_SEED = 0  # dp_noise's old default seed: anyone can regenerate its noise
 CANARY_LABEL = 1000.0  # far from any c_j the run reaches, so every canary gradient is clipped
 
@@ -524,7 +524,7 @@ def main(argv: list[str] | None = None) -> str:
   p.add_argument(
     "--only", nargs="+", default=None, choices=list(PIPELINES), help="audit only these pipelines"
   )
-  p.add_argument("--out", default=os.path.join(HERE, "dp_audit.md"))
+  p.add_argument("--out", default=os.path.join(benchmarks.RESULTS, "dp_audit.md"))
   args = p.parse_args(argv)
   cfg = QUICK if args.quick else Config()
   if args.canaries:

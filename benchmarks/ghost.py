@@ -52,10 +52,10 @@ import jax
 import jax.numpy as jnp
 import jaxlib
 
+import benchmarks
 from benchmarks import _cases, _ghost_cases, _ghost_mask, _main, _model, _report, _timing
 from tools.figure_record import package_sources, write_record
 
-HERE = Path(__file__).resolve().parent
 BATCHES, SEQ_LENS = (32, 128, 512), (16, 128)
 QUICK_BATCHES, QUICK_SEQ_LENS = (2, 8), (8,)
 
@@ -75,8 +75,8 @@ def _parser() -> argparse.ArgumentParser:
   p.add_argument(
     "--out",
     type=Path,
-    default=HERE,
-    help="folder for ghost.md and ghost.png (default: benchmarks/)",
+    default=benchmarks.RESULTS,
+    help="folder for ghost.md and ghost.png (default: benchmarks/results/)",
   )
   p.add_argument(
     "--reps", type=int, default=None, help="timed repetitions per case (default 10; 2 with --quick)"

@@ -3,7 +3,7 @@
 Issue #50, item 3. One process per part (``--part``), each writing
 ``<out>/<part>.json``; ``benchmarks/gpu_norm.sh`` runs them all in one call
 on a lent GPU machine and :func:`markdown` turns the JSON into the tables of
-``benchmarks/gpu.md``.
+``benchmarks/results/gpu.md``.
 
 How it times (the old standalone table timed one call at a time from the
 host, so the host's dispatch and synchronisation were inside each figure):

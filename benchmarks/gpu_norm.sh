@@ -6,7 +6,7 @@
 #   OUT=/tmp/x QUICK=1 bash benchmarks/gpu_norm.sh        # a smoke run, any machine
 #
 # One process per part under its own time limit; each writes $OUT/<part>.json
-# and its log to $OUT/gpu_norm.log. benchmarks/gpu.md gives what it measured.
+# and its log to $OUT/gpu_norm.log. benchmarks/results/gpu.md gives what it measured.
 set -u
 OUT=${OUT:?set OUT}
 mkdir -p "$OUT"

@@ -2,7 +2,7 @@
 
   python3 benchmarks/gpu_rescue.py CHECKOUT_DIR LABEL   (CHECKOUT_DIR holds jaxclip/)
 
-Run on an H200 (benchmarks/gpu.md) for main, a lax.cond per leaf and one per tree.
+Run on an H200 (benchmarks/results/gpu.md) for main, a lax.cond per leaf and one per tree.
 """
 
 import json

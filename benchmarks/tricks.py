@@ -4,7 +4,7 @@
 see it on (compile seconds over a tree of many leaves of mixed shapes, step
 time or compiled temporary memory of a large half-precision leaf), with the
 trick on and off, interleaved and repeated in one process, and writes
-``benchmarks/tricks.md``. Each switch turns off one trick alone, by
+``benchmarks/results/tricks.md``. Each switch turns off one trick alone, by
 replacing it with the plain math that GPU and TPU programs run (the values
 are the same; ``check`` below asserts it for every row):
 
@@ -52,6 +52,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+import benchmarks
 import jaxclip
 from benchmarks import _cases, _main, _timing
 from jaxclip._kernel import _numerics, _platform
@@ -277,7 +278,7 @@ def main(argv: list[str] | None = None) -> str:
   )
   p.add_argument("--reps", type=int, default=3, help="with/without pairs per row (default 3)")
   p.add_argument("--only", nargs="+", default=None, choices=sorted(SWITCHES))
-  p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "tricks.md"))
+  p.add_argument("--out", default=os.path.join(benchmarks.RESULTS, "tricks.md"))
   args = p.parse_args(argv)
   load0 = os.getloadavg()[0]
   results = []

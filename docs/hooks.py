@@ -3,7 +3,7 @@
 * ``on_files`` adds ``notebooks/*.ipynb`` (outside ``docs/``) before
   mkdocs-jupyter turns notebooks into pages; they are rendered with the
   outputs stored in them (``tools/execute_notebooks.py``), not executed. It
-  also adds ``benchmarks/*.png``, which the docs pages show.
+  also adds ``benchmarks/results/*.png``, which the docs pages show.
 * ``on_page_markdown`` fills ``api.md``'s placeholder with one mkdocstrings
   block per name in ``jaxclip.__all__`` and ``jaxclip.ops.__all__``, grouped by
   the private module that defines it (its docstring's first line is the
@@ -53,10 +53,10 @@ def on_files(files, config):
       )
     )
   # The benchmarks' figures (outside docs/ too), shown by the performance and privacy pages.
-  for path in sorted((ROOT / "benchmarks").glob("*.png")):
+  for path in sorted((ROOT / "benchmarks" / "results").glob("*.png")):
     files.append(
       File(
-        f"benchmarks/{path.name}",
+        f"benchmarks/results/{path.name}",
         src_dir=str(ROOT),
         dest_dir=config["site_dir"],
         use_directory_urls=config["use_directory_urls"],

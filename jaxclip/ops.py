@@ -21,9 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxclip._kernel import _clip, _reduction, _validation
-from jaxclip._kernel._typing import ArrayLike
-
-PyTree = Any
+from jaxclip._kernel._typing import ArrayLike, PyTree
 
 
 def _is_number_literal(x: Any) -> bool:

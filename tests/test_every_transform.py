@@ -45,7 +45,7 @@ def _jaxpr_eqns(tx: optax.GradientTransformation, leaves: int) -> int:
   return every.count_eqns(jaxpr.jaxpr)
 
 
-# The benchmark (python -m benchmarks --only transforms, benchmarks/compile.md)
+# The benchmark (python -m benchmarks --only transforms, benchmarks/results/compile.md)
 # times the XLA compiles at 400 and 5,000 leaves; this test bounds what cannot
 # flake at the issue's 400 leaves: op counts, which grow with the square of
 # the leaf count when something per leaf reads a value made from every leaf
@@ -55,7 +55,7 @@ def _jaxpr_eqns(tx: optax.GradientTransformation, leaves: int) -> int:
 # adaptive_norm_scale is 5.13x adam there, 4.84x on jax 0.10.2.)
 # The overflow rescue of per-leaf norms (issue #51) is written per leaf for
 # platforms other than CPU (no stacks or segments there; one lax.cond per tree,
-# measured on an H200 in benchmarks/gpu.md), and a jaxpr holds every platform's
+# measured on an H200 in benchmarks/results/gpu.md), and a jaxpr holds every platform's
 # branch: adaptive_norm_scale reads 15.6x, adagc 14.9x, record_norms 11.4x.
 _JAXPR_BOUND = 16
 # Four times the leaves at most this many times the ops (linear, with slack: on

@@ -15,7 +15,7 @@ from tools.figure_record import ROOT, record_path, sha256, stale, write_record
 
 
 def committed_figures() -> list[Path]:
-  return sorted([*(ROOT / "docs").rglob("*.png"), *(ROOT / "benchmarks").glob("*.png")])
+  return sorted([*(ROOT / "docs").rglob("*.png"), *(ROOT / "benchmarks" / "results").glob("*.png")])
 
 
 def test_every_committed_figure_is_no_older_than_its_inputs():

@@ -4,16 +4,14 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
 from jaxclip._kernel import _numerics, _platform, _sharding, _validation
-
-PyTree = Any
-AxisName = Hashable | Sequence[Hashable]
+from jaxclip._kernel._typing import AxisName, PyTree
 
 
 def _leaf_groups(

@@ -22,14 +22,13 @@ to combine the norm kernel's partial sums across devices.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable
 from typing import Any
 
 import jax
 from jax.sharding import PartitionSpec
 
-PyTree = Any
-AxisName = Hashable | Sequence[Hashable]
+from jaxclip._kernel._typing import AxisName, PyTree
 
 
 def axis_names(axis_name: AxisName) -> tuple[Hashable, ...]:

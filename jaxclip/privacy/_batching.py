@@ -18,9 +18,8 @@ import jax
 import jax.numpy as jnp
 
 from jaxclip._kernel import _numerics, _sharding, _validation
+from jaxclip._kernel._typing import AxisName
 from jaxclip.privacy import _jax_internals as _jax
-
-AxisName = _sharding.AxisName
 
 
 def mesh_axis_size(axis_name: AxisName | None) -> int | None:

@@ -10,8 +10,6 @@ import jax.numpy as jnp
 from jaxclip._kernel import _numerics, _validation
 from jaxclip._kernel._typing import ArrayLike
 
-Axis = int | tuple[int, ...] | None
-
 
 def _check_batch_dim(grads: Any, fn_name: str) -> None:
   leaves = jax.tree.leaves(grads)

@@ -30,7 +30,7 @@ def patches_fit(eqn: Any, parts: _jax.ConvParts) -> bool:
   example's kernel gradient tap by tap. ``jax.vjp`` forms it as a convolution
   grouped by example, for which XLA:CPU takes copies of the input and of the
   output gradient in other layouts, and of the output gradient a second time
-  where a bias reads it too, all live at once (benchmarks/ghost_zoo.md).
+  where a bias reads it too, all live at once (benchmarks/results/ghost_zoo.md).
   """
   dn = parts.dimension_numbers
   if dn is None or parts.feature_group_count != 1 or parts.batch_group_count != 1:

@@ -138,7 +138,7 @@ def ghost_plan(
   ``"cpu"`` the rules, each with its own switch between the Gram form and
   the per-example gradient formed from ``a`` and ``g`` by flops, unless
   they cost more than a share (``GHOST_FLOPS_SHARE_CPU``, set from
-  ``benchmarks/ghost_zoo.md``) of the flops of every per-example gradient;
+  ``benchmarks/results/ghost_zoo.md``) of the flops of every per-example gradient;
   on any other platform, by memory: per leaf, the
   rule or the leaf's per-example gradient, whichever holds fewer floats per
   example (a leaf so instantiated reads ``instantiate``, the reason giving

@@ -320,7 +320,7 @@ def auto_plan(plan: Plan, platform: str | None) -> tuple[Plan | None, str | None
     and the layer's per-example gradient formed from its ``a`` and ``g``
     (whichever costs fewer flops). A layer is not instantiated through its
     own sites there: that makes the forward pass's weight per-example, which
-    XLA:CPU runs slower (``benchmarks/ghost_zoo.md``);
+    XLA:CPU runs slower (``benchmarks/results/ghost_zoo.md``);
   * elsewhere, memory first: each leaf with a ghost rule keeps it, or is
     instantiated (its per-example gradient formed through its own sites)
     where that holds fewer floats per example.
@@ -329,7 +329,7 @@ def auto_plan(plan: Plan, platform: str | None) -> tuple[Plan | None, str | None
   the flops of every per-example gradient, and elsewhere, where no leaf keeps
   a rule, the whole loss takes ``method="vmap"``'s program: per-example
   gradients with nothing held for book-keeping. The constant is set from
-  ``benchmarks/ghost_zoo.md``.
+  ``benchmarks/results/ghost_zoo.md``.
 
   Returns:
     ``(plan, None)``, or ``(None, reason)`` for ``method="vmap"``'s program.

@@ -20,10 +20,9 @@ import jax
 import jax.numpy as jnp
 
 from jaxclip._kernel import _numerics, _platform, _sharding, _validation
+from jaxclip._kernel._typing import AxisName
 from jaxclip.privacy import _batching, _clip_batch, _ghost
 from jaxclip.privacy._batching import Units, rows
-
-AxisName = _sharding.AxisName
 
 
 def per_example_clipped_grad(

@@ -7,7 +7,7 @@ functions here take that one definition and decide how XLA:CPU gets it.
 Why a room of its own: XLA:CPU compiles one kernel per distinct fusion,
 compiles a reduction kernel per leaf slowly, and copies cheap elementwise
 ops into every consumer, so a tree of thousands of small leaves written leaf
-by leaf compiles for minutes. ``benchmarks/tricks.md`` measures each choice
+by leaf compiles for minutes. ``benchmarks/results/tricks.md`` measures each choice
 with and without it.
 
 How the platform is chosen: each choice but the grouping is staged with
@@ -33,7 +33,7 @@ The rooms:
 * ``_cuda``: the global 2-norm on CUDA GPUs, every leaf in one Pallas
   (Triton) kernel with no conditional (:func:`cuda_norm`), staged with
   :func:`on_cuda` in processes that have a CUDA backend
-  (:func:`cuda_in_process`) and measured in ``benchmarks/gpu.md``.
+  (:func:`cuda_in_process`) and measured in ``benchmarks/results/gpu.md``.
 """
 
 from jaxclip._kernel._platform._cuda import cuda_norm as cuda_norm

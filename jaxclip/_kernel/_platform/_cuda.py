@@ -1,6 +1,6 @@
 """The global 2-norm on CUDA GPUs: every leaf in one Pallas (Triton) kernel, overflow-safe.
 
-Measured on one H200 (``benchmarks/gpu.md``), XLA reduces a tree of 148
+Measured on one H200 (``benchmarks/results/gpu.md``), XLA reduces a tree of 148
 float32 leaves (GPT-2 small) in 130-200 kernels whose fixed cost and ramp
 keep the norm at about a third of the card's bandwidth, and the overflow
 rescue's ``lax.cond`` makes XLA:GPU copy its predicate to the host and wait:

@@ -2,7 +2,7 @@
 
 :func:`jaxclip.per_example_clipped_grad` with ``method="auto"`` weighs each
 layer's ghost rule against its per-example gradient. Only the XLA:CPU
-weighing has been measured (``benchmarks/ghost_zoo.md``, ``benchmarks/ghost.md``),
+weighing has been measured (``benchmarks/results/ghost_zoo.md``, ``benchmarks/results/ghost.md``),
 so the constant below applies only to programs lowered for CPU.
 """
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 # On XLA:CPU the ghost rules pay (against method="vmap") where their norms
 # cost at most this share of the flops of every per-example gradient: they
 # also hold each layer's inputs and output gradients for a book-keeping
-# matmul. The evidence is in benchmarks/ghost_zoo.md and ghost.md.
+# matmul. The evidence is in benchmarks/results/ghost_zoo.md and ghost.md.
 GHOST_FLOPS_SHARE_CPU = 0.9
 
 
