@@ -100,6 +100,34 @@ def random_tree(seed: int = 0, dtype=jnp.float32, scale: float = 1.0, scalar: bo
   return tree
 
 
+def import_cycle(graph: dict[str, set[str]]) -> list[str]:
+  """One cycle of an import graph ``{module: the modules it imports}`` (``[a, b, a]``), or ``[]``.
+
+  Used by the layering checks of jaxclip (``tests/test_api.py``) and of the benchmarks
+  (``tests/test_layout.py``).
+  """
+  state: dict[str, int] = {}  # 1: on the current path, 2: done
+
+  def visit(node: str, path: list[str]) -> list[str]:
+    state[node] = 1
+    for nxt in sorted(graph.get(node, ())):
+      if state.get(nxt) == 1:
+        return [*path[path.index(nxt) :], node, nxt] if nxt in path else [node, nxt]
+      if nxt not in state:
+        found = visit(nxt, [*path, node])
+        if found:
+          return found
+    state[node] = 2
+    return []
+
+  for node in sorted(graph):
+    if node not in state:
+      found = visit(node, [])
+      if found:
+        return found
+  return []
+
+
 _COLLECTIVE_OPS = (
   "all-reduce",
   "all-gather",

@@ -6,6 +6,7 @@ import inspect
 
 import jaxclip
 from jaxclip import ops
+from tests import helpers
 
 
 def test_all_names_exist_and_are_unique():
@@ -113,13 +114,8 @@ def test_import_graph_is_layered():
     la, lb = _layer(a), _layer(b)
     assert _RANK[lb] < _RANK[la] or la == lb, f"{a} imports {b}: an import climbing up or across"
 
-  def visit(node, stack):
-    assert node not in stack, f"import cycle: {' -> '.join([*stack, node])}"
-    for nxt in sorted(graph.get(node, ())):
-      visit(nxt, [*stack, node])
-
-  for node in sorted(graph):
-    visit(node, [])
+  cycle = helpers.import_cycle(graph)
+  assert not cycle, f"import cycle: {' -> '.join(cycle)}"
   assert not graph.get("_kernel._typing"), graph.get("_kernel._typing")
   for bottom in ("_kernel._validation", "_kernel._sharding"):  # type aliases at most
     assert graph.get(bottom, set()) <= {"_kernel._typing"}, (bottom, graph[bottom])

@@ -11,6 +11,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+from tests import helpers
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -42,40 +44,13 @@ def _graph(package: str) -> dict[str, set[str]]:
   }
 
 
-def _cycle(graph: dict[str, set[str]]) -> list[str]:
-  """One import cycle of ``graph`` (``[a, b, a]``), or ``[]``."""
-  state: dict[str, int] = {}  # 1: on the current path, 2: done
-
-  def visit(node: str, path: list[str]) -> list[str]:
-    state[node] = 1
-    for nxt in sorted(graph.get(node, ())):
-      if state.get(nxt) == 1:
-        return [*path[path.index(nxt) :], node, nxt] if nxt in path else [node, nxt]
-      if nxt not in state:
-        found = visit(nxt, [*path, node])
-        if found:
-          return found
-    state[node] = 2
-    return []
-
-  for node in sorted(graph):
-    if node not in state:
-      found = visit(node, [])
-      if found:
-        return found
-  return []
-
-
 def test_the_cycle_finder_finds_a_cycle():
   # The check below could not fail if this found nothing: benchmarks.ghost and benchmarks._peers
   # imported each other until the GPT's cases moved to benchmarks._ghost_cases.
-  assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
-  assert _cycle({"ghost": {"_peers"}, "_peers": {"ghost", "_cases"}, "_cases": set()}) == [
-    "_peers",
-    "ghost",
-    "_peers",
-  ]
-  assert _cycle({"a": {"b"}, "b": {"c"}, "c": set()}) == []
+  assert helpers.import_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+  imported = {"ghost": {"_peers"}, "_peers": {"ghost", "_cases"}, "_cases": set()}
+  assert helpers.import_cycle(imported) == ["_peers", "ghost", "_peers"]
+  assert helpers.import_cycle({"a": {"b"}, "b": {"c"}, "c": set()}) == []
 
 
 def test_benchmarks_and_workloads_import_nothing_from_tests():
@@ -96,4 +71,5 @@ def test_workloads_import_neither_tests_nor_benchmarks():
 def test_benchmark_modules_import_one_another_without_a_cycle():
   graph = _graph("benchmarks")
   assert "benchmarks._peers" in graph and "benchmarks._ghost_cases" in graph["benchmarks._peers"]
-  assert not _cycle(graph), " -> ".join(_cycle(graph))
+  cycle = helpers.import_cycle(graph)
+  assert not cycle, " -> ".join(cycle)
