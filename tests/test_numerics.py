@@ -248,3 +248,22 @@ def test_nonfinite_leaf_in_per_leaf_clip_is_nan_only_there():
   out = ops.clip_by_norm(tree, 1.0)
   assert bool(jnp.all(jnp.isnan(out["a"])))
   np.testing.assert_allclose(float(ops.global_norm(out["b"])), 1.0, rtol=1e-6)
+
+
+def test_scale_exponent_batches_with_spmd_axis_name_on_an_explicit_mesh():
+  # jax 0.12: under vmap, frexp's exponent of a 0-d value has no mesh in its
+  # type, and jnp.where's batching rule then failed with spmd_axis_name
+  # ("Resource axis: data ... not found in mesh: ()"): the ghost engine's
+  # instantiated norms under an Explicit mesh. One device suffices.
+  from jaxclip._kernel import _numerics
+
+  mesh = jax.make_mesh((1,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
+  x = np.array([[0.0, 0.0], [3.0, -1.0], [np.inf, 1.0], [2.0**-100, 0.0]], np.float32)
+  per_example = lambda row: _numerics.scale_exponent(jnp.max(jnp.abs(row)))
+  with jax.set_mesh(mesh):
+    xs = jax.device_put(x, jax.NamedSharding(mesh, jax.P("data")))
+    e = jax.jit(jax.vmap(per_example, spmd_axis_name="data"))(xs)
+  m = np.max(np.abs(x), axis=1)
+  expected = np.where((m > 0) & np.isfinite(m), np.frexp(np.where(np.isfinite(m), m, 1))[1], 0)
+  np.testing.assert_array_equal(np.asarray(e), expected)
+  assert e.dtype == jnp.int32
