@@ -71,7 +71,10 @@ XLA_FLAGS=--xla_backend_optimization_level=3 JAX_DEFAULT_MATMUL_PRECISION=highes
   step "tests" "${TEST_LIMIT:-140}" \
   $PY -m pytest -n "${WORKERS:-8}" -q -p no:cacheprovider -m "not slow" -rfE \
   tests/test_ops.py tests/test_numerics.py tests/test_every_transform.py \
-  tests/test_adaptive.py tests/test_stable.py tests/test_ghost.py tests/test_privacy.py \
+  tests/test_adaptive.py tests/test_stable.py tests/test_ghost_models.py \
+  tests/test_ghost_rules.py tests/test_ghost_tied.py tests/test_ghost_conv.py \
+  tests/test_ghost_scan.py tests/test_ghost_plan.py tests/test_ghost_options.py \
+  tests/test_ghost_multi_device.py tests/test_privacy.py \
   tests/test_per_example.py tests/test_optax_compat.py tests/test_dp_noise.py \
   tests/test_quantile.py
 grep -n "passed\|failed\|error" "$OUT/run.log" | tail -5

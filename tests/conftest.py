@@ -60,7 +60,7 @@ _SLOW_FIRST = {
   "tests/test_examples.py::test_clipping_study_tiny_run": 35,
   "tests/test_distributed.py::test_multi_device": 32,
   "tests/test_distributed.py::test_collectives": 32,
-  "tests/test_ghost.py::test_multi_device": 17,
+  "tests/test_ghost_multi_device.py::test_multi_device": 17,
   "tests/test_benchmarks.py::test_benchmark_quick_run": 16,
   "tests/test_docs.py": 11,
   "tests/test_examples.py::test_dp_sgd_tiny_run": 9,

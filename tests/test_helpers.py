@@ -120,7 +120,9 @@ def test_slow_marker_covers_the_whole_program_checks():
   }
   for prefix in conftest.SLOW_TESTS:
     assert any(name.startswith(prefix.rstrip("[")) for name in names), prefix
-  assert conftest.is_slow("tests/test_ghost.py::test_multi_device[md_ghost_in_shard_map]")
+  assert conftest.is_slow(
+    "tests/test_ghost_multi_device.py::test_multi_device[md_ghost_in_shard_map]"
+  )
   assert conftest.is_slow("tests/test_examples.py::test_dp_sgd_tiny_run")
   assert conftest.is_slow("tests/test_distributed.py::test_collectives[psum]")
   assert conftest.is_slow("tests/test_ghost_zoo.py::test_ghost_equals_vmap_on_the_zoo_model[x]")
@@ -129,5 +131,7 @@ def test_slow_marker_covers_the_whole_program_checks():
   assert conftest.is_slow("tests/test_ops.py::test_x", search=True)
   assert not conftest.is_slow("tests/test_ops.py::test_clip_by_value")
   assert not conftest.is_slow("tests/test_kernel.py::test_grouped_norm_matches_float64_reference")
-  assert conftest.is_slow("tests/test_ghost.py::test_gpt_with_tied_head_matches_vmap")
-  assert not conftest.is_slow("tests/test_ghost.py::test_mlp_matches_vmap_and_uses_the_dot_rule")
+  assert conftest.is_slow("tests/test_ghost_models.py::test_gpt_with_tied_head_matches_vmap")
+  assert not conftest.is_slow(
+    "tests/test_ghost_models.py::test_mlp_matches_vmap_and_uses_the_dot_rule"
+  )

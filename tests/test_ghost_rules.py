@@ -1,0 +1,128 @@
+"""The ``dot_general`` and embedding-lookup rules one at a time, and the exact fallback.
+
+The ``dot`` rule on both sides of its mixed ghost/instantiate switch, with
+the parameter on the left and batch dimensions; the lookup rule with
+repeated and out-of-range ids; and the exact per-group instantiation of
+everything else (a weight used twice, ``custom_jvp``, param-only terms,
+overlapping slices of a weight, leaves instantiated at one site in one
+pass), where disjoint static slices of a weight keep their rules. Each
+against ``method="vmap"`` at the median norm (``tests.ghost_helpers.compare``).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxclip
+from jaxclip.privacy import _ghost
+from tests.ghost_helpers import compare as _compare
+from tests.ghost_helpers import plan as _plan
+
+
+# T (in + out) > in * out: A^T G per example; else the Gram form
+@pytest.mark.parametrize("rows,width", [(6, 3), (4, 48)])
+def test_dot_rule_on_both_sides_of_the_mixed_switch(rows, width):
+  w = jax.random.normal(jax.random.key(0), (width, 16))
+  loss = lambda w, x: jnp.sum(jnp.sin(x @ w))
+  xs = jax.random.normal(jax.random.key(1), (10, rows, width))
+  _compare(loss, w, xs)
+  assert [r for _, _, r in _plan(loss, w, xs[0]).ghost] == ["dot"]
+
+
+def test_dot_rule_with_the_parameter_on_the_left_and_batch_dims():
+  w = jax.random.normal(jax.random.key(0), (3, 5, 4))  # per-head weights: h, out, in
+  loss = lambda w, x: jnp.sum(jnp.tanh(jnp.einsum("hoi,thi->hto", w, x)) ** 2)
+  xs = jax.random.normal(jax.random.key(1), (10, 7, 3, 4))
+  _compare(loss, w, xs)
+  assert [r for _, _, r in _plan(loss, w, xs[0]).ghost] == ["dot"]
+
+
+@pytest.mark.parametrize("lookup", ["index", "take_fill", "clip"])
+# 9 ids per example: 5 rows, the per-example table; 40, the sums of each distinct id's
+# rows (sorted runs); 300, the Gram form.
+@pytest.mark.parametrize("rows", [5, 40, 300])
+def test_embedding_lookup_with_repeated_and_out_of_range_ids(lookup, rows):
+  table = jax.random.normal(jax.random.key(0), (rows, 3))
+  look = {
+    "index": lambda e, i: e[i],
+    "take_fill": lambda e, i: jnp.take(e, i, axis=0),  # out of range: fill, no gradient
+    "clip": lambda e, i: e.at[i].get(mode="clip"),
+  }[lookup]
+  loss = lambda e, ids: jnp.sum(jnp.cos(look(e, ids)) * jnp.arange(3.0))
+  hi = rows + 2  # out of range: E[ids] reads the clamped row, but JAX drops its gradient
+  ids = jax.random.randint(jax.random.key(2), (12, 9), 0, hi)
+  ids = ids.at[:, 1].set(ids[:, 0])  # every example repeats a token
+  _compare(loss, table, ids)
+  assert [r for _, _, r in _plan(loss, table, ids[0]).ghost] == ["gather"]
+
+
+def test_weight_sharing_custom_jvp_scan_and_param_only_terms_are_exact():
+  ks = jax.random.split(jax.random.key(0), 4)
+  params = {
+    "w": jax.random.normal(ks[0], (4, 4)),
+    "stack": jax.random.normal(ks[1], (3, 4, 4)),
+    "s": jax.random.normal(ks[2], (4,)),
+    "unused": jnp.ones(2),
+  }
+
+  @jax.custom_jvp
+  def scaled(x, s):
+    return x * s
+
+  scaled.defjvp(lambda p, t: (scaled(*p), t[0] * p[1] + p[0] * t[1]))
+
+  def loss(p, x):
+    h = jnp.tanh(x @ p["w"]) @ p["w"]  # the same weight twice
+    h, _ = jax.lax.scan(lambda c, w: (jnp.tanh(c @ w), None), h, p["stack"])
+    h = scaled(h, p["s"])
+    return jnp.sum(h**2) + 0.1 * jnp.sum(p["w"] ** 2) + jnp.sum(p["s"])  # param-only terms
+
+  xs = jax.random.normal(ks[3], (10, 4))
+  got, _ = _compare(loss, params, xs)
+  assert not np.any(np.asarray(got[0]["unused"]))
+  plan = jaxclip.ghost_plan(loss, params, xs, batch_argnums=1)
+  assert plan.rules == {
+    "['s']": "instantiate",
+    "['stack']": "dot",
+    "['unused']": "unused",
+    "['w']": "instantiate",
+  }  # the stack: the dot rule in each iteration
+
+
+def test_static_disjoint_slices_of_a_stacked_weight_add():
+  ks = jax.random.split(jax.random.key(0), 4)
+  params = {
+    "stack": 0.5 * jax.random.normal(ks[0], (3, 4, 4)),
+    "halves": jax.random.normal(ks[1], (4, 6)),
+    "overlap": jax.random.normal(ks[2], (3, 4)),
+  }
+
+  def loss(p, x):
+    for layer in range(3):  # a Python loop over W[l]
+      x = jnp.tanh(x @ p["stack"][layer])
+    y = jnp.concatenate([x @ p["halves"][:, :3], jnp.sin(x @ p["halves"][:, 3:])], axis=-1)
+    z = jnp.sum(y[:, :4] * (x @ p["overlap"][:2].T).sum(-1, keepdims=True))
+    return z + jnp.sum(x @ p["overlap"][1:].T)  # rows 0-1 and 1-2: row 1 read twice
+
+  xs = jax.random.normal(ks[3], (10, 5, 4))
+  _compare(loss, params, xs, batch_argnums=1)
+  rules = jaxclip.ghost_plan(loss, params, xs, batch_argnums=1).rules
+  assert rules == {"['halves']": "dot", "['overlap']": "instantiate", "['stack']": "dot"}
+
+
+def test_leaves_instantiated_at_one_site_share_one_pass():
+  @jax.custom_jvp
+  def affine(x, s, b):
+    return x * s + b
+
+  affine.defjvp(lambda p, t: (affine(*p), t[0] * p[1] + p[0] * t[1] + t[2]))
+  params = {"s": jnp.arange(1.0, 5.0), "b": jnp.ones(4), "w": jnp.ones((4, 4))}
+  loss = lambda p, x: jnp.sum(jnp.tanh(affine(x, p["s"], p["b"]) @ p["w"]))
+  xs = jax.random.normal(jax.random.key(0), (8, 4))
+  _compare(loss, params, xs, batch_argnums=1)
+  leaves, tree = jax.tree.flatten(params)
+  plan = _ghost.trace(loss, params, [xs], [0], has_aux=False).plan
+  assert [leaves for leaves, _ in plan.groups] == [(0, 1)]  # b and s: one per-example pass
