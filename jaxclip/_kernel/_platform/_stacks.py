@@ -155,7 +155,8 @@ def _by_stacks(scaler, sizes, leaves, companions, operands) -> list[jax.Array]:
     starts = list(range(0, size - k + 1, k))
     if starts[-1] + k < size:
       starts.append(size - k)
-    # (an index needs an element)
+    # Constant offsets: with the trick off, for a large group, or an empty shape (an index
+    # needs an element).
     static = not opaque or size >= _STATIC_ROWS or math.prod(shape) == 0
     plans.append((shape, members, k, starts, static))
   dynamic = [(k, members[0]) for _, members, k, _, static in plans if not static]

@@ -71,11 +71,6 @@ def is_on(name: str) -> bool:
   return name not in _OFF.get()
 
 
-def tricks_off() -> frozenset[str]:
-  """The tricks turned off for the programs traced now."""
-  return _OFF.get()
-
-
 def without(*names: str) -> contextlib.AbstractContextManager[None]:
   """Programs traced in the block are built without the tricks ``names`` (and those already off).
 
