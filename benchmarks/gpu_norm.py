@@ -21,6 +21,11 @@ host, so the host's dispatch and synchronisation were inside each figure):
 Bandwidth is bytes over time, bytes counted as the fewest the operation must
 move (a norm reads every gradient once; a copy reads and writes).
 
+jaxclip's own forms are its public ``jaxclip.ops.global_norm`` (on a CUDA GPU
+its Pallas kernel), and the same traced without one of its CUDA tricks:
+``jaxclip.platform.without("cuda_norm")`` (XLA's reductions and the rescue's
+``lax.cond``) or ``without("cuda_packing")`` (a kernel branch per leaf).
+
   python -m benchmarks.gpu_norm --part norm --out /tmp/g --quick   # CPU smoke run
 """
 
@@ -229,26 +234,18 @@ def _pallas(**kw):
   return f
 
 
-def _plain_norm(leaves):
-  from jaxclip._kernel import _reduction
+def _norm_without(*tricks: str) -> Callable[[list[jax.Array]], jax.Array]:
+  """``jaxclip.ops.global_norm`` traced without ``tricks`` (``jaxclip.platform.TRICKS``).
 
-  return _reduction._plain_tree_norm(leaves, 2, None, None, None)
+  The switch is read while the norm is traced, so it is opened inside the
+  function that ``jax.jit`` traces.
+  """
 
+  def norm(leaves: list[jax.Array]) -> jax.Array:
+    with jaxclip.platform.without(*tricks):
+      return jaxclip.ops.global_norm(leaves)
 
-def _platform_cuda():
-  from jaxclip._kernel._platform import _cuda
-
-  return _cuda
-
-
-def _cuda_unpacked(leaves: list[jax.Array]) -> jax.Array:
-  """jaxclip's CUDA kernel as first built: one branch per leaf, small leaves included."""
-  cuda = _platform_cuda()
-  pack, cuda.PACK_BELOW = cuda.PACK_BELOW, 0  # read while tracing, below
-  try:
-    return cuda.cuda_norm(leaves, jax.default_backend() != "gpu")
-  finally:
-    cuda.PACK_BELOW = pack
+  return norm
 
 
 def formulations(quick: bool) -> dict[str, Callable[[list[jax.Array]], jax.Array]]:
@@ -263,11 +260,11 @@ def formulations(quick: bool) -> dict[str, Callable[[list[jax.Array]], jax.Array
     "vdot per leaf": norm_vdot,
     "pallas: 1 kernel, tiles 1024x32, 4 warps": _pallas(block=1024, steps=32, num_warps=4),
     "pallas: 1 kernel, tiles 2048x16, 8 warps": _pallas(block=2048, steps=16, num_warps=8),
-    "jaxclip's CUDA kernel (scaled tiles 1024x32)": lambda leaves: _platform_cuda().cuda_norm(
-      leaves, jax.default_backend() != "gpu"
-    ),
-    "jaxclip's CUDA kernel, a branch per leaf (unpacked)": _cuda_unpacked,
-    "jaxclip's plain program (XLA reductions, rescue cond)": _plain_norm,
+    # On a CUDA GPU jaxclip's global norm is its kernel; on other machines (a smoke run) the
+    # plain program.
+    "jaxclip's CUDA kernel (scaled tiles 1024x32)": _norm_without(),
+    "jaxclip's CUDA kernel, a branch per leaf (unpacked)": _norm_without("cuda_packing"),
+    "jaxclip's plain program (XLA reductions, rescue cond)": _norm_without("cuda_norm"),
     "pallas: 1 kernel, tiles 4096x8, 8 warps, 3 stages": _pallas(
       block=4096, steps=8, num_warps=8, num_stages=3
     ),
@@ -414,7 +411,7 @@ def part_adam(args) -> list[dict]:
       optax.clip_by_global_norm(MAX_NORM), optax.adam(1e-4)
     ),
     "clip by jaxclip's plain norm (XLA, rescue cond) + adam": optax.chain(
-      _clip_with(_plain_norm), optax.adam(1e-4)
+      _clip_with(_norm_without("cuda_norm")), optax.adam(1e-4)
     ),
     "clip by the pallas norm (2048x16) + adam": optax.chain(
       _clip_with(_pallas(block=2048, steps=16, num_warps=8)), optax.adam(1e-4)

@@ -4,47 +4,46 @@
 see it on (compile seconds over a tree of many leaves of mixed shapes, step
 time or compiled temporary memory of a large half-precision leaf), with the
 trick on and off, interleaved and repeated in one process, and writes
-``benchmarks/results/tricks.md``. Each switch turns off one trick alone, by
-replacing it with the plain math that GPU and TPU programs run (the values
-are the same; ``check`` below asserts it for every row):
+``benchmarks/results/tricks.md``. Each trick is switched off alone by
+``jaxclip.platform.without(name)`` (``jaxclip.platform.TRICKS`` names and
+describes them), under which jaxclip traces the plain math that GPU and TPU
+programs run in its place (the values are the same; ``check`` below asserts
+it for every row):
 
-* ``bf16_barrier``: ``_platform._reductions.reduction_input`` (an optimization barrier
-  before a bfloat16 norm) replaced by the identity;
-* ``f16_two_output``: ``_reductions.float16_reduce`` (a two-output reduction,
-  in blocks of ``_SEQUENTIAL_BLOCK``) replaced by ``plain_reduce``;
-* ``stacked_scales``: the per-leaf clips' stacks of leaves of one shape
-  (``_platform._stacks._by_stacks``, with ``_STACK``, ``_FLAT_STACK``) replaced by
-  one scale per leaf;
-* ``opaque_indices``: rows of a stack taken at opaque indices (``_STATIC_ROWS``)
-  replaced by rows at constant offsets;
-* ``grouped_parts``: the global norm's grouped partial sums
-  (``_reductions.shares_by_group``: ``SMALL_LEAF``, ``_TINY_LEAF``, ``_GROUP``,
-  ``_CHUNK_LEAVES``) replaced by one reduction per leaf;
-* ``computed_once``: ``_numerics.computed_once`` (the skip and non-finite
-  flags passed through one kernel) replaced by the identity;
-* ``stacked_rules``: the per-tensor rules (AdaGC and its siblings) run once on
-  vectors of every leaf's scalars, read back at opaque indices
-  (``_per_tensor._apply_rule`` with ``on_cpu``), replaced by the rule on each
-  leaf's scalars;
-* ``segment_parts``: in those vectors, the small leaves' parts computed by
-  one segment reduction of their concatenated terms
-  (``_reductions.small_parts``, via ``share_vector``), replaced by one
-  reduction per leaf.
+* ``bf16_barrier``: no optimization barrier before a bfloat16 norm;
+* ``f16_two_output``: a float16 norm by the plain reduction, not a
+  two-output reduction in blocks;
+* ``stacked_scales``: the per-leaf clips scale each leaf on its own, not
+  stacks of the small leaves of one shape;
+* ``opaque_indices``: a stack's rows read at constant offsets, not at
+  opaque indices;
+* ``grouped_parts``: the global norm by one reduction per leaf, not by
+  grouped partial sums of the small leaves;
+* ``computed_once``: the skip and non-finite flags inline in every leaf's
+  kernel, not computed once;
+* ``stacked_rules``: the per-tensor rules (AdaGC and its siblings) on each
+  leaf's scalars, not once on vectors of every leaf's scalars read back at
+  opaque indices;
+* ``segment_parts``: in those vectors, one reduction per small leaf, not one
+  segment reduction of their concatenated terms.
 
-The rows' custom JVP and custom vmap rules (``_stacks.rows``) are not
-switches: without them ``jax.grad`` and ``jax.vmap`` of a stacked clip are
-wrong in cost class (a full-stack update per row, a gather), which the suite
-checks (tests/test_lowering.py), so they stand or fall with ``stacked_scales``.
+The two CUDA tricks (``cuda_norm``, ``cuda_packing``) are measured on a GPU
+by ``benchmarks/gpu_norm.py``. The stacks' custom JVP and custom vmap rules
+are not switches: without them ``jax.grad`` and ``jax.vmap`` of a stacked
+clip are wrong in cost class (a full-stack update per row, a gather), which
+the suite checks (tests/test_lowering.py), so they stand or fall with
+``stacked_scales``.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import os
 import statistics
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -55,9 +54,6 @@ import optax
 import benchmarks
 import jaxclip
 from benchmarks import _cases, _main, _timing
-from jaxclip._kernel import _numerics, _platform
-from jaxclip._kernel._platform import _reductions, _stacks
-from jaxclip.transforms import _per_tensor
 from workloads import trees
 
 # ----------------------------------------------------------------------------
@@ -65,47 +61,19 @@ from workloads import trees
 # ----------------------------------------------------------------------------
 
 
-@contextlib.contextmanager
-def _patched(module: Any, **attrs: Any) -> Iterator[None]:
-  saved = {k: getattr(module, k) for k in attrs}
-  for k, v in attrs.items():
-    setattr(module, k, v)
-  try:
-    yield
-  finally:
-    for k, v in saved.items():
-      setattr(module, k, v)
-
-
-def _plain_scales(scaler, sizes, leaves, companions, operands):
-  del sizes
-  return _stacks._one_by_one(scaler, leaves, companions, operands)
-
-
-def _plain_shares(leaves, term, op, acc, scale=None):
-  fn, e = scale if scale is not None else (lambda x, e: x, None)
-  return [_platform.share(fn(x, e), term, op).astype(acc) for x in leaves]
-
-
-_apply_rule = _per_tensor._apply_rule
-
-
-def _leaf_rule(*args, on_cpu):
-  del on_cpu
-  return _apply_rule(*args, on_cpu=False)
-
-
+# The CPU tricks, in the order of the table; each row's switch is jaxclip.platform.without(name).
+CPU_TRICKS = (
+  "bf16_barrier",
+  "f16_two_output",
+  "stacked_scales",
+  "opaque_indices",
+  "grouped_parts",
+  "stacked_rules",
+  "segment_parts",
+  "computed_once",
+)
 SWITCHES: dict[str, Callable[[], contextlib.AbstractContextManager]] = {
-  "bf16_barrier": lambda: _patched(_platform, reduction_input=lambda x: x),
-  "f16_two_output": lambda: _patched(_reductions, float16_reduce=_reductions.plain_reduce),
-  "stacked_scales": lambda: _patched(_stacks, _by_stacks=_plain_scales),
-  "opaque_indices": lambda: _patched(_stacks, _STATIC_ROWS=0),
-  "grouped_parts": lambda: _patched(_platform, shares_by_group=_plain_shares),
-  "stacked_rules": lambda: _patched(_per_tensor, _apply_rule=_leaf_rule),
-  "segment_parts": lambda: _patched(
-    _platform, share_vector=lambda *a: jnp.stack(_plain_shares(*a))
-  ),
-  "computed_once": lambda: _patched(_numerics, computed_once=lambda flag: jnp.asarray(flag)),
+  name: functools.partial(jaxclip.platform.without, name) for name in CPU_TRICKS
 }
 
 # ----------------------------------------------------------------------------
@@ -120,8 +88,6 @@ def _mixed_tree(leaves: int) -> dict:
 def _clear() -> None:
   """Forgets every compiled and traced function, so each measurement compiles afresh."""
   jax.clear_caches()
-  _numerics._leaf_scaler.cache_clear()
-  _stacks._indexed_rows_from.cache_clear()
 
 
 def _update_fn(make: Callable[[], Any], tree: Any) -> tuple[Callable, Any]:

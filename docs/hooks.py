@@ -5,7 +5,8 @@
   outputs stored in them (``tools/execute_notebooks.py``), not executed. It
   also adds ``benchmarks/results/*.png``, which the docs pages show.
 * ``on_page_markdown`` fills ``api.md``'s placeholder with one mkdocstrings
-  block per name in ``jaxclip.__all__`` and ``jaxclip.ops.__all__``, grouped by
+  block per name in ``jaxclip.__all__``, ``jaxclip.ops.__all__`` and
+  ``jaxclip.platform.__all__``, grouped by
   the private module that defines it (its docstring's first line is the
   heading), so names added later are documented without editing the docs.
 * ``on_page_content`` renders what the optax-style docstrings write in reST:
@@ -69,7 +70,7 @@ def api_markdown() -> str:
   jaxclip = importlib.import_module("jaxclip")
   groups: dict[str, list[str]] = {}
   for name in jaxclip.__all__:
-    if name == "ops":
+    if name in ("ops", "platform"):
       continue
     module = getattr(getattr(jaxclip, name), "__module__", "jaxclip")
     groups.setdefault(module, []).append(name)
@@ -83,6 +84,8 @@ def api_markdown() -> str:
     out += [f"::: jaxclip.{name}\n" for name in names]
   out.append("## `jaxclip.ops`: TensorFlow-style pure functions\n")
   out += [f"::: jaxclip.ops.{name}\n" for name in jaxclip.ops.__all__]
+  out.append("## `jaxclip.platform`: the kernel's compile-time tricks, and their switch\n")
+  out += [f"::: jaxclip.platform.{name}\n" for name in jaxclip.platform.__all__]
   return "\n".join(out)
 
 

@@ -1,11 +1,13 @@
 """jaxclip: gradient clipping for JAX and optax, over any pytree.
 
-Pure TensorFlow-style ops live in :mod:`jaxclip.ops`; everything at the top
-level is an optax ``GradientTransformation`` (or a helper of optax's clipping
-module) that chains with any optax optimizer.
+Pure TensorFlow-style ops live in :mod:`jaxclip.ops`, and the switch for the
+kernel's compile-time tricks in :mod:`jaxclip.platform`; everything else at
+the top level is an optax ``GradientTransformation`` (or a helper of optax's
+clipping module) that chains with any optax optimizer.
 """
 
 from jaxclip import ops as ops
+from jaxclip import platform as platform
 from jaxclip.privacy import DPSGD as DPSGD
 from jaxclip.privacy import DPNoiseState as DPNoiseState
 from jaxclip.privacy import GhostLeafPlan as GhostLeafPlan
@@ -97,6 +99,7 @@ __all__ = (
   "per_example_clipped_grad",
   "per_example_global_norm_clip",
   "per_example_layer_norm_clip",
+  "platform",
   "poisson_batch",
   "quantile_clip_norm_update",
   "record_norms",

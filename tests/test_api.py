@@ -5,7 +5,7 @@ from __future__ import annotations
 import inspect
 
 import jaxclip
-from jaxclip import ops
+from jaxclip import ops, platform
 from tests import helpers
 
 
@@ -13,15 +13,18 @@ def test_all_names_exist_and_are_unique():
   assert len(set(jaxclip.__all__)) == len(jaxclip.__all__)
   for name in jaxclip.__all__:
     assert hasattr(jaxclip, name), name
-  for name in ops.__all__:
-    assert hasattr(ops, name), name
+  for module in (ops, platform):
+    for name in module.__all__:
+      assert hasattr(module, name), name
 
 
 def test_every_public_name_has_a_docstring_with_an_example():
-  for module, names in ((jaxclip, jaxclip.__all__), (ops, ops.__all__)):
-    for name in names:
+  for module in (jaxclip, ops, platform):
+    for name in module.__all__:
       obj = getattr(module, name)
       doc = inspect.getdoc(obj) or ""
+      if not callable(obj) and not inspect.ismodule(obj):  # a constant: in its module's docstring
+        doc = f"{name}" if f":data:`{name}`" in (inspect.getdoc(module) or "") else ""
       assert doc.strip(), f"{name} has no docstring"
       if inspect.isfunction(obj):
         assert ">>>" in doc, f"{name} has no runnable example"
@@ -34,10 +37,12 @@ def test_every_public_name_is_in_the_readme_table():
 
   readme = (pathlib.Path(__file__).parents[1] / "README.md").read_text()
   for name in jaxclip.__all__:
-    if name != "ops":
+    if name not in ("ops", "platform"):
       assert f"`{name}" in readme, f"{name} missing from README"
   for name in ops.__all__:
     assert f"`ops.{name}(" in readme, f"ops.{name} missing from README"
+  for name in platform.__all__:
+    assert f"`jaxclip.platform.{name}" in readme, f"platform.{name} missing from README"
 
 
 def test_version_and_typed_marker():
@@ -77,7 +82,7 @@ def _jaxclip_imports(path, package_dir):
 
 _SUBPACKAGES = ("_kernel", "transforms", "skipping", "privacy")
 # The layers, from the norm kernel up; imports run downward only.
-_RANK = {"_kernel": 0, "ops": 1, "transforms": 2, "skipping": 3, "privacy": 3, "": 4}
+_RANK = {"_kernel": 0, "ops": 1, "platform": 1, "transforms": 2, "skipping": 3, "privacy": 3, "": 4}
 
 
 def _module_name(path, package_dir):

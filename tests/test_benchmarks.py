@@ -13,13 +13,11 @@ import types
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-import optax
-import pytest
 
 import jaxclip
 from benchmarks import _cases, _ghost_cases, _ghost_zoo, _main, _model, _peers, ghost, tricks
+from jaxclip._kernel import _platform
 
 
 def test_benchmark_quick_run_writes_table_and_plot(tmp_path):
@@ -253,47 +251,13 @@ def test_ghost_benchmark_model_is_a_tied_gpt_of_about_085m_params():
   assert np.all(np.abs(np.asarray(grad)[unused]).sum(axis=1) > 0)
 
 
-def _probe_tree(n: int, shape: tuple[int, ...], dtype=jnp.float32) -> dict:
-  return {
-    f"p{i}": jnp.linspace(-2.0, 2.0, math.prod(shape)).reshape(shape).astype(dtype) * (i + 1)
-    for i in range(n)
-  }
-
-
-# A small program for each trick of benchmarks/tricks.py that the trick changes.
-_TRICK_PROBES = {
-  "bf16_barrier": lambda: (jaxclip.clip_by_global_norm(1.0), _probe_tree(1, (8, 8), jnp.bfloat16)),
-  "f16_two_output": lambda: (jaxclip.clip_by_global_norm(1.0), _probe_tree(1, (8, 8), jnp.float16)),
-  "stacked_scales": lambda: (jaxclip.clip_by_norm(1.0), _probe_tree(3, (4,))),
-  "opaque_indices": lambda: (jaxclip.clip_by_norm(1.0), _probe_tree(3, (4,))),
-  "grouped_parts": lambda: (jaxclip.clip_by_global_norm(1.0), _probe_tree(3, (4,))),
-  "stacked_rules": lambda: (jaxclip.adagc(), _probe_tree(3, (4,))),
-  "segment_parts": lambda: (jaxclip.adaptive_value_clip(), _probe_tree(3, (4,))),
-  "computed_once": lambda: (jaxclip.skip_nonfinite(optax.sgd(0.1)), _probe_tree(3, (4,))),
-}
-
-
-def test_every_trick_has_a_probe():
-  assert set(tricks.SWITCHES) == set(tricks.ROWS) <= set(_TRICK_PROBES)
-
-
-@pytest.mark.parametrize("trick", sorted(tricks.SWITCHES))
-def test_each_trick_switch_changes_the_cpu_program_and_keeps_its_values(trick):
-  # A switch that changed nothing would price its trick at 1.0x and delete it.
-  tx, tree = _TRICK_PROBES[trick]()
-  state = tx.init(tree)
-
-  def program():
-    tricks._clear()
-    fn = jax.jit(lambda u, s: tx.update(u, s, tree))
-    return fn.lower(tree, state).as_text(), fn(tree, state)
-
-  with_text, with_out = program()
-  with tricks.SWITCHES[trick]():
-    without_text, without_out = program()
-  assert with_text != without_text, trick
-  for a, b in zip(jax.tree.leaves(with_out), jax.tree.leaves(without_out), strict=True):
-    np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=1e-2)
+def test_each_trick_switch_is_the_public_switch_of_its_trick():
+  # The programs each switch changes, and their values: tests/test_platform_tricks.py.
+  cpu_tricks = {name for name in jaxclip.platform.TRICKS if not name.startswith("cuda")}
+  assert set(tricks.SWITCHES) == set(tricks.ROWS) == cpu_tricks
+  for trick, switch in tricks.SWITCHES.items():
+    with switch():
+      assert [n for n in jaxclip.platform.TRICKS if not _platform.is_on(n)] == [trick]
 
 
 def _import_without(*missing):

@@ -39,7 +39,8 @@ def site(tmp_path_factory):
 
 
 def public_names():
-  names = [f"jaxclip.{n}" for n in jaxclip.__all__ if n != "ops"]
+  names = [f"jaxclip.{n}" for n in jaxclip.__all__ if n not in ("ops", "platform")]
+  names += [f"jaxclip.platform.{n}" for n in jaxclip.platform.__all__]
   return names + [f"jaxclip.ops.{n}" for n in jaxclip.ops.__all__]
 
 

@@ -73,3 +73,60 @@ def test_benchmark_modules_import_one_another_without_a_cycle():
   assert "benchmarks._peers" in graph and "benchmarks._ghost_cases" in graph["benchmarks._peers"]
   cycle = helpers.import_cycle(graph)
   assert not cycle, " -> ".join(cycle)
+
+
+def _dotted(node: ast.AST) -> str | None:
+  """``a.b.c`` for an attribute chain on a name, else ``None``."""
+  parts = []
+  while isinstance(node, ast.Attribute):
+    parts.append(node.attr)
+    node = node.value
+  if not isinstance(node, ast.Name):
+    return None
+  return ".".join([node.id, *reversed(parts)])
+
+
+def _private_jaxclip_names(path: Path) -> set[str]:
+  """The private jaxclip names ``path`` imports or reads (``jaxclip._kernel``, ``jaxclip.x._y``)."""
+  used = set(_imported(path))
+  used.update(
+    name
+    for node in ast.walk(ast.parse(path.read_text(), str(path)))
+    if isinstance(node, ast.Attribute) and (name := _dotted(node))
+  )
+  private = [p for p in (name.split(".") for name in used) if p[0] == "jaxclip"]
+  return {
+    ".".join(parts)
+    for parts in private
+    if any(p.startswith("_") and not p.endswith("__") for p in parts[1:])  # (not __all__)
+  }
+
+
+def test_the_private_name_finder_finds_private_names(tmp_path):
+  # The check below could not fail if this found nothing.
+  source = tmp_path / "bench.py"
+  source.write_text(
+    "import jaxclip\nfrom jaxclip._kernel import _platform\nfrom jaxclip.transforms import _x\n"
+    "def f():\n  import jaxclip._kernel._numerics\n  return jaxclip.transforms._per_tensor.y\n"
+    "jaxclip.platform.without('grouped_parts'), jaxclip.__all__\n"
+  )
+  assert _private_jaxclip_names(source) == {
+    "jaxclip._kernel",
+    "jaxclip._kernel._platform",
+    "jaxclip.transforms._x",
+    "jaxclip._kernel._numerics",
+    "jaxclip.transforms._per_tensor",
+    "jaxclip.transforms._per_tensor.y",
+  }
+
+
+def test_benchmarks_and_workloads_use_only_public_jaxclip_names():
+  """They measure what users run, through the public API (issue #49): a trick is switched off
+  by ``jaxclip.platform.without``, not by patching the kernel's private modules."""
+  offenders = {
+    f"{path.relative_to(ROOT)}: {sorted(names)}"
+    for package in ("benchmarks", "workloads")
+    for path in _modules(package).values()
+    if (names := _private_jaxclip_names(path))
+  }
+  assert not offenders, offenders

@@ -154,6 +154,38 @@ def test_cuda_lowering_has_the_kernel_and_no_conditional():
   assert TRITON not in _exported(jaxclip.ops.global_norm, tree, ("rocm",)).mlir_module()
 
 
+def _kernel_operands(text: str) -> int:
+  return re.search(rf"custom_call @{re.escape(TRITON)}\(([^)]*)\)", text).group(1).count("%")
+
+
+@pytest.mark.hlo
+@pytest.mark.usefixtures("staged_for_cuda")
+@pytest.mark.skipif(not _cuda._has_triton_pallas(), reason="Pallas' Triton backend")
+@pytest.mark.parametrize("trick", ["cuda_norm", "cuda_packing"])
+def test_a_cuda_trick_switched_off_changes_the_cuda_program(trick):
+  # jaxclip.platform.without, as benchmarks/gpu_norm.py measures each trick; a fresh function
+  # each time (jax.jit caches a function's trace), no cache cleared.
+  tree = {"w": jnp.zeros((40_000,)), "b": jnp.zeros((32,)), "g": jnp.zeros((7,), jnp.bfloat16)}
+
+  def cuda():  # the program's text, without its source locations
+    text = _exported(lambda t: jaxclip.ops.global_norm(t), tree, ("cuda",)).mlir_module()
+    return re.sub(r"^#loc.*$| loc\(#loc\d*\)", "", text, flags=re.M)
+
+  before = cuda()
+  with jaxclip.platform.without(trick):
+    off = cuda()
+  assert cuda() == before
+  assert _kernel_operands(before) == 2  # the large leaf, the two small ones packed
+  if trick == "cuda_norm":  # XLA's reductions, rescued by a conditional
+    assert TRITON not in off and re.search(r"stablehlo\.(case|if)", off)
+  else:  # a branch per leaf
+    assert _kernel_operands(off) == 3
+    leaves = _leaves(4, shapes=[(40_000,), (32,), (7,)])
+    with jaxclip.platform.without(trick):
+      unpacked = _cuda.cuda_norm(leaves, True)
+    np.testing.assert_allclose(unpacked, _cuda.cuda_norm(leaves, True), rtol=1e-6)
+
+
 @pytest.mark.hlo
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="compares XLA:CPU programs")
 def test_cpu_program_unchanged_by_the_cuda_choice(monkeypatch):

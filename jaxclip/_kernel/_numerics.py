@@ -123,8 +123,11 @@ def computed_once(flag: jax.Array) -> jax.Array:
   does not copy a square root,
   so the flag goes through one: ``sqrt`` of ``0`` or ``1`` is exact, and its
   conversion back to a boolean (``!= 0``) is the one op each consumer copies.
+  Trick ``computed_once``: off, ``flag`` as it is.
   """
   flag = jnp.asarray(flag)
+  if not _platform.is_on("computed_once"):
+    return flag
   return jax.lax.convert_element_type(jnp.sqrt(flag.astype(jnp.float32)), jnp.bool_)
 
 
@@ -354,7 +357,7 @@ def _scaled_with_one_rescue(fn, ord, axes, leaves, companions, operands, stacks)
   return [_leaf_applier(fn)(x, norms[i], others[i], operands) for i, x in enumerate(leaves)]
 
 
-@functools.lru_cache(maxsize=256)
+@_platform.cache(maxsize=256)
 def _leaf_rescue(ord, axes):
   """One leaf's norm from its fast ``total`` (kept dims): rescued where it needs it (jitted)."""
 
@@ -366,7 +369,7 @@ def _leaf_rescue(ord, axes):
   return jax.jit(rescue)
 
 
-@functools.lru_cache(maxsize=256)
+@_platform.cache(maxsize=256)
 def _leaf_applier(fn):
   """One leaf times ``fn`` of its norms (and its companion's), jitted: traced once per type."""
 
@@ -378,7 +381,7 @@ def _leaf_applier(fn):
   return jax.jit(apply)
 
 
-@functools.lru_cache(maxsize=256)
+@_platform.cache(maxsize=256)
 def _leaf_scaler(fn, ord, axes, stacked=False):
   """One leaf's scale as a jitted function, traced once per leaf type.
 
@@ -595,7 +598,7 @@ def needs_rescaling(total: jax.Array, size: Any) -> jax.Array:
   return (total == jnp.inf) | (total < low)
 
 
-@functools.lru_cache(maxsize=1024)
+@_platform.cache(maxsize=1024)
 def any_needs_rescaling(size: int | None) -> Callable[[jax.Array], jax.Array]:
   """``jnp.any(needs_rescaling(total, size))`` as a jitted function of ``total``.
 

@@ -87,11 +87,15 @@ def tree_norm(
   """
   if axis_name is None:
     _no_device_args(replicated, partition_specs)
-    if ord == 2 and _platform.cuda_in_process():
+    if ord == 2 and _platform.cuda_in_process() and _platform.is_on("cuda_norm"):
       arrays = [_numerics.as_array(x) for x in jax.tree.leaves(tree)]
       if _platform.cuda_norm_applies(arrays):
+        # A new function per trace: jax caches a branch's trace by its function, and the
+        # kernel's form depends on the tricks switched off (jaxclip.platform.without).
         return _platform.on_cuda(
-          _platform.cuda_norm, lambda a: _plain_tree_norm(a, ord, None, None, None), arrays
+          lambda a: _platform.cuda_norm(a),
+          lambda a: _plain_tree_norm(a, ord, None, None, None),
+          arrays,
         )
   return _plain_tree_norm(tree, ord, axis_name, replicated, partition_specs)
 
@@ -287,7 +291,7 @@ def _leaf_norms_one_by_one(
   return _platform.cond(flag, slow, fast, list(totals), total)
 
 
-@functools.lru_cache(maxsize=8)
+@_platform.cache(maxsize=8)
 def _one_leaf_scaled(ord):
   """``(max, exponent, scaled share)`` of one leaf, in its fast share ``t``'s dtype (jitted)."""
 
@@ -300,7 +304,7 @@ def _one_leaf_scaled(ord):
   return jax.jit(scaled)
 
 
-@functools.lru_cache(maxsize=8)
+@_platform.cache(maxsize=8)
 def _one_leaf_rescued(ord):
   """``(norm, share of the total at exponent top)`` of one leaf from its scaled parts (jitted)."""
 

@@ -195,8 +195,10 @@ def _apply_rule(rule, leaves, shares, olds, prev_count, count, *, on_cpu):
   :func:`jaxclip._kernel._platform.map_leaves` calls it on each leaf's
   scalars, or (``on_cpu``) vmaps it over vectors of every leaf's, whose
   shares then come from one segment reduction
-  (:func:`jaxclip._kernel._platform.share_vector`).
+  (:func:`jaxclip._kernel._platform.share_vector`). Trick ``stacked_rules``:
+  off, the rule on each leaf's scalars (``on_cpu`` as if false).
   """
+  on_cpu = on_cpu and _platform.is_on("stacked_rules")
   if shares is None:
     shares = _reduction.tree_leaf_norms(leaves, rule.ord, as_vector=on_cpu)
   norms, total = shares

@@ -8,7 +8,8 @@ Why a room of its own: XLA:CPU compiles one kernel per distinct fusion,
 compiles a reduction kernel per leaf slowly, and copies cheap elementwise
 ops into every consumer, so a tree of thousands of small leaves written leaf
 by leaf compiles for minutes. ``benchmarks/results/tricks.md`` measures each choice
-with and without it.
+with and without it, by switching it off (``_tricks``) through the public
+``jaxclip.platform.without``.
 
 How the platform is chosen: each choice but the grouping is staged with
 :func:`on_cpu`, a :func:`jax.lax.platform_dependent` whose other branch is
@@ -33,7 +34,12 @@ The rooms:
 * ``_cuda``: the global 2-norm on CUDA GPUs, every leaf in one Pallas
   (Triton) kernel with no conditional (:func:`cuda_norm`), staged with
   :func:`on_cuda` in processes that have a CUDA backend
-  (:func:`cuda_in_process`) and measured in ``benchmarks/results/gpu.md``.
+  (:func:`cuda_in_process`) and measured in ``benchmarks/results/gpu.md``;
+* ``_tricks``: the switches. Every trick above has a name in :data:`TRICKS`,
+  and its code asks :func:`is_on` while tracing: under :func:`without` (public
+  as ``jaxclip.platform.without``) it runs the plain math it already has
+  instead. The caches of jitted functions are keyed by the switches
+  (:func:`cache`), so no choice outlives its switch.
 """
 
 from jaxclip._kernel._platform._cuda import cuda_norm as cuda_norm
@@ -57,4 +63,8 @@ from jaxclip._kernel._platform._switch import cond as cond
 from jaxclip._kernel._platform._switch import cuda_in_process as cuda_in_process
 from jaxclip._kernel._platform._switch import on_cpu as on_cpu
 from jaxclip._kernel._platform._switch import on_cuda as on_cuda
+from jaxclip._kernel._platform._tricks import TRICKS as TRICKS
+from jaxclip._kernel._platform._tricks import cache as cache
+from jaxclip._kernel._platform._tricks import is_on as is_on
+from jaxclip._kernel._platform._tricks import without as without
 from jaxclip._kernel._platform._vectors import map_leaves as map_leaves

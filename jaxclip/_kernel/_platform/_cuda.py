@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxclip._kernel import _sharding
+from jaxclip._kernel._platform._tricks import is_on
 from jaxclip._kernel._validation import constant_size
 
 # The tile of one program: BLOCK entries per step, STEPS steps (the fastest
@@ -123,23 +124,23 @@ def _kernel(*refs, sizes, table):
       s_ref[...] = jnp.full((1,), total, jnp.float32)
 
 
-def kernel_inputs(leaves: list[jax.Array]) -> list[jax.Array]:
+def kernel_inputs(leaves: list[jax.Array], pack: bool = True) -> list[jax.Array]:
   """The kernel's flat inputs, one branch each: the leaves of ``PACK_BELOW`` or more entries,
-  then the smaller ones packed into one float32 buffer."""
+  then the smaller ones packed into one float32 buffer (with ``pack``; else none)."""
   flat = [jnp.reshape(x, (x.size,)) for x in leaves if x.size]
-  small = [x for x in flat if x.size < PACK_BELOW]
+  small = [x for x in flat if x.size < PACK_BELOW] if pack else []
   if len(small) < 2:
     return flat
   packed = jnp.concatenate([x.astype(jnp.float32) for x in small])
   return [x for x in flat if x.size >= PACK_BELOW] + [packed]
 
 
-def _parts(leaves: list[jax.Array], interpret: bool) -> tuple[jax.Array, jax.Array]:
+def _parts(leaves: list[jax.Array], interpret: bool, pack: bool) -> tuple[jax.Array, jax.Array]:
   """Every tile's ``(exponent, scaled sum of squares)``: one kernel."""
   from jax.experimental import pallas as pl
   from jax.experimental.pallas import triton as plgpu
 
-  flat = kernel_inputs(leaves)
+  flat = kernel_inputs(leaves, pack)
   sizes = [x.size for x in flat]
   table = tile_table(sizes)
   programs = table[-1][0] + table[-1][1]
@@ -158,15 +159,22 @@ def _parts(leaves: list[jax.Array], interpret: bool) -> tuple[jax.Array, jax.Arr
   )(*flat)
 
 
-@functools.partial(jax.custom_jvp, nondiff_argnums=(1,))
 def cuda_norm(leaves: list[jax.Array], interpret: bool = False) -> jax.Array:
   """The float32 2-norm of every entry of ``leaves`` together (see :func:`cuda_norm_applies`).
 
-  ``interpret=True`` runs the kernel's program on any backend (tests).
+  ``interpret=True`` runs the kernel's program on any backend (tests). The
+  small leaves are packed into one input (:func:`kernel_inputs`) unless the
+  trick ``cuda_packing`` is off; the choice is an argument of the custom JVP
+  function, since jax caches such a function's trace by its arguments.
   """
+  return _norm(leaves, interpret, is_on("cuda_packing"))
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(1, 2))
+def _norm(leaves: list[jax.Array], interpret: bool, pack: bool) -> jax.Array:
   if not any(x.size for x in leaves):
     return jnp.zeros((), jnp.float32)
-  exps, sums = _parts(leaves, interpret)
+  exps, sums = _parts(leaves, interpret, pack)
   top = jnp.max(exps)
   total = jnp.sum(sums * _pow2(jnp.maximum(2 * (exps - top), _MIN_EXP)))
   root = _pow2(top) * jnp.sqrt(total)
@@ -175,10 +183,10 @@ def cuda_norm(leaves: list[jax.Array], interpret: bool = False) -> jax.Array:
   return jnp.where(jnp.isfinite(total), jnp.minimum(root, jnp.finfo(jnp.float32).max), root)
 
 
-@cuda_norm.defjvp
-def _norm_jvp(interpret, primals, tangents):
+@_norm.defjvp
+def _norm_jvp(interpret, pack, primals, tangents):
   (leaves,), (dleaves,) = primals, tangents
-  n = cuda_norm(leaves, interpret)
+  n = _norm(leaves, interpret, pack)
   safe = jnp.where(n > 0, n, 1)
   dots = [
     jnp.sum((x.astype(jnp.float32) / safe) * dx.astype(jnp.float32))

@@ -23,6 +23,7 @@ import numpy as np
 from jaxclip._kernel import _sharding
 from jaxclip._kernel._platform._stacks import flat_concatenate
 from jaxclip._kernel._platform._switch import is_small, on_cpu, segmentable
+from jaxclip._kernel._platform._tricks import is_on
 from jaxclip._kernel._validation import constant_size
 
 Term = Callable[[jax.Array], jax.Array]
@@ -44,9 +45,9 @@ def reduction_input(x: jax.Array) -> jax.Array:
   float32 conversion materialised (the reduction kernel cannot absorb a
   convert whose operand has a second user). The barrier gives the reduction
   its own operand, so the convert fuses into it. It is an identity for
-  values and gradients.
+  values and gradients. Trick ``bf16_barrier``: off, ``x`` as it is.
   """
-  if x.dtype != jnp.bfloat16:
+  if x.dtype != jnp.bfloat16 or not is_on("bf16_barrier"):
     return x
   return on_cpu(jax.lax.optimization_barrier, lambda y: y, x)
 
@@ -89,8 +90,9 @@ def float16_reduce(
   XLA:CPU never fuses the float32 conversion of a float16 leaf into a plain
   reduction: it materialises a float32 copy. A two-output reduction keeps
   the conversion inside the reduction kernel (:func:`_float16_reduce_cpu`).
+  Trick ``f16_two_output``: off, :func:`plain_reduce`.
   """
-  if not constant_size(terms):  # empty, or of a symbolic size
+  if not constant_size(terms) or not is_on("f16_two_output"):  # empty, or of a symbolic size
     return plain_reduce(terms, op, axes, keepdims)
   axes = tuple(range(terms.ndim)) if axes is None else tuple(axes)
   return on_cpu(
@@ -185,9 +187,13 @@ def shares_by_group(
   applied after the leaves are joined (the rescaled norms: ``fn`` scales by
   ``2**-e``), so that XLA fuses the join into the reduction as it does the
   plain one, rather than materialising the joined scaled leaves.
+
+  Trick ``grouped_parts``: off, one :func:`share` per leaf.
   """
-  plan = _group_plan(leaves)
   fn, e = scale if scale is not None else (None, None)
+  if not is_on("grouped_parts"):
+    return [share(_prescaled(x, fn, e), term, op).astype(acc) for x in leaves]
+  plan = _group_plan(leaves)
   if all(len(members) == 1 for _, members in plan):
     return [_prescaled_share(leaves[m[0]], term, op, fn, e).astype(acc) for _, m in plan]
   return list(_grouped_sums(plan, term, op, acc, fn, leaves, e))
@@ -421,7 +427,11 @@ def share_vector(leaves: list[jax.Array], term: Term, op: str, acc: Any) -> jax.
   reduction as one term each. The values are those of the terms taken leaf
   by leaf and joined (:func:`small_parts`), bit for bit: the same terms, each
   leaf's summed in the same order. For programs lowered for CPU only.
+
+  Trick ``segment_parts``: off, one :func:`share` per leaf, stacked.
   """
+  if not is_on("segment_parts"):
+    return jnp.stack([share(x, term, op).astype(acc) for x in leaves])
   return joined_parts(tuple(leaves), term, op, acc)
 
 

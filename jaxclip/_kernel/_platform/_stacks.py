@@ -21,6 +21,7 @@ import numpy as np
 
 from jaxclip._kernel import _sharding
 from jaxclip._kernel._platform._switch import SMALL_LEAF, on_cpu
+from jaxclip._kernel._platform._tricks import is_on
 from jaxclip._kernel._validation import constant_size
 
 # Small leaves of one shape and dtype are stacked: all in one stack when
@@ -137,7 +138,13 @@ def _by_stacks(scaler, sizes, leaves, companions, operands) -> list[jax.Array]:
   fusion, so a group of at least ``_STATIC_ROWS`` leaves takes its rows at
   constant offsets (one kernel per offset, shared by all its stacks), and a
   smaller group at :func:`opaque_indices` (one kernel for all its rows).
+
+  Tricks: ``stacked_scales`` off, the leaves scaled one by one
+  (:func:`_one_by_one`); ``opaque_indices`` off, every row at a constant offset.
   """
+  if not is_on("stacked_scales"):
+    return _one_by_one(scaler, leaves, companions, operands)
+  opaque = is_on("opaque_indices")
   out: list[Any] = []
   plans, begin = [], 0
   for size in sizes:
@@ -148,7 +155,9 @@ def _by_stacks(scaler, sizes, leaves, companions, operands) -> list[jax.Array]:
     starts = list(range(0, size - k + 1, k))
     if starts[-1] + k < size:
       starts.append(size - k)
-    static = size >= _STATIC_ROWS or math.prod(shape) == 0  # (an index needs an element)
+    # Constant offsets: with the trick off, for a large group, or an empty shape (an index
+    # needs an element).
+    static = not opaque or size >= _STATIC_ROWS or math.prod(shape) == 0
     plans.append((shape, members, k, starts, static))
   dynamic = [(k, members[0]) for _, members, k, _, static in plans if not static]
   if dynamic:
