@@ -25,7 +25,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxclip
-from jaxclip.privacy import _ghost, _ghost_capture, _ghost_conv, _ghost_sites
+from jaxclip.privacy import _ghost, _ghost_capture, _ghost_conv, _ghost_sites, _ghost_walk
 from tests.helpers import mlp_loss, mlp_problem, multi_device_checks
 
 N_DEVICES = 8
@@ -73,7 +73,7 @@ def _plan(loss_fn, params, *example):
     leaves, *example
   )
   infos = _ghost.input_infos([x.ndim for x in leaves], [True] * len(example))
-  sites = _ghost.analyze(closed, infos)
+  sites, _ = _ghost_walk.analysis(closed, infos)
   return _ghost.make_plan(sites, len(leaves))
 
 

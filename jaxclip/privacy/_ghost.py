@@ -61,15 +61,14 @@ from jaxclip.privacy import (
   _ghost_sites,
   _ghost_walk,
 )
-from jaxclip.privacy._ghost_capture import Captured, Inputs
+from jaxclip.privacy._ghost_capture import Inputs
 from jaxclip.privacy._ghost_rules import Plan, make_plan
-from jaxclip.privacy._ghost_sites import Site
-from jaxclip.privacy._ghost_walk import analyze, input_infos
+from jaxclip.privacy._ghost_types import Captured, Site, Tied
+from jaxclip.privacy._ghost_walk import input_infos
 
 __all__ = [
   "Plan",
   "Traced",
-  "analyze",
   "clipped_sum",
   "input_infos",
   "leaf_rules",
@@ -462,7 +461,7 @@ def _probe_sumsq(site: Site, k: int, rule: str) -> Callable[..., jax.Array]:
 
 
 def _tied_sumsq(
-  cap: Captured, pair: _ghost_rules.Tied, early: frozenset[int] | set[int] = frozenset()
+  cap: Captured, pair: Tied, early: frozenset[int] | set[int] = frozenset()
 ) -> jax.Array:
   """A tied table's squared norms: its lookup's, its head's and twice their cross term.
 

@@ -30,9 +30,8 @@ import jax.numpy as jnp
 from jaxclip._kernel import _numerics
 from jaxclip.privacy import _batching, _ghost_capture, _ghost_instantiate, _ghost_sites
 from jaxclip.privacy import _jax_internals as _jax
-from jaxclip.privacy._ghost_capture import Captured
 from jaxclip.privacy._ghost_rules import Plan
-from jaxclip.privacy._ghost_sites import Site
+from jaxclip.privacy._ghost_types import Captured, Site
 
 
 def kept(cap: Captured, keep: jax.Array) -> Captured:

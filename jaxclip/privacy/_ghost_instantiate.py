@@ -1,12 +1,12 @@
 """Ghost norms: the per-example gradients of the parameters no rule covers.
 
 Leaves no rule covers (layer-norm scales, biases, a weight used twice) are
-instantiated in groups (:class:`Group`): each example's gradient of the
-group's boundaries (the sites' param inputs) is formed through those sites
-only, from their recorded ``a`` and ``g``, in chunks of examples, and pulled
-back to the leaves. A leaf used only through views of disjoint parts of it (a
-bias, a slice per scan iteration) needs no pull-back: its squared norm is that
-of its uses' gradients summed.
+instantiated in groups (:class:`~jaxclip.privacy._ghost_types.Group`): each
+example's gradient of the group's boundaries (the sites' param inputs) is
+formed through those sites only, from their recorded ``a`` and ``g``, in chunks
+of examples, and pulled back to the leaves. A leaf used only through views of
+disjoint parts of it (a bias, a slice per scan iteration) needs no pull-back:
+its squared norm is that of its uses' gradients summed.
 """
 
 from __future__ import annotations
@@ -22,20 +22,10 @@ import numpy as np
 from jaxclip._kernel import _numerics
 from jaxclip.privacy import _ghost_sites
 from jaxclip.privacy import _jax_internals as _jax
-from jaxclip.privacy._ghost_capture import Captured
-from jaxclip.privacy._ghost_sites import Site
+from jaxclip.privacy._ghost_types import Boundary, Captured, Group, Site
 
 # Elements of per-example gradients one chunk of an instantiated group may hold at once.
 _CHUNK_ELEMENTS = 1 << 24
-
-Boundary = tuple[int, int]  # (site, position among the site's param inputs)
-
-
-class Group(NamedTuple):
-  """Leaves whose per-example gradients are instantiated together, and their boundaries."""
-
-  leaves: tuple[int, ...]
-  bounds: tuple[Boundary, ...]
 
 
 def disjoint_views(
