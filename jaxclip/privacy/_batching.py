@@ -19,7 +19,6 @@ import jax.numpy as jnp
 
 from jaxclip._kernel import _numerics, _sharding, _validation
 from jaxclip._kernel._typing import AxisName
-from jaxclip.privacy import _jax_internals as _jax
 
 
 def mesh_axis_size(axis_name: AxisName | None) -> int | None:
@@ -317,7 +316,7 @@ def chunks_for(
 ) -> Chunks:
   """How ``units`` are cut into chunks (``microbatch_size`` counts examples)."""
   micro = units.microbatch
-  size = units.size if micro is None else _jax.min_dim(units.size, int(micro))
+  size = units.size if micro is None else _validation.min_dim(units.size, int(micro))
   if _validation.is_symbolic(units.size):  # a symbolic batch has at least one example
     num = -(-units.size // size)
     several = micro is not None  # chunks of microbatch_size, unless the batch is smaller
