@@ -203,11 +203,7 @@ def trace(
     leaves, [_example_aval(x, b) for x, b in zip(arg_leaves, batched, strict=True)]
   )
   loss_shape = out_shape[0] if has_aux else out_shape
-  if jnp.shape(loss_shape) or not jnp.issubdtype(loss_shape.dtype, jnp.floating):
-    raise ValueError(
-      "per_example_clipped_grad needs loss_fn to return a real scalar for one example, "
-      f"got {loss_shape}."
-    )
+  _batching.check_loss(loss_shape, shown=str(loss_shape))
   infos = input_infos([jnp.ndim(x) for x in leaves], batched)
   sites, unknown = _ghost_walk.analysis(closed, infos)
   plan = make_plan(sites, len(leaves), unknown)

@@ -339,9 +339,8 @@ class _Options:
         f"microbatch_size={micro} must be a multiple of "
         f"group_size={group}: each chunk holds whole groups."
       )
-    nums = kwargs["batch_argnums"]
+    nums = _batching.argnums(kwargs["batch_argnums"])
     if nums is not None:
-      nums = (nums,) if isinstance(nums, int) else tuple(nums)
       if not nums or any(i < 1 for i in nums):
         raise ValueError(
           f"batch_argnums must name arguments after params (1, 2, ...), got {nums!r}."
