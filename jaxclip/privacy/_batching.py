@@ -389,9 +389,7 @@ def scan_chunks(
   masks = chunks.split(full_mask) if full_mask is not None else None
   # zeros_like keeps each parameter's sharding for the running sum.
   init = (
-    jax.tree.map(
-      lambda p: jnp.zeros_like(p, jnp.promote_types(jnp.result_type(p), jnp.float32)), params
-    ),
+    jax.tree.map(lambda p: jnp.zeros_like(p, _numerics.compute_dtype(jnp.result_type(p))), params),
     (
       jnp.zeros(count_shape, jax.dtypes.canonicalize_dtype(jnp.int_)),
       jnp.zeros((), jax.dtypes.canonicalize_dtype(jnp.int_)),

@@ -259,7 +259,7 @@ def clipped_sum(
   keep = jnp.any(keep, axis=1) if keep.ndim > 1 else keep
   if plan.two_pass:
     grads = _two_pass_kept(traced, spmd_axis_name, cap, weights, keep, leaf_groups)
-    grads = [x.astype(jnp.promote_types(x.dtype, jnp.float32)) for x in grads]
+    grads = [_numerics.upcast_for_accumulation(x) for x in grads]
   else:
     grads = _ghost_book.book_keep(_ghost_book.kept(cap, keep), weights, leaf_groups)
   # With no example kept, a stand-in row may hold anything: nothing is released of any.

@@ -456,7 +456,7 @@ def _clip_chunk(
       out = _vmap_chunk(opts, loss, params, args, idx, mask)
     else:
       out = _ghost_chunk(opts, dataclasses.replace(traced, plan=plan), mask)
-    acc = lambda t, p: t.astype(jnp.promote_types(jnp.result_type(p), jnp.float32))
+    acc = lambda t, p: t.astype(_numerics.compute_dtype(jnp.result_type(p)))
     return (jax.tree.map(acc, out[0], params), *out[1:])
 
   if cpu == other:
