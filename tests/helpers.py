@@ -128,6 +128,20 @@ def import_cycle(graph: dict[str, set[str]]) -> list[str]:
   return []
 
 
+def longest_import_chain(graph: dict[str, set[str]]) -> list[str]:
+  """The longest chain ``[a, b, c]`` (``a`` imports ``b``, ``b`` imports ``c``) of an acyclic
+  import graph ``{module: the modules it imports}``: its modules, the first of the longest."""
+  memo: dict[str, list[str]] = {}
+
+  def longest(node: str) -> list[str]:
+    if node not in memo:
+      below = [longest(nxt) for nxt in sorted(graph.get(node, ()))]
+      memo[node] = [node, *max(below, key=len, default=[])]
+    return memo[node]
+
+  return max((longest(node) for node in sorted(graph)), key=len, default=[])
+
+
 _COLLECTIVE_OPS = (
   "all-reduce",
   "all-gather",

@@ -31,7 +31,7 @@ def _imported(path: Path) -> set[str]:
 def _modules(package: str) -> dict[str, Path]:
   return {
     (package if p.stem == "__init__" else f"{package}.{p.stem}"): p
-    for p in sorted((ROOT / package).glob("*.py"))
+    for p in sorted(ROOT.joinpath(*package.split(".")).glob("*.py"))
   }
 
 
@@ -130,3 +130,27 @@ def test_benchmarks_and_workloads_use_only_public_jaxclip_names():
     if (names := _private_jaxclip_names(path))
   }
   assert not offenders, offenders
+
+
+def test_the_chain_finder_finds_the_longest_chain():
+  graph = {"a": {"b", "d"}, "b": {"c"}, "c": set(), "d": set()}
+  assert helpers.longest_import_chain(graph) == ["a", "b", "c"]
+  assert helpers.longest_import_chain({"a": set()}) == ["a"]
+
+
+def test_the_ghost_engine_imports_at_most_eight_deep():
+  """No chain of imports among ``jaxclip/privacy/``'s modules is longer than 8 (issue #49).
+
+  The engine's shared records (sites, boundaries, groups, what the capture
+  gives) live in ``_ghost_types``, which imports none of its stages, so a
+  stage that only names a record does not import the stage that makes it
+  (planning does not import execution). It was 10: ``_dpsgd -> _per_example
+  -> _ghost -> _ghost_book -> _ghost_rules -> _ghost_instantiate ->
+  _ghost_capture -> _ghost_walk -> _ghost_sites -> _jax_internals``.
+  """
+  graph = _graph("jaxclip.privacy")
+  del graph["jaxclip.privacy"]  # the package's __init__: its public names
+  assert "jaxclip.privacy._ghost_types" in graph, sorted(graph)
+  assert not graph["jaxclip.privacy._ghost_types"], graph["jaxclip.privacy._ghost_types"]
+  chain = helpers.longest_import_chain(graph)
+  assert len(chain) <= 8, " -> ".join(chain)

@@ -26,6 +26,7 @@ _ONE_HOME = {
   "check_ord": "check_ord",
   "is_symbolic": "is_symbolic",
   "constant_size": "constant_size",
+  "min_dim": "min_dim",
 }
 
 

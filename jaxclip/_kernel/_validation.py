@@ -38,6 +38,22 @@ def is_symbolic(d: Any) -> bool:
   return jax.export.is_symbolic_dim(d)
 
 
+def min_dim(d: Any, limit: int) -> Any:
+  """``min(d, limit)`` for a dimension ``d`` that may be symbolic.
+
+  A symbolic ``min`` where JAX offers one; otherwise ``limit`` (work padded
+  up to ``limit`` rows, still exact).
+  """
+  if not is_symbolic(d):
+    return min(d, limit)
+  try:
+    from jax._src import core as _core
+
+    return _core.min_dim(d, limit)
+  except (ImportError, AttributeError):
+    return limit
+
+
 def constant_size(x: Any) -> int | None:
   """The number of entries of ``x``, or ``None`` if a dimension is symbolic.
 

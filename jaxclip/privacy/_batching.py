@@ -19,7 +19,6 @@ import jax.numpy as jnp
 
 from jaxclip._kernel import _numerics, _sharding, _validation
 from jaxclip._kernel._typing import AxisName
-from jaxclip.privacy import _jax_internals as _jax
 
 
 def mesh_axis_size(axis_name: AxisName | None) -> int | None:
@@ -139,6 +138,17 @@ class Batch(NamedTuple):
   mask: jax.Array | None
 
 
+def argnums(
+  batch_argnums: int | Sequence[int] | None, num_args: int | None = None
+) -> tuple[int, ...] | None:
+  """``batch_argnums`` as a tuple of positions after ``params`` (``1`` the first); an int is
+  one position. ``None`` is every one of ``num_args`` arguments, or stays ``None`` where
+  ``num_args`` is not given (before a call)."""
+  if batch_argnums is None:
+    return None if num_args is None else tuple(range(1, num_args + 1))
+  return (batch_argnums,) if isinstance(batch_argnums, int) else tuple(batch_argnums)
+
+
 def batch_of(
   batch_argnums: tuple[int, ...] | None,
   params: Any,
@@ -148,7 +158,7 @@ def batch_of(
 ) -> Batch:
   """A call's arguments, checked; ``warned`` (the shared-argument warning, given once per
   function) is appended to when it is given."""
-  nums = batch_argnums if batch_argnums is not None else tuple(range(1, len(args) + 1))
+  nums = argnums(batch_argnums, len(args))
   if not nums:
     raise ValueError("per_example_clipped_grad needs a batch: at least one argument after params.")
   if max(nums) > len(args):
@@ -209,6 +219,24 @@ def grouped(batch: Batch, k: int, microbatch_size: int | None) -> Units:
   return Units(args, batch.idx + [len(batch.args)], units, unit_mask, micro)
 
 
+def with_batch_dim(args: Sequence[Any], idx: Sequence[int]) -> list[Any]:
+  """``args`` with a leading axis of one on every leaf of the batched ones (at ``idx``): one
+  example as a batch of one, for a loss written for batches (``keep_batch_dim``)."""
+  return [
+    jax.tree.map(lambda x: jnp.expand_dims(x, 0), a) if i in idx else a for i, a in enumerate(args)
+  ]
+
+
+def check_loss(loss: Any, shown: str | None = None) -> None:
+  """Raises unless ``loss`` (one example's loss, or its abstract value) is a real scalar;
+  the error shows it as ``shown``, else by its type."""
+  if jnp.shape(loss) or not jnp.issubdtype(jnp.result_type(loss), jnp.floating):
+    raise ValueError(
+      "per_example_clipped_grad needs loss_fn to return a real scalar for one example, "
+      f"got {jax.typeof(loss).str_short() if shown is None else shown}."
+    )
+
+
 def unit_loss(
   loss_fn: Callable[..., Any],
   idx: Sequence[int],
@@ -220,17 +248,9 @@ def unit_loss(
 
   def example_loss(params, *args):
     if keep_batch_dim:
-      args = [
-        jax.tree.map(lambda x: jnp.expand_dims(x, 0), a) if i in idx else a
-        for i, a in enumerate(args)
-      ]
+      args = with_batch_dim(args, idx)
     out = loss_fn(params, *args)
-    loss = out[0] if has_aux and isinstance(out, (tuple, list)) and out else out
-    if jnp.shape(loss) or not jnp.issubdtype(jnp.result_type(loss), jnp.floating):
-      raise ValueError(
-        "per_example_clipped_grad needs loss_fn to return a real scalar for one example, "
-        f"got {jax.typeof(loss).str_short()}."
-      )
+    check_loss(out[0] if has_aux and isinstance(out, (tuple, list)) and out else out)
     return out
 
   if group_size == 1:
@@ -317,7 +337,7 @@ def chunks_for(
 ) -> Chunks:
   """How ``units`` are cut into chunks (``microbatch_size`` counts examples)."""
   micro = units.microbatch
-  size = units.size if micro is None else _jax.min_dim(units.size, int(micro))
+  size = units.size if micro is None else _validation.min_dim(units.size, int(micro))
   if _validation.is_symbolic(units.size):  # a symbolic batch has at least one example
     num = -(-units.size // size)
     several = micro is not None  # chunks of microbatch_size, unless the batch is smaller
@@ -369,9 +389,7 @@ def scan_chunks(
   masks = chunks.split(full_mask) if full_mask is not None else None
   # zeros_like keeps each parameter's sharding for the running sum.
   init = (
-    jax.tree.map(
-      lambda p: jnp.zeros_like(p, jnp.promote_types(jnp.result_type(p), jnp.float32)), params
-    ),
+    jax.tree.map(lambda p: jnp.zeros_like(p, _numerics.compute_dtype(jnp.result_type(p))), params),
     (
       jnp.zeros(count_shape, jax.dtypes.canonicalize_dtype(jnp.int_)),
       jnp.zeros((), jax.dtypes.canonicalize_dtype(jnp.int_)),

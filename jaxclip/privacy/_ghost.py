@@ -61,15 +61,14 @@ from jaxclip.privacy import (
   _ghost_sites,
   _ghost_walk,
 )
-from jaxclip.privacy._ghost_capture import Captured, Inputs
+from jaxclip.privacy._ghost_capture import Inputs
 from jaxclip.privacy._ghost_rules import Plan, make_plan
-from jaxclip.privacy._ghost_sites import Site
-from jaxclip.privacy._ghost_walk import analyze, input_infos
+from jaxclip.privacy._ghost_types import Captured, Site, Tied
+from jaxclip.privacy._ghost_walk import input_infos
 
 __all__ = [
   "Plan",
   "Traced",
-  "analyze",
   "clipped_sum",
   "input_infos",
   "leaf_rules",
@@ -204,11 +203,7 @@ def trace(
     leaves, [_example_aval(x, b) for x, b in zip(arg_leaves, batched, strict=True)]
   )
   loss_shape = out_shape[0] if has_aux else out_shape
-  if jnp.shape(loss_shape) or not jnp.issubdtype(loss_shape.dtype, jnp.floating):
-    raise ValueError(
-      "per_example_clipped_grad needs loss_fn to return a real scalar for one example, "
-      f"got {loss_shape}."
-    )
+  _batching.check_loss(loss_shape, shown=str(loss_shape))
   infos = input_infos([jnp.ndim(x) for x in leaves], batched)
   sites, unknown = _ghost_walk.analysis(closed, infos)
   plan = make_plan(sites, len(leaves), unknown)
@@ -264,7 +259,7 @@ def clipped_sum(
   keep = jnp.any(keep, axis=1) if keep.ndim > 1 else keep
   if plan.two_pass:
     grads = _two_pass_kept(traced, spmd_axis_name, cap, weights, keep, leaf_groups)
-    grads = [x.astype(jnp.promote_types(x.dtype, jnp.float32)) for x in grads]
+    grads = [_numerics.upcast_for_accumulation(x) for x in grads]
   else:
     grads = _ghost_book.book_keep(_ghost_book.kept(cap, keep), weights, leaf_groups)
   # With no example kept, a stand-in row may hold anything: nothing is released of any.
@@ -462,7 +457,7 @@ def _probe_sumsq(site: Site, k: int, rule: str) -> Callable[..., jax.Array]:
 
 
 def _tied_sumsq(
-  cap: Captured, pair: _ghost_rules.Tied, early: frozenset[int] | set[int] = frozenset()
+  cap: Captured, pair: Tied, early: frozenset[int] | set[int] = frozenset()
 ) -> jax.Array:
   """A tied table's squared norms: its lookup's, its head's and twice their cross term.
 

@@ -30,9 +30,8 @@ import jax.numpy as jnp
 from jaxclip._kernel import _numerics
 from jaxclip.privacy import _batching, _ghost_capture, _ghost_instantiate, _ghost_sites
 from jaxclip.privacy import _jax_internals as _jax
-from jaxclip.privacy._ghost_capture import Captured
 from jaxclip.privacy._ghost_rules import Plan
-from jaxclip.privacy._ghost_sites import Site
+from jaxclip.privacy._ghost_types import Captured, Site
 
 
 def kept(cap: Captured, keep: jax.Array) -> Captured:
@@ -118,7 +117,7 @@ def _rescaled(x: jax.Array, scale: jax.Array | None) -> jax.Array:
   """``x * scale`` formed in float32 (or wider), in ``x``'s dtype; ``x`` for ``None``."""
   if scale is None:
     return x
-  acc = jnp.promote_types(x.dtype, jnp.float32)
+  acc = _numerics.accumulation_dtype(x.dtype)
   return (x.astype(acc) * scale.astype(acc)).astype(x.dtype)
 
 
@@ -136,7 +135,7 @@ def book_keep(
   wide = cap.wide()
   pulls = [_site_pullback(cap, u, wide)(weights) for u in range(len(cap.sites))]
   (grads,) = _pull(cap, wide)(pulls)
-  return [x.astype(jnp.promote_types(x.dtype, jnp.float32)) for x in grads]
+  return [_numerics.upcast_for_accumulation(x) for x in grads]
 
 
 def _pull(cap: Captured, wide: bool) -> Callable[[list[Any]], Any]:
@@ -236,7 +235,7 @@ def _book_keep_groups(
     for i, g in enumerate(leaf_groups):
       if g in taken:
         grads[i] = pulled[i]
-  return [x.astype(jnp.promote_types(x.dtype, jnp.float32)) for x in grads]
+  return [_numerics.upcast_for_accumulation(x) for x in grads]
 
 
 def pull_passes(
@@ -274,7 +273,7 @@ def _batched_outputs(
 
 def _weighted_sum(g: jax.Array, weights: jax.Array, like: jax.Array) -> jax.Array:
   """``sum_b weights_b g_b`` in float32 (or wider), in ``like``'s dtype."""
-  acc = jnp.promote_types(g.dtype, jnp.float32)
+  acc = _numerics.accumulation_dtype(g.dtype)
   w = weights.reshape((-1,) + (1,) * (g.ndim - 1)).astype(acc)
   # A sum, not a dot: under an Explicit mesh the batch axis may be sharded.
   return jnp.sum(w * g.astype(acc), axis=0).astype(jnp.result_type(like))

@@ -24,7 +24,18 @@ from jaxclip._kernel import _numerics, _sharding
 from jaxclip.privacy import _ghost_conv
 from jaxclip.privacy import _ghost_sites as _sites
 from jaxclip.privacy import _jax_internals as _jax
-from jaxclip.privacy._ghost_sites import CONST, DATA, PARAM, Info, Pair, Site, Stack
+from jaxclip.privacy._ghost_types import (
+  CONST,
+  DATA,
+  HALF,
+  PARAM,
+  Captured,
+  Info,
+  Pair,
+  Site,
+  Stack,
+  is_half,
+)
 from jaxclip.privacy._ghost_walk import Analyzer, Walker, input_infos
 
 
@@ -311,19 +322,6 @@ class WideParamsPass(ParamsPass):
     return super().scan(eqn, shape, [(widened(x), i) for x, i in ins])
 
 
-_HALF = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-
-
-def is_half(x: Any) -> bool:
-  """Whether ``x`` (a value or abstract value) is bfloat16 or float16 (``False`` for a key)."""
-  if x is None:
-    return False
-  dtype = getattr(x, "dtype", None)
-  if dtype is not None and jnp.issubdtype(dtype, jax.dtypes.extended):
-    return False
-  return jnp.result_type(x if dtype is None else dtype) in _HALF
-
-
 def widened(x: Any) -> Any:
   """``x`` in float32 if it is bfloat16 or float16 (exact), else ``x``."""
   return x.astype(jnp.float32) if is_half(x) else x
@@ -354,7 +352,7 @@ def wide_bind(eqn: Any, vals: Sequence[Any]) -> list[Any]:
     ]
     return [widened(x) for x in _jax.bind(eqn, narrow)]
   params = {
-    k: jnp.dtype(jnp.float32) if isinstance(v, np.dtype) and v in _HALF else v
+    k: jnp.dtype(jnp.float32) if isinstance(v, np.dtype) and v in HALF else v
     for k, v in eqn.params.items()
   }
   return _jax.bind(_Wide(eqn.primitive, params), [widened(x) for x in vals])
@@ -397,61 +395,6 @@ class Inputs(NamedTuple):
 
   def data(self) -> list[Any]:
     return [x for x, b in zip(self.arg_leaves, self.batched, strict=True) if b]
-
-
-class Captured(NamedTuple):
-  """What one backward pass and one pass over the parameters give for a batch.
-
-  Attributes:
-    sites: The sites, in order.
-    leaves: The parameter leaves.
-    n: The number of examples.
-    drecs: Per site, its data inputs for every example (leading batch axis,
-      then one axis per enclosing scan).
-    gs: Per site, the gradient of each example's loss with respect to each
-      float output (same leading axes); for a site in ``tapped``, with
-      respect to each param input instead (summed over the scan iterations,
-      with no axis for them, where the site is ``summed``); for a probed
-      site, its squared norms (one per example and scan iteration).
-    pvals: Per site, its param inputs (one axis per enclosing scan).
-    cvals: Per site, its const inputs.
-    params_pass: ``leaves -> (pvals, cvals)``.
-    pull: The pull-back of ``pvals`` to the leaves (``jax.vjp`` of
-      ``params_pass``).
-    aux: The aux leaves the loss returns for every example.
-    spmd_axis_name: Passed to ``vmap``.
-    tapped: As in :class:`Inputs`, with the accumulated sites (their ``gs``
-      are their param inputs' gradients too).
-    accumulated: As in :class:`Inputs`.
-    weighted: With probed sites, ``weights -> sum_b weights_b grad_b`` (the
-      parameters' gradients, in their dtypes, in float32 where the model has
-      half precision: see ``wide`` in :class:`Forward`): the second backward
-      pass.
-    wide_pass: ``params_pass`` evaluated in float32 where the model has half
-      precision (:class:`WideParamsPass`), for float32 leaves.
-  """
-
-  sites: tuple[Site, ...]
-  leaves: list[jax.Array]
-  n: int
-  drecs: list[Any]
-  gs: list[Any]
-  pvals: list[Any]
-  cvals: list[Any]
-  params_pass: Any
-  pull: Any
-  aux: list[Any]
-  spmd_axis_name: Any
-  tapped: frozenset[int] = frozenset()
-  weighted: Callable[[jax.Array], list[Any]] | None = None
-  accumulated: frozenset[int] = frozenset()
-  wide_pass: Any = None
-
-  def wide(self) -> bool:
-    """Whether any leaf or site value is bfloat16 or float16: the book-keeping then sums in
-    float32 (:mod:`jaxclip.privacy._ghost_book`)."""
-    values = [self.leaves, self.pvals, self.cvals, self.gs, self.drecs]
-    return any(is_half(x) for x in jax.tree.leaves(values))
 
 
 def capture(inputs: Inputs, sites: Sequence[Site]) -> Captured:

@@ -1,12 +1,12 @@
 """Ghost norms: the per-example gradients of the parameters no rule covers.
 
 Leaves no rule covers (layer-norm scales, biases, a weight used twice) are
-instantiated in groups (:class:`Group`): each example's gradient of the
-group's boundaries (the sites' param inputs) is formed through those sites
-only, from their recorded ``a`` and ``g``, in chunks of examples, and pulled
-back to the leaves. A leaf used only through views of disjoint parts of it (a
-bias, a slice per scan iteration) needs no pull-back: its squared norm is that
-of its uses' gradients summed.
+instantiated in groups (:class:`~jaxclip.privacy._ghost_types.Group`): each
+example's gradient of the group's boundaries (the sites' param inputs) is
+formed through those sites only, from their recorded ``a`` and ``g``, in chunks
+of examples, and pulled back to the leaves. A leaf used only through views of
+disjoint parts of it (a bias, a slice per scan iteration) needs no pull-back:
+its squared norm is that of its uses' gradients summed.
 """
 
 from __future__ import annotations
@@ -19,23 +19,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxclip._kernel import _numerics
+from jaxclip._kernel import _numerics, _validation
 from jaxclip.privacy import _ghost_sites
-from jaxclip.privacy import _jax_internals as _jax
-from jaxclip.privacy._ghost_capture import Captured
-from jaxclip.privacy._ghost_sites import Site
+from jaxclip.privacy._ghost_types import Boundary, Captured, Group, Site
 
 # Elements of per-example gradients one chunk of an instantiated group may hold at once.
 _CHUNK_ELEMENTS = 1 << 24
-
-Boundary = tuple[int, int]  # (site, position among the site's param inputs)
-
-
-class Group(NamedTuple):
-  """Leaves whose per-example gradients are instantiated together, and their boundaries."""
-
-  leaves: tuple[int, ...]
-  bounds: tuple[Boundary, ...]
 
 
 def disjoint_views(
@@ -149,7 +138,7 @@ def instantiated_sumsq(
     math.prod(jnp.shape(cap.pvals[u][k])) for u, k in lay.order
   )
   limit = max(1, _CHUNK_ELEMENTS // max(size, 1))
-  if cap.spmd_axis_name is None and _jax.is_symbolic(cap.n):
+  if cap.spmd_axis_name is None and _validation.is_symbolic(cap.n):
     return _symbolic_chunks(per_example, xs, cap.n, limit)
   chunk = min(cap.n, limit)
   if cap.spmd_axis_name is not None or chunk >= cap.n:
@@ -178,7 +167,7 @@ def _symbolic_chunks(fn: Callable[[Any], jax.Array], xs: Any, n: Any, limit: int
   (the last one filled up with copies of example ``n - 1``, dropped after),
   mapped one after the other.
   """
-  chunk = _jax.min_dim(n, limit)
+  chunk = _validation.min_dim(n, limit)
   num = -(-n // chunk)
   rows = jnp.minimum(jnp.arange(num * chunk), n - 1)
   split = lambda x: jnp.take(x, rows, axis=0).reshape((num, chunk) + x.shape[1:])

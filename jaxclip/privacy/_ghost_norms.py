@@ -18,7 +18,7 @@ import jax.numpy as jnp
 
 from jaxclip._kernel import _numerics
 from jaxclip.privacy import _jax_internals as _jax
-from jaxclip.privacy._ghost_sites import Site
+from jaxclip.privacy._ghost_types import Site
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxclip._kernel import _validation
-from jaxclip.privacy import _clip_batch, _ghost, _ghost_book
+from jaxclip.privacy import _batching, _clip_batch, _ghost, _ghost_book
 
 
 @dataclasses.dataclass(frozen=True)
@@ -209,9 +209,7 @@ def ghost_plan(
   """
   if method not in ("ghost", "auto"):
     raise ValueError(f"ghost_plan takes method 'ghost' or 'auto', got {method!r}.")
-  if batch_argnums is None:
-    batch_argnums = tuple(range(1, len(args) + 1))
-  batch_argnums = (batch_argnums,) if isinstance(batch_argnums, int) else tuple(batch_argnums)
+  batch_argnums = _batching.argnums(batch_argnums, len(args))
   if not batch_argnums or any(i < 1 for i in batch_argnums) or max(batch_argnums) > len(args):
     raise ValueError(
       f"batch_argnums must name some of the {len(args)} arguments after params (1, 2, ...), "
@@ -221,12 +219,7 @@ def ghost_plan(
   idx = [i - 1 for i in batch_argnums]
 
   def example_loss(p, *xs):
-    if keep_batch_dim:
-      xs = [
-        jax.tree.map(lambda x: jnp.expand_dims(x, 0), a) if i in idx else a
-        for i, a in enumerate(xs)
-      ]
-    return loss_fn(p, *xs)
+    return loss_fn(p, *(_batching.with_batch_dim(xs, idx) if keep_batch_dim else xs))
 
   traced = _ghost.trace(example_loss, params, args, idx, has_aux=has_aux)
   if method == "auto" and platform is None:

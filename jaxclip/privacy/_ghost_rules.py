@@ -23,11 +23,7 @@ import jax.numpy as jnp
 from jaxclip._kernel import _platform
 from jaxclip.privacy import _ghost_norms, _ghost_sites
 from jaxclip.privacy import _jax_internals as _jax
-from jaxclip.privacy._ghost_instantiate import Boundary, Group
-from jaxclip.privacy._ghost_sites import Site
-
-Ghost = tuple[int, int, str]  # (site, position among its params, rule)
-Tied = tuple[Boundary, Boundary]  # (lookup, dot) boundaries of a tied table
+from jaxclip.privacy._ghost_types import DATA, Boundary, Ghost, Group, Site, Tied
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,7 +36,7 @@ class Plan:
     tied: ``((site, position), (site, position))`` of the lookup and the
       ``dot_general`` of each embedding table tied to an output head: both
       rules, plus their cross term.
-    groups: The :class:`~jaxclip.privacy._ghost_instantiate.Group` of leaves whose
+    groups: The :class:`~jaxclip.privacy._ghost_types.Group` of leaves whose
       per-example gradients are instantiated (at most one: a single
       per-example pass through each of their sites).
     cost: Per example, the flops of this plan's norms and those of forming
@@ -94,14 +90,14 @@ def make_plan(
       with the reason (:func:`auto_plan`).
   """
   instantiate = dict(instantiate or {})
-  boundaries = [(u, k) for u, s in enumerate(sites) if s.outs for k in range(len(s.infos))]
+  boundaries = [Boundary(u, k) for u, s in enumerate(sites) if s.outs for k in range(len(s.infos))]
   ghost, tied, groups = [], [], []
   for leaves, bounds in _units(sites, boundaries, num_leaves):
     if len(leaves) == 1 and leaves[0] in instantiate:
       groups.append(Group(leaves, tuple(bounds)))
       continue
     if len(leaves) == 1 and _disjoint_uses(sites, leaves[0], bounds):
-      ghost.extend((u, k, sites[u].rules[k]) for u, k in bounds)
+      ghost.extend(Ghost(u, k, sites[u].rules[k]) for u, k in bounds)
       continue
     pair = _tied_pair(sites, leaves[0], bounds) if len(leaves) == 1 else None
     if pair is not None:
@@ -140,7 +136,7 @@ def _probed(sites: Sequence[Site], ghost: Sequence[Ghost]) -> frozenset[int]:
   # A weight shared by a scan's iterations needs them all at once, and a
   # lookup of fixed rows has no data input to probe: both keep their records.
   return frozenset(
-    u for u, k, _ in ghost if not sites[u].infos[k].shared and _ghost_sites.DATA in sites[u].roles
+    u for u, k, _ in ghost if not sites[u].infos[k].shared and DATA in sites[u].roles
   )
 
 
@@ -164,7 +160,7 @@ def _tapped(sites: Sequence[Site], groups: Sequence[Group]) -> frozenset[int]:
       continue
     if any(jnp.finfo(a.dtype).bits < 32 for a in s.param_avals()):
       continue
-    data = [v.aval for v, r in zip(s.eqn.invars, s.roles, strict=True) if r == _ghost_sites.DATA]
+    data = [v.aval for v, r in zip(s.eqn.invars, s.roles, strict=True) if r == DATA]
     if size(s.param_avals()) <= size(s.out_avals) + size(data):
       out.add(u)
   return frozenset(out)
@@ -241,11 +237,11 @@ def _tied_pair(sites: Sequence[Site], leaf: int, bounds: Sequence[Boundary]) -> 
   """``(lookup, dot)`` boundaries if a 2-D leaf is an embedding table tied to a head."""
   if len(bounds) != 2 or any(sites[u].stack for u, _ in bounds):
     return None
-  by_rule = {sites[u].rules[k]: (u, k) for u, k in bounds}
+  by_rule = {sites[u].rules[k]: Boundary(u, k) for u, k in bounds}
   if set(by_rule) != {"gather", "dot"}:
     return None
   (gu, gk), (du, dk) = by_rule["gather"], by_rule["dot"]
-  if _ghost_sites.DATA not in sites[gu].roles:  # fixed rows (wpe[arange(T)]): no cross term
+  if DATA not in sites[gu].roles:  # fixed rows (wpe[arange(T)]): no cross term
     return None
   g_info, d_info = sites[gu].infos[gk], sites[du].infos[dk]
   if g_info.view != leaf or d_info.view != leaf or g_info.axes != (0, 1) or d_info.axes is None:
@@ -258,7 +254,7 @@ def _tied_pair(sites: Sequence[Site], leaf: int, bounds: Sequence[Boundary]) -> 
   contract, batch = (rc, rb) if pos == 1 else (lc, lb)
   if batch or len(contract) != 1 or d_info.axes[contract[0]] != 1:
     return None
-  return (gu, gk), (du, dk)
+  return Tied(lookup=by_rule["gather"], dot=by_rule["dot"])
 
 
 def _merge_groups(groups: Sequence[Group]) -> tuple[Group, ...]:

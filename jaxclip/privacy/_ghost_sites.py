@@ -2,9 +2,9 @@
 
 A per-example loss is traced to a jaxpr. Every value of the program is classed
 as depending on the parameters only (*param*), on the batch (*data*), or on
-neither (*const*) (:class:`Info`); a param value that rearranges a parameter
-leaf, or a static slice of one, keeps that *view* of the leaf
-(:func:`view_of`). A *site* is an equation that takes a floating-point param
+neither (*const*) (:class:`~jaxclip.privacy._ghost_types.Info`); a param value
+that rearranges a parameter leaf, or a static slice of one, keeps that *view*
+of the leaf (:func:`view_of`). A *site* is an equation that takes a floating-point param
 value and a data value, such as ``x @ W`` or ``E[ids]``: the loss depends on the
 parameters through the sites alone. A lookup of a param table at ids that do
 not depend on the example (``wpe[jnp.arange(T)]``) is a site with no data
@@ -27,100 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxclip.privacy import _jax_internals as _jax
-
-PARAM, DATA, CONST = "param", "data", "const"
-
-Stack = tuple[tuple[int, int], ...]  # (scan id, length) of each enclosing scan, outermost first
-Pair = tuple[Any, "Info"]  # a value (or None where not computed) and its class
-
-
-@dataclasses.dataclass(frozen=True)
-class Info:
-  """What a value of the program depends on."""
-
-  kind: str
-  deps: frozenset[int] = frozenset()  # the parameter leaves it depends on
-  view: int | None = None  # the leaf it is a rearrangement of (of a part of), if any
-  axes: tuple[int, ...] | None = None  # for such a view, the leaf axis of each of its axes
-  # For a view of a static slice of the leaf, ``(leaf axis, start, stop)`` of
-  # each sliced axis; ``()`` for the whole leaf.
-  region: tuple[tuple[int, int, int], ...] = ()
-  # Whether it is a view of a leaf that a ``lax.scan`` closes over (one of its
-  # consts): the same weight read by every iteration.
-  scan_const: bool = False
-  # For such a view, the levels of the enclosing scans (indices into a site's
-  # ``stack``) over whose iterations it is the same value: its gradient is the
-  # sum of those iterations' gradients, so a rule takes their rows together.
-  shared: frozenset[int] = frozenset()
-
-
-CONST_INFO = Info(CONST)
-DATA_INFO = Info(DATA)
-
-
-@dataclasses.dataclass(frozen=True)
-class Site:
-  """An equation through which the loss depends on the parameters.
-
-  Attributes:
-    eqn: The equation, or ``None`` when the loss itself depends on the
-      parameters only.
-    roles: For each input, ``PARAM`` (a floating-point value of the
-      parameters: the site's boundary), ``DATA`` or ``CONST``.
-    infos: For each ``PARAM`` input, what it depends on.
-    outs: The floating-point outputs (the others carry no gradient).
-    out_avals: Their per-example abstract values.
-    rules: For each ``PARAM`` input, ``"dot"``, ``"gather"``, ``"conv"`` or
-      ``"generic"``.
-    stack: ``(scan id, length)`` of each ``lax.scan`` the site is in,
-      outermost first: its records then carry one leading axis per scan (one
-      entry per iteration).
-    remat: Whether the site is inside a rematerialised call
-      (``jax.checkpoint``, flax ``nn.remat``): the model asks for its
-      activations to be recomputed rather than kept.
-    joins: The first of the sites whose outputs meet this one's through sums
-      alone (:func:`join_outputs`), or ``None``: their output gradients are
-      the same value.
-  """
-
-  eqn: Any
-  roles: tuple[str, ...]
-  infos: tuple[Info, ...]
-  outs: tuple[int, ...]
-  out_avals: tuple[Any, ...]
-  rules: tuple[str, ...]
-  stack: Stack = ()
-  remat: bool = False
-  joins: int | None = None
-
-  @property
-  def name(self) -> str:
-    return "the loss" if self.eqn is None else _jax.name(self.eqn)
-
-  def param_positions(self) -> list[int]:
-    return [i for i, r in enumerate(self.roles) if r == PARAM]
-
-  def param_avals(self) -> list[Any]:
-    """The abstract values of the param inputs (per iteration inside scans)."""
-    if self.eqn is None:
-      return list(self.out_avals)
-    return [self.eqn.invars[p].aval for p in self.param_positions()]
-
-  def zero_avals(self, tapped: bool) -> list[Any]:
-    """What :class:`Forward` adds zeros to: the param inputs if ``tapped``, else the outputs."""
-    return self.param_avals() if tapped else list(self.out_avals)
-
-  @property
-  def summed(self) -> bool:
-    """Whether every param input is the same value in every iteration of the site's scans.
-
-    Tapped (see :class:`jaxclip.privacy._ghost_capture.Forward`), such a site
-    gets one zero closed over by the scans, and the gradient with respect to
-    it is the sum of the iterations' (one bias row per example, not one per
-    iteration).
-    """
-    every = frozenset(range(len(self.stack)))
-    return bool(self.stack) and self.eqn is not None and all(i.shared == every for i in self.infos)
+from jaxclip.privacy._ghost_types import CONST, DATA, PARAM, Info, Site
 
 
 def is_float(aval: Any) -> bool:

@@ -24,7 +24,7 @@ import jax
 
 from jaxclip.privacy import _ghost_sites as _sites
 from jaxclip.privacy import _jax_internals as _jax
-from jaxclip.privacy._ghost_sites import DATA, PARAM, Info, Pair, Site, Stack
+from jaxclip.privacy._ghost_types import CONST_INFO, DATA, DATA_INFO, PARAM, Info, Pair, Site, Stack
 
 
 class _ScanShape(NamedTuple):
@@ -72,7 +72,7 @@ def _scan_shape(eqn: Any, infos: Sequence[Info], depth: int) -> _ScanShape | Non
     dataclasses.replace(i, axes=None if i.axes is None else i.axes[1:]) if i.kind == PARAM else i
     for i in infos[nc + nk :]
   ]
-  k_infos = [_sites.DATA_INFO if i.kind == DATA else _sites.CONST_INFO for i in infos[nc : nc + nk]]
+  k_infos = [DATA_INFO if i.kind == DATA else CONST_INFO for i in infos[nc : nc + nk]]
   for _ in range(nk + 1):  # a carry becomes data once an iteration makes it so
     probe = Analyzer().walk(
       closed.jaxpr, closed.consts, [(None, i) for i in c_infos + k_infos + x_infos]
@@ -80,7 +80,7 @@ def _scan_shape(eqn: Any, infos: Sequence[Info], depth: int) -> _ScanShape | Non
     if any(i.kind == PARAM for _, i in probe[:nk]):
       return None
     new = [
-      _sites.DATA_INFO if DATA in (a.kind, b.kind) else _sites.CONST_INFO
+      DATA_INFO if DATA in (a.kind, b.kind) else CONST_INFO
       for a, (_, b) in zip(k_infos, probe[:nk], strict=True)
     ]
     if new == k_infos:
@@ -143,14 +143,14 @@ class Walker:
     env: dict[Any, Pair] = {}
 
     def read(v):
-      return (_jax.literal_value(v), _sites.CONST_INFO) if _jax.is_literal(v) else env[v]
+      return (_jax.literal_value(v), CONST_INFO) if _jax.is_literal(v) else env[v]
 
     def write(v, x):
       if not _jax.is_dropped(v):
         env[v] = x
 
     for v, c in zip(jaxpr.constvars, consts, strict=True):
-      write(v, (c, _sites.CONST_INFO))
+      write(v, (c, CONST_INFO))
     for v, x in zip(jaxpr.invars, ins, strict=True):
       write(v, x)
     for eqn in jaxpr.eqns:
@@ -174,13 +174,13 @@ class Walker:
     if body is not None:
       return self.call(eqn, body, ins)
     if _sites.is_site(eqn, infos):
-      return [(x, _sites.DATA_INFO) for x in self.site(eqn, vals, infos)]
+      return [(x, DATA_INFO) for x in self.site(eqn, vals, infos)]
     if DATA in kinds:
-      info = _sites.DATA_INFO
+      info = DATA_INFO
     elif PARAM in kinds:
       info = _sites.view_of(eqn, infos)
     else:
-      info = _sites.CONST_INFO
+      info = CONST_INFO
     res = self.bind(eqn, vals, info) if self.computes(info) else [None] * len(eqn.outvars)
     return [(x, info) for x in res]
 
@@ -325,13 +325,8 @@ class Analyzer(Walker):
 def input_infos(ndims: Sequence[int], batched: Sequence[bool]) -> list[Info]:
   """The classes of the loss's inputs: the parameter leaves, then the arguments."""
   return [Info(PARAM, frozenset({i}), i, tuple(range(ndim))) for i, ndim in enumerate(ndims)] + [
-    _sites.DATA_INFO if b else _sites.CONST_INFO for b in batched
+    DATA_INFO if b else CONST_INFO for b in batched
   ]
-
-
-def analyze(closed: Any, in_infos: Sequence[Info]) -> list[Site]:
-  """The sites of a traced per-example loss."""
-  return analysis(closed, in_infos)[0]
 
 
 def analysis(closed: Any, in_infos: Sequence[Info]) -> tuple[list[Site], tuple[str, ...]]:

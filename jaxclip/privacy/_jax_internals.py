@@ -33,8 +33,6 @@ from typing import Any, NamedTuple
 import jax
 import jax.extend.core as jex
 
-from jaxclip._kernel._validation import is_symbolic
-
 # ----------------------------------------------------------------------------
 # The names
 # ----------------------------------------------------------------------------
@@ -373,24 +371,3 @@ def conv_parts(eqn: Any) -> ConvParts | None:
   """A ``conv_general_dilated``'s parameters; ``None`` for any other equation."""
   values = _params(eqn, _CONV_KEYS) if name(eqn) == CONV else None
   return None if values is None else ConvParts(*values)
-
-
-# ----------------------------------------------------------------------------
-# Symbolic shapes (jax.export)
-# ----------------------------------------------------------------------------
-
-
-def min_dim(d: Any, limit: int) -> Any:
-  """``min(d, limit)`` for a dimension ``d`` that may be symbolic.
-
-  A symbolic ``min`` where JAX offers one; otherwise ``limit`` (work padded
-  up to ``limit`` rows, still exact).
-  """
-  if not is_symbolic(d):
-    return min(d, limit)
-  try:
-    from jax._src import core as _core
-
-    return _core.min_dim(d, limit)
-  except (ImportError, AttributeError):
-    return limit

@@ -339,9 +339,8 @@ class _Options:
         f"microbatch_size={micro} must be a multiple of "
         f"group_size={group}: each chunk holds whole groups."
       )
-    nums = kwargs["batch_argnums"]
+    nums = _batching.argnums(kwargs["batch_argnums"])
     if nums is not None:
-      nums = (nums,) if isinstance(nums, int) else tuple(nums)
       if not nums or any(i < 1 for i in nums):
         raise ValueError(
           f"batch_argnums must name arguments after params (1, 2, ...), got {nums!r}."
@@ -457,7 +456,7 @@ def _clip_chunk(
       out = _vmap_chunk(opts, loss, params, args, idx, mask)
     else:
       out = _ghost_chunk(opts, dataclasses.replace(traced, plan=plan), mask)
-    acc = lambda t, p: t.astype(jnp.promote_types(jnp.result_type(p), jnp.float32))
+    acc = lambda t, p: t.astype(_numerics.compute_dtype(jnp.result_type(p)))
     return (jax.tree.map(acc, out[0], params), *out[1:])
 
   if cpu == other:
