@@ -6,7 +6,7 @@ import math
 from typing import Any
 
 from jaxclip._kernel import _validation
-from jaxclip.privacy import _accounting
+from jaxclip.privacy import _dp_events
 
 # The columns of the state: one entry per run of identical steps.
 _COLUMNS = (
@@ -72,7 +72,7 @@ class PrivacyAccountant:
   """
 
   def __init__(self, delta: float, *, accountant: str = "pld") -> None:
-    _accounting._check("PrivacyAccountant", 0.0, 0, delta, accountant, None)
+    _dp_events._check("PrivacyAccountant", 0.0, 0, delta, accountant, None)
     self.delta = float(delta)
     self.accountant = accountant
     self._runs: list[tuple[Any, ...]] = []
@@ -104,7 +104,7 @@ class PrivacyAccountant:
     Call it after the steps ran (a chunk of a ``lax.scan`` is ``steps=`` its
     length), with Python numbers: the values the steps used.
     """
-    n, k, truncation = _accounting._check(
+    n, k, truncation = _dp_events._check(
       "PrivacyAccountant.record",
       sampling_rate,
       steps,
@@ -116,7 +116,7 @@ class PrivacyAccountant:
       num_examples,
     )
     _validation.check_hparam(
-      noise_multiplier, "noise_multiplier", lo=0, scalar=True, static=_accounting._PYTHON
+      noise_multiplier, "noise_multiplier", lo=0, scalar=True, static=_dp_events._PYTHON
     )
     if n == 0:
       return
@@ -139,15 +139,15 @@ class PrivacyAccountant:
 
     Returns ``0.0`` before any step, ``inf`` if a step had no noise.
     """
-    dp_accounting = _accounting._dp_accounting("PrivacyAccountant.epsilon")
+    dp_accounting = _dp_events._dp_accounting("PrivacyAccountant.epsilon")
     d = self.delta if delta is None else delta
-    _accounting._check("PrivacyAccountant.epsilon", 0.0, 0, d, self.accountant, None)
+    _dp_events._check("PrivacyAccountant.epsilon", 0.0, 0, d, self.accountant, None)
     segments = []
     for steps, sigma, q, count, k, rows, size in self._runs:
-      z = _accounting._step_multiplier(sigma, count if k else None, max(k, 1))
-      cut = _accounting._Truncation(size, rows) if rows else None
-      segments.append(_accounting._Segment(z, q, steps, cut))
-    return _accounting._compose(dp_accounting, tuple(segments), float(d), self.accountant)
+      z = _dp_events._step_multiplier(sigma, count if k else None, max(k, 1))
+      cut = _dp_events._Truncation(size, rows) if rows else None
+      segments.append(_dp_events._Segment(z, q, steps, cut))
+    return _dp_events._compose(dp_accounting, tuple(segments), float(d), self.accountant)
 
   def state_dict(self) -> dict[str, list[Any]]:
     """The record: a dict of seven lists of Python numbers, one entry per run of identical steps.

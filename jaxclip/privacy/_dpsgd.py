@@ -14,8 +14,9 @@ import optax
 
 from jaxclip._kernel import _validation
 from jaxclip.privacy import (
-  _accounting,
+  _calibration,
   _clip_batch,
+  _dp_events,
   _ghost,
   _noise,
   _per_example,
@@ -197,9 +198,9 @@ class DPSGD:
     _clip_batch.check_clip(l2_norm_clip, scalar=True, finite=True)
     if method not in _ghost.METHODS:
       raise ValueError(f"DPSGD's method must be one of {_ghost.METHODS}, got {method!r}.")
-    if accountant not in _accounting._ACCOUNTANTS:
+    if accountant not in _dp_events._ACCOUNTANTS:
       raise ValueError(
-        f"DPSGD's accountant must be one of {_accounting._ACCOUNTANTS}, got {accountant!r}."
+        f"DPSGD's accountant must be one of {_dp_events._ACCOUNTANTS}, got {accountant!r}."
       )
     if count_stddev is not None:
       _validation.check_hparam(
@@ -228,7 +229,7 @@ class DPSGD:
     self.count_stddev = None if count_stddev is None else float(count_stddev)
     self.num_counts = 0 if count_stddev is None else len(jax.tree.leaves(l2_norm_clip))
     self.accountant_name = accountant
-    self.noise_multiplier = _accounting.calibrate_noise(
+    self.noise_multiplier = _calibration.calibrate_noise(
       self.target_epsilon,
       self.delta,
       self.sampling_rate,

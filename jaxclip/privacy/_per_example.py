@@ -1,11 +1,13 @@
 """Per-example clipping of a whole batch in bounded memory (DP-SGD's clip step).
 
-It sits above the ops and the optax-compatible transforms: each chunk of
-examples (:mod:`jaxclip.privacy._batching`) is clipped by
+It sits above the ops and the optax-compatible transforms: its options are
+checked once (:mod:`jaxclip.privacy._clip_options`), each call's batch is cut
+into units (:mod:`jaxclip.privacy._batching`) and chunks
+(:mod:`jaxclip.privacy._chunking`) and summed chunk by chunk
+(:mod:`jaxclip.privacy._clip_chunks`, where :mod:`jaxclip._kernel._sharding`
+keeps the parameters local inside ``shard_map``). Here each chunk is clipped by
 :func:`jaxclip.per_example_global_norm_clip`'s kernel (``method="vmap"``) or by
-ghost norms (:mod:`jaxclip.privacy._ghost`), and
-:mod:`jaxclip._kernel._sharding` keeps the parameters local inside
-``shard_map``.
+ghost norms (:mod:`jaxclip.privacy._ghost`).
 """
 
 from __future__ import annotations
@@ -19,10 +21,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxclip._kernel import _numerics, _platform, _sharding, _validation
+from jaxclip._kernel import _numerics, _platform
 from jaxclip._kernel._typing import AxisName
-from jaxclip.privacy import _batching, _clip_batch, _ghost
-from jaxclip.privacy._batching import Units, rows
+from jaxclip.privacy import _batching, _clip_batch, _clip_chunks, _clip_options, _ghost
 
 
 def per_example_clipped_grad(
@@ -244,9 +245,10 @@ def per_example_clipped_grad(
     McMahan et al., `Learning Differentially Private Recurrent Language Models
     <https://arxiv.org/abs/1710.06963>`_, 2017 (per-layer clipping)
   """
-  opts = _Options.checked(
+  opts = _clip_options.Options.checked(
     loss_fn,
     l2_norm_clip,
+    _ghost.METHODS,
     microbatch_size=microbatch_size,
     batch_argnums=batch_argnums,
     keep_batch_dim=keep_batch_dim,
@@ -268,7 +270,7 @@ def per_example_clipped_grad(
     loss = _batching.unit_loss(
       opts.loss_fn, batch.idx, opts.group_size, opts.has_aux, opts.keep_batch_dim
     )
-    out = _clipped_units(call, loss, params, units)
+    out = _clip_chunks.clipped_units(call, loss, params, units, _clip_chunk)
     if opts.group_size > 1 and opts.has_aux:  # each example's aux, in the batch's order
       size = batch.size
       out = out[:-1] + (jax.tree.map(lambda a: a.reshape((size,) + a.shape[2:]), out[-1]),)
@@ -278,153 +280,12 @@ def per_example_clipped_grad(
 
 
 # ----------------------------------------------------------------------------
-# The options, checked once when the function is made
-# ----------------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class _Options:
-  """The checked options of one :func:`per_example_clipped_grad` function."""
-
-  loss_fn: Callable[..., Any]
-  l2_norm_clip: jax.typing.ArrayLike
-  microbatch_size: int | None
-  batch_argnums: tuple[int, ...] | None
-  keep_batch_dim: bool
-  spmd_axis_name: AxisName | None
-  axis_name: AxisName | None
-  has_aux: bool
-  method: str
-  return_norms: bool
-  group_size: int
-  normalize: Any = None
-  return_num_nonfinite: bool = False
-  # Per call: the clip bound's groups of parameter leaves (_clip_batch.clip_groups).
-  groups: _clip_batch.ClipGroups | None = None
-
-  @property
-  def per_group(self) -> bool:
-    """Whether ``l2_norm_clip`` is a pytree: counts and norms per group of leaves."""
-    return self.groups is not None and self.groups.per_group
-
-  def group_shape(self) -> tuple[int, ...]:
-    """The trailing shape of per-group counts and norms: ``(groups,)``, or ``()``."""
-    return (len(self.groups.bounds),) if self.per_group else ()
-
-  def factors(
-    self, norms: jax.Array, mask: jax.Array | None, floor: float | None = None
-  ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
-    """Each unit's (and group's) weight, 0 where masked or not finite, and the counts
-    ``(scaled down, not finite)``."""
-    bound = self.groups.bound(norms.dtype)
-    weights, count = _clip_batch.scale_factors(norms, bound, mask, self.normalize, floor)
-    if mask is not None:
-      weights = jnp.where(rows(mask, weights), weights, 0)
-    return weights, count
-
-  @classmethod
-  def checked(
-    cls, loss_fn: Callable[..., Any], l2_norm_clip: jax.typing.ArrayLike, **kwargs: Any
-  ) -> _Options:
-    """The options, or a ``ValueError`` (``TypeError``) naming the first bad one."""
-    _clip_batch.check_clip(l2_norm_clip)
-    _clip_batch.check_normalize(kwargs["normalize"], l2_norm_clip)
-    micro, group = kwargs["microbatch_size"], kwargs["group_size"]
-    if micro is not None:
-      micro = _validation.check_size(micro, "microbatch_size", static="it fixes a shape")
-    group = _validation.check_size(group, "group_size", static="it fixes a shape")
-    kwargs.update(microbatch_size=micro, group_size=group)
-    if micro is not None and micro % group:
-      raise ValueError(
-        f"microbatch_size={micro} must be a multiple of "
-        f"group_size={group}: each chunk holds whole groups."
-      )
-    nums = _batching.argnums(kwargs["batch_argnums"])
-    if nums is not None:
-      if not nums or any(i < 1 for i in nums):
-        raise ValueError(
-          f"batch_argnums must name arguments after params (1, 2, ...), got {nums!r}."
-        )
-      kwargs["batch_argnums"] = nums
-    if kwargs["method"] not in _ghost.METHODS:
-      raise ValueError(
-        f"method must be one of {', '.join(map(repr, _ghost.METHODS))}, got {kwargs['method']!r}."
-      )
-    return cls(loss_fn, l2_norm_clip, **kwargs)
-
-
-# ----------------------------------------------------------------------------
-# The clipped sum over the units, chunk by chunk
-# ----------------------------------------------------------------------------
-
-
-def _clipped_units(
-  opts: _Options, loss: Callable[..., Any], params: Any, units: Units
-) -> tuple[Any, ...]:
-  """The clipped sum over the units, chunk by chunk, with the outputs asked for."""
-  if opts.axis_name is not None:
-    params = _sharding.as_varying(params, opts.axis_name)
-  chunks = _batching.chunks_for(units, opts.microbatch_size, opts.spmd_axis_name)
-  full_mask, batch = _batching.stood_in(units, chunks)
-
-  def clip_chunk(batch_args, mask):
-    full = list(units.args)
-    for i, a in zip(units.idx, batch_args, strict=True):
-      full[i] = a
-    return _clip_chunk(opts, loss, params, full, units.idx, mask)
-
-  if units.size == 0:
-    out = _batching.empty_batch(loss, params, units, opts.group_shape(), opts.has_aux)
-  elif isinstance(chunks.num, int) and chunks.num == 1:
-    out = clip_chunk(batch, full_mask)
-  else:
-    out = _batching.scan_chunks(
-      clip_chunk, chunks, params, units, batch, full_mask, opts.group_shape()
-    )
-  return _finish(opts, params, units.mask, *out)
-
-
-def _finish(
-  opts: _Options,
-  params: Any,
-  mask: jax.Array | None,
-  total: Any,
-  counts: tuple[jax.Array, jax.Array],
-  norms: jax.Array,
-  aux: Any,
-) -> tuple[Any, ...]:
-  """Masked norms, sums in the parameters' dtypes (float32 for half precision) and summed
-  over devices, as returned."""
-  num_clipped, num_bad = counts
-  if mask is not None:
-    norms = jnp.where(rows(mask, norms), norms, jnp.zeros((), norms.dtype))
-    # With no real example the stand-in is a masked row itself: drop it whatever it gave.
-    any_real = jnp.any(mask)
-    total = jax.tree.map(lambda t: jnp.where(any_real, t, jnp.zeros((), t.dtype)), total)
-  total = jax.tree.map(lambda t, p: t.astype(sum_dtype(p)), total, params)
-  if opts.axis_name is not None:
-    total, num_clipped, num_bad = jax.lax.psum(
-      (total, num_clipped, num_bad), _sharding.axis_names(opts.axis_name)
-    )
-  num_clipped, norms = opts.groups.unflatten(num_clipped, 0), opts.groups.unflatten(norms, 1)
-  out = (total, num_clipped) + ((num_bad,) if opts.return_num_nonfinite else ())
-  out = out + ((norms,) if opts.return_norms else ())
-  return out + (aux,) if opts.has_aux else out
-
-
-def sum_dtype(param: Any) -> jnp.dtype:
-  """The dtype of a parameter's clipped sum: float32 for bfloat16 and float16, its own
-  otherwise (the noise is added before rounding to a half-precision dtype)."""
-  return _numerics.compute_dtype(jnp.result_type(param))
-
-
-# ----------------------------------------------------------------------------
 # The two methods, on one chunk
 # ----------------------------------------------------------------------------
 
 
 def _clip_chunk(
-  opts: _Options,
+  opts: _clip_options.Options,
   loss: Callable[..., Any],
   params: Any,
   args: list[Any],
@@ -439,7 +300,7 @@ def _clip_chunk(
   :func:`jaxclip._kernel._platform.on_cpu` and the lowering keeps one.
   """
   if opts.method == "vmap":
-    return _vmap_chunk(opts, loss, params, args, idx, mask)
+    return _clip_chunks.vmap_chunk(opts, loss, params, args, idx, mask)
   traced = _ghost.trace(loss, params, args, idx, has_aux=opts.has_aux)
   if traced.plan.unknown:  # not a choice: the engine cannot read the loss
     warnings.warn(
@@ -453,7 +314,7 @@ def _clip_chunk(
 
   def run(plan):
     if plan is None:  # method="vmap"'s program
-      out = _vmap_chunk(opts, loss, params, args, idx, mask)
+      out = _clip_chunks.vmap_chunk(opts, loss, params, args, idx, mask)
     else:
       out = _ghost_chunk(opts, dataclasses.replace(traced, plan=plan), mask)
     acc = lambda t, p: t.astype(_numerics.compute_dtype(jnp.result_type(p)))
@@ -464,33 +325,8 @@ def _clip_chunk(
   return _platform.on_cpu(lambda: run(cpu), lambda: run(other))
 
 
-def _vmap_chunk(
-  opts: _Options,
-  loss: Callable[..., Any],
-  params: Any,
-  args: list[Any],
-  idx: Sequence[int],
-  mask: jax.Array | None,
-) -> tuple[Any, jax.Array, jax.Array, Any]:
-  """``method="vmap"``: per-example gradients under ``vmap``, clipped and summed."""
-  in_axes = (None,) + tuple(0 if i in idx else None for i in range(len(args)))
-  vgrad = jax.vmap(
-    jax.grad(loss, has_aux=opts.has_aux), in_axes=in_axes, spmd_axis_name=opts.spmd_axis_name
-  )
-  grads, aux = vgrad(params, *args) if opts.has_aux else (vgrad(params, *args), None)
-  bound = opts.groups if opts.per_group else opts.l2_norm_clip
-  total, count, norms, bad = _clip_batch._per_example_clip(
-    grads, bound, mask=mask, accumulate=True, normalize=opts.normalize
-  )
-  if not jax.tree.leaves(grads):  # no parameters: every norm is 0, as under ghost
-    n = jax.tree.leaves([args[i] for i in idx])[0].shape[0]
-    norms = jnp.zeros((n,) + opts.group_shape(), _numerics.tree_accumulation_dtype(params))
-    count, bad = opts.factors(norms, mask)[1]
-  return total, (count, bad), norms, aux
-
-
 def _ghost_chunk(
-  opts: _Options, traced: _ghost.Traced, mask: jax.Array | None
+  opts: _clip_options.Options, traced: _ghost.Traced, mask: jax.Array | None
 ) -> tuple[Any, jax.Array, jax.Array, Any]:
   """The clipped sum from ghost norms and book-keeping, by ``traced.plan``."""
   floor = None
