@@ -100,7 +100,7 @@ class Site:
     return [self.eqn.invars[p].aval for p in self.param_positions()]
 
   def zero_avals(self, tapped: bool) -> list[Any]:
-    """What :class:`~jaxclip.privacy._ghost_capture.Forward` adds zeros to: the param inputs
+    """What :class:`~jaxclip.privacy._ghost_forward.Forward` adds zeros to: the param inputs
     if ``tapped``, else the outputs."""
     return self.param_avals() if tapped else list(self.out_avals)
 
@@ -108,7 +108,7 @@ class Site:
   def summed(self) -> bool:
     """Whether every param input is the same value in every iteration of the site's scans.
 
-    Tapped (see :class:`jaxclip.privacy._ghost_capture.Forward`), such a site
+    Tapped (see :class:`jaxclip.privacy._ghost_forward.Forward`), such a site
     gets one zero closed over by the scans, and the gradient with respect to
     it is the sum of the iterations' (one bias row per example, not one per
     iteration).
@@ -186,7 +186,7 @@ class Captured(NamedTuple):
     weighted: With probed sites, ``weights -> sum_b weights_b grad_b`` (the
       parameters' gradients, in their dtypes, in float32 where the model has
       half precision: see ``wide`` in
-      :class:`~jaxclip.privacy._ghost_capture.Forward`): the second backward pass.
+      :class:`~jaxclip.privacy._ghost_forward.Forward`): the second backward pass.
     wide_pass: ``params_pass`` evaluated in float32 where the model has half
       precision (:class:`~jaxclip.privacy._ghost_capture.WideParamsPass`), for float32 leaves.
   """
