@@ -5,10 +5,10 @@ boundaries and groups a plan names (:class:`Boundary`, :class:`Group`,
 :class:`Ghost`, :class:`Tied`) and what the capture gives (:class:`Captured`).
 The stages (:mod:`~jaxclip.privacy._ghost_sites` and
 :mod:`~jaxclip.privacy._ghost_walk` find the sites,
-:mod:`~jaxclip.privacy._ghost_rules` plans, :mod:`~jaxclip.privacy._ghost_capture`,
-:mod:`~jaxclip.privacy._ghost_instantiate` and :mod:`~jaxclip.privacy._ghost_book`
-execute) import these; this module imports none of them, so planning does not
-import execution.
+:mod:`~jaxclip.privacy._ghost_rules` plans, :mod:`~jaxclip.privacy._ghost_forward`,
+:mod:`~jaxclip.privacy._ghost_capture`, :mod:`~jaxclip.privacy._ghost_instantiate`
+and :mod:`~jaxclip.privacy._ghost_book` execute) import these; this module
+imports none of them, so planning does not import execution.
 """
 
 from __future__ import annotations
