@@ -17,7 +17,8 @@ import numpy as np
 import pytest
 
 import jaxclip
-from jaxclip.privacy import _ghost, _ghost_capture, _ghost_conv
+from jaxclip.privacy import _ghost, _ghost_conv
+from jaxclip.privacy import _jax_internals as _jax
 from tests.ghost_helpers import compare as _compare
 
 
@@ -111,7 +112,7 @@ def test_conv_kernel_gradient_tap_by_tap_equals_the_vjp(lhs_shape, rhs_shape, dn
   xs = jax.random.normal(kx, (n, *lhs_shape))
   k = jax.random.normal(kk, rhs_shape)
   (eqn,) = jax.make_jaxpr(conv)(xs[0], k).eqns
-  parts = _ghost_capture._jax.conv_parts(eqn)
+  parts = _jax.conv_parts(eqn)
   assert _ghost_conv.patches_fit(eqn, parts) == fits  # the others: here for their layouts
   gs = jax.random.normal(kg, (n, *eqn.outvars[0].aval.shape))
   gs = gs.at[0].set(gs[0].at[(0,) * gs[0].ndim].set(jnp.nan))
@@ -153,7 +154,7 @@ def test_strided_conv_whose_kernel_gradient_is_taken_tap_by_tap_matches_vmap():
   (u,) = [u for u, s in enumerate(traced.plan.sites) if s.name == "conv_general_dilated"]
   assert u in inputs.accumulated
   assert _ghost_conv.patches_fit(
-    traced.plan.sites[u].eqn, _ghost_capture._jax.conv_parts(traced.plan.sites[u].eqn)
+    traced.plan.sites[u].eqn, _jax.conv_parts(traced.plan.sites[u].eqn)
   )
   _compare(_strided_conv_loss, params, x, y, batch_argnums=(1, 2))
 

@@ -238,7 +238,7 @@ def test_rematerialised_layers_take_two_passes_and_hold_no_site_records():
     traced = _ghost.trace(fn, params, [images, ids], [0, 1], has_aux=True)
     ghost_sites = {u for u, _, _ in traced.plan.ghost}
     assert traced.plan.probed == (ghost_sites if remat else frozenset())
-    probes = {u: _ghost._probe_sumsq(traced.plan.sites[u], k, r) for u, k, r in traced.plan.ghost}
+    probes = {u: _ghost.probe_sumsq(traced.plan.sites[u], k, r) for u, k, r in traced.plan.ghost}
     inputs = _ghost.Inputs(
       traced.closed,
       traced.leaves,

@@ -93,7 +93,7 @@ def _tied_lm_problem(batch=12, vocab=23, width=8, length=7, scan=False):
 def _early_plan(loss, params, tokens):
   """The traced plan, its tied pairs and early heads, and the ``Inputs`` the capture gets."""
   traced = _ghost.trace(loss, params, [tokens], [0], has_aux=False)
-  return traced.plan, _ghost._early_heads(traced.plan), _ghost.inputs_for(traced, None)
+  return traced.plan, _ghost.early_heads(traced.plan), _ghost.inputs_for(traced, None)
 
 
 @pytest.mark.parametrize("where", ["outside", "inside"])

@@ -11,7 +11,7 @@ pull-back through each site and through ``h`` are evaluated in float32
 (``wide``), so that nothing rounds it to half precision before the noise.
 The second backward pass does so too: its forward pass takes float32 copies
 of the leaves and evaluates each site in float32, its outputs rounded to
-their dtypes (``wide`` in :class:`jaxclip.privacy._ghost_capture.Forward`),
+their dtypes (``wide`` in :class:`jaxclip.privacy._ghost_forward.Forward`),
 so each site's sum over the batch, and the leaves' gradients, are float32.
 The second backward pass's float16 output gradients with weights above 1
 (automatic clipping) is scaled by a power of two into float16's range
@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxclip._kernel import _numerics
-from jaxclip.privacy import _batching, _ghost_capture, _ghost_instantiate, _ghost_sites
+from jaxclip.privacy import _batching, _ghost_instantiate, _ghost_sites, _ghost_wide
 from jaxclip.privacy import _jax_internals as _jax
 from jaxclip.privacy._ghost_rules import Plan
 from jaxclip.privacy._ghost_types import Captured, Site
@@ -144,7 +144,7 @@ def _pull(cap: Captured, wide: bool) -> Callable[[list[Any]], Any]:
   of the leaves (:class:`jaxclip.privacy._ghost_capture.WideParamsPass`)."""
   if not wide:
     return cap.pull
-  leaves = [_ghost_capture.widened(x) for x in cap.leaves]
+  leaves = [_ghost_wide.widened(x) for x in cap.leaves]
   return jax.vjp(cap.wide_pass, leaves, has_aux=True)[1]
 
 
@@ -153,19 +153,19 @@ def _site_pullback(cap: Captured, u: int, wide: bool = False) -> Callable[[jax.A
 
   With ``wide`` (a model with half precision), the weighted output gradients
   are formed in float32 and pulled back through the site evaluated in
-  float32 (:func:`jaxclip.privacy._ghost_capture.wide_bind`): the sum over
+  float32 (:func:`jaxclip.privacy._ghost_wide.wide_bind`): the sum over
   the batch is taken in float32 and returned so, as
   :func:`_pull` with ``wide`` takes it, never rounded to half precision
   before the noise.
   """
   gs, pvals = cap.gs[u], cap.pvals[u]
   if wide:
-    pvals = [_ghost_capture.widened(p) for p in pvals]
+    pvals = [_ghost_wide.widened(p) for p in pvals]
   if u in cap.tapped:  # the per-example gradients of its param inputs, weighted and summed
     spread = _ghost_instantiate.spread if cap.sites[u].summed else lambda x, p: x
     return lambda w: [spread(_weighted_sum(g, w, p), p) for g, p in zip(gs, pvals, strict=True)]
   site, cvals, dvals = cap.sites[u], cap.cvals[u], cap.drecs[u]
-  bind = _ghost_capture.wide_bind if wide else _jax.bind
+  bind = _ghost_wide.wide_bind if wide else _jax.bind
   fn = lambda pv: _batched_outputs(site, pv, cvals, dvals, cap.n, cap.spmd_axis_name, bind)
   vjp = _ghost_instantiate.site_vjp(site, fn, pvals)
   return lambda w: vjp([_weighted(g, w, wide=wide) for g in gs])[0]
@@ -224,7 +224,7 @@ def _book_keep_groups(
           cts.append(by_group[u][own][j])
         else:
           like = cap.pvals[u][j]
-          cts.append(jnp.zeros_like(_ghost_capture.widened(like) if wide else like))
+          cts.append(jnp.zeros_like(_ghost_wide.widened(like) if wide else like))
       out.append(cts)
     return out
 

@@ -21,7 +21,7 @@ from typing import NamedTuple
 import jax.numpy as jnp
 
 from jaxclip._kernel import _platform
-from jaxclip.privacy import _ghost_norms, _ghost_sites
+from jaxclip.privacy import _ghost_costs, _ghost_sites
 from jaxclip.privacy import _jax_internals as _jax
 from jaxclip.privacy._ghost_types import DATA, Boundary, Ghost, Group, Site, Tied
 
@@ -197,22 +197,22 @@ def _ghost_cost(
   sites: Sequence[Site], ghost: Sequence[Ghost], tied: Sequence[Tied], groups: Sequence[Group]
 ) -> int:
   """Per example, the flops of the plan's norms."""
-  cost = sum(_ghost_norms.site_cost(sites[u], k, rule)[0] for u, k, rule in ghost)
+  cost = sum(_ghost_costs.site_cost(sites[u], k, rule)[0] for u, k, rule in ghost)
   for pair in tied:
     (gu, gk), (du, dk) = pair
     cost += (
-      _ghost_norms.site_cost(sites[gu], gk, "gather")[0]
-      + _ghost_norms.site_cost(sites[du], dk, "dot")[0]
-      + _ghost_norms.tied_cross_cost(sites, pair)
+      _ghost_costs.site_cost(sites[gu], gk, "gather")[0]
+      + _ghost_costs.site_cost(sites[du], dk, "dot")[0]
+      + _ghost_costs.tied_cross_cost(sites, pair)
     )
   return cost + sum(
-    _ghost_norms.site_cost(sites[u], k, "generic")[1] for group in groups for u, k in group.bounds
+    _ghost_costs.site_cost(sites[u], k, "generic")[1] for group in groups for u, k in group.bounds
   )
 
 
 def _per_example_cost(sites: Sequence[Site], boundaries: Sequence[Boundary]) -> int:
   """Per example, the flops of forming every per-example gradient."""
-  return sum(_ghost_norms.site_cost(sites[u], k, sites[u].rules[k])[1] for u, k in boundaries)
+  return sum(_ghost_costs.site_cost(sites[u], k, sites[u].rules[k])[1] for u, k in boundaries)
 
 
 def _disjoint_uses(sites: Sequence[Site], leaf: int, bounds: Sequence[Boundary]) -> bool:
@@ -284,21 +284,21 @@ def _leaf_costs(plan: Plan) -> dict[int, _LeafCost]:
   parts: dict[int, list[tuple[str, int, int, int, int]]] = {}
   for u, k, rule in plan.ghost:
     site = plan.sites[u]
-    flops, grad = _ghost_norms.site_cost(site, k, rule)
-    mem, grad_mem = _ghost_norms.site_memory(site, k, rule)
+    flops, grad = _ghost_costs.site_cost(site, k, rule)
+    mem, grad_mem = _ghost_costs.site_memory(site, k, rule)
     parts.setdefault(site.infos[k].view, []).append((_RULE_NAMES[rule], flops, grad, mem, grad_mem))
   for pair in plan.tied:
     (gu, gk), (du, dk) = pair
     look, head = plan.sites[gu], plan.sites[du]
     (f1, g1), (f2, g2) = (
-      _ghost_norms.site_cost(look, gk, "gather"),
-      _ghost_norms.site_cost(head, dk, "dot"),
+      _ghost_costs.site_cost(look, gk, "gather"),
+      _ghost_costs.site_cost(head, dk, "dot"),
     )
     (m1, h1), (m2, h2) = (
-      _ghost_norms.site_memory(look, gk, "gather"),
-      _ghost_norms.site_memory(head, dk, "dot"),
+      _ghost_costs.site_memory(look, gk, "gather"),
+      _ghost_costs.site_memory(head, dk, "dot"),
     )
-    cross = _ghost_norms.tied_cross_cost(plan.sites, pair)
+    cross = _ghost_costs.tied_cross_cost(plan.sites, pair)
     parts[look.infos[gk].view] = [("tied", f1 + f2 + cross, g1 + g2, m1 + m2, h1 + h2)]
   return {
     leaf: _LeafCost(ps[0][0], *(sum(p[j] for p in ps) for j in range(1, 5)))

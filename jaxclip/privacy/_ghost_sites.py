@@ -241,7 +241,7 @@ def site_outputs(
 
   Inside scans, every input and output has one leading axis per scan.
   ``bind(eqn, vals)`` evaluates the site's equation (another one evaluates it
-  in float32: :func:`jaxclip.privacy._ghost_capture.wide_bind`).
+  in float32: :func:`jaxclip.privacy._ghost_wide.wide_bind`).
   """
 
   def once(pvals, cvals, dvals):

@@ -5,10 +5,10 @@ boundaries and groups a plan names (:class:`Boundary`, :class:`Group`,
 :class:`Ghost`, :class:`Tied`) and what the capture gives (:class:`Captured`).
 The stages (:mod:`~jaxclip.privacy._ghost_sites` and
 :mod:`~jaxclip.privacy._ghost_walk` find the sites,
-:mod:`~jaxclip.privacy._ghost_rules` plans, :mod:`~jaxclip.privacy._ghost_capture`,
-:mod:`~jaxclip.privacy._ghost_instantiate` and :mod:`~jaxclip.privacy._ghost_book`
-execute) import these; this module imports none of them, so planning does not
-import execution.
+:mod:`~jaxclip.privacy._ghost_rules` plans, :mod:`~jaxclip.privacy._ghost_forward`,
+:mod:`~jaxclip.privacy._ghost_capture`, :mod:`~jaxclip.privacy._ghost_instantiate`
+and :mod:`~jaxclip.privacy._ghost_book` execute) import these; this module
+imports none of them, so planning does not import execution.
 """
 
 from __future__ import annotations
@@ -100,7 +100,7 @@ class Site:
     return [self.eqn.invars[p].aval for p in self.param_positions()]
 
   def zero_avals(self, tapped: bool) -> list[Any]:
-    """What :class:`~jaxclip.privacy._ghost_capture.Forward` adds zeros to: the param inputs
+    """What :class:`~jaxclip.privacy._ghost_forward.Forward` adds zeros to: the param inputs
     if ``tapped``, else the outputs."""
     return self.param_avals() if tapped else list(self.out_avals)
 
@@ -108,7 +108,7 @@ class Site:
   def summed(self) -> bool:
     """Whether every param input is the same value in every iteration of the site's scans.
 
-    Tapped (see :class:`jaxclip.privacy._ghost_capture.Forward`), such a site
+    Tapped (see :class:`jaxclip.privacy._ghost_forward.Forward`), such a site
     gets one zero closed over by the scans, and the gradient with respect to
     it is the sum of the iterations' (one bias row per example, not one per
     iteration).
@@ -186,7 +186,7 @@ class Captured(NamedTuple):
     weighted: With probed sites, ``weights -> sum_b weights_b grad_b`` (the
       parameters' gradients, in their dtypes, in float32 where the model has
       half precision: see ``wide`` in
-      :class:`~jaxclip.privacy._ghost_capture.Forward`): the second backward pass.
+      :class:`~jaxclip.privacy._ghost_forward.Forward`): the second backward pass.
     wide_pass: ``params_pass`` evaluated in float32 where the model has half
       precision (:class:`~jaxclip.privacy._ghost_capture.WideParamsPass`), for float32 leaves.
   """

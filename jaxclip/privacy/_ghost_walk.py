@@ -3,7 +3,8 @@
 :class:`Walker` walks a jaxpr equation by equation, classing each value
 (:mod:`jaxclip.privacy._ghost_sites`); its subclasses say what a site does.
 :class:`Analyzer` finds the sites statically (no values); the walkers that
-evaluate an example are in :mod:`jaxclip.privacy._ghost_capture`.
+evaluate an example are in :mod:`jaxclip.privacy._ghost_forward` and
+:mod:`jaxclip.privacy._ghost_capture`.
 
 Call primitives (``jit``, ``remat``) are walked into when a parameter goes in,
 and a ``lax.scan`` over stacked layers is walked per iteration, its records
