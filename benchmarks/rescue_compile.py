@@ -1,6 +1,6 @@
 """Compile and step time of a per-leaf clip over 480 leaves of distinct shapes.
 
-The overflow rescue of the per-leaf clips (``jaxclip/_kernel/_numerics.py``) is
+The overflow rescue of the per-leaf clips (``jaxclip/_kernel/_numerics/``) is
 a ``lax.cond`` branch compiled with every step. Leaves of a shape of their own
 are not stacked, so how the branch treats them decides the compile time.
 

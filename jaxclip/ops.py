@@ -18,39 +18,9 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from jaxclip._kernel import _clip, _reduction, _validation
+from jaxclip._kernel import _clip, _reduction, _tf_args, _validation
 from jaxclip._kernel._typing import ArrayLike, PyTree
-
-
-def _is_number_literal(x: Any) -> bool:
-  """Whether ``x`` is a number, or a non-empty (nested) list or tuple of numbers only."""
-  if type(x) in (list, tuple):
-    return bool(x) and all(_is_number_literal(y) for y in x)
-  return isinstance(x, (int, float, np.number)) and not isinstance(x, (bool, np.bool_))
-
-
-def _as_tensor(t: PyTree, fn_name: str) -> PyTree:
-  """A list or tuple of Python numbers as the one tensor TensorFlow makes of it.
-
-  ``tf.clip_by_norm([3., 4.], 1.)`` clips the vector ``[3., 4.]``: TensorFlow
-  converts its argument to one tensor. As a pytree the same list would be two
-  scalar leaves, each clipped on its own, a silent difference; so a (nested)
-  list or tuple whose leaves are all Python (or NumPy) numbers is read as one
-  array, as TensorFlow reads it. A list that holds an array, and every
-  other container, is a pytree.
-  """
-  if type(t) not in (list, tuple) or not _is_number_literal(t):
-    return t
-  try:
-    return jnp.asarray(np.asarray(t))
-  except ValueError as e:
-    raise ValueError(
-      f"{fn_name} reads a list of numbers as one tensor, as TensorFlow does, but this "
-      f"one is ragged ({e}); pass a pytree of arrays to clip each leaf on its own."
-    ) from None
-
 
 __all__ = (
   "clip_by_average_norm",
@@ -212,7 +182,7 @@ def clip_by_value(tree: PyTree, clip_value_min: ArrayLike, clip_value_max: Array
     >>> jaxclip.ops.clip_by_value({'w': jnp.array([-1.5, 0.5])}, -1.0, 1.0)
     {'w': Array([-1. ,  0.5], dtype=float32)}
   """
-  tree = _as_tensor(tree, "clip_by_value")
+  tree = _tf_args.as_tensor(tree, "clip_by_value")
   _validation.check_bounds(clip_value_min, clip_value_max, "clip_value_min", "clip_value_max")
   _validation.check_real_leaves(tree, "clip_by_value")
 
@@ -270,7 +240,7 @@ def clip_by_norm(tree: PyTree, clip_norm: ArrayLike, axes: Any = None) -> PyTree
     >>> jaxclip.ops.clip_by_norm([3., 4.], 1.)  # one vector, as tf.clip_by_norm reads it
     Array([0.6, 0.8], dtype=float32)
   """
-  tree = _as_tensor(tree, "clip_by_norm")
+  tree = _tf_args.as_tensor(tree, "clip_by_norm")
   _validation.check_hparam(clip_norm, "clip_norm", lo=0)
   _validation.check_axes(axes)
   _validation.check_inexact_leaves(tree, "clip_by_norm")
@@ -310,7 +280,7 @@ def clip_by_average_norm(tree: PyTree, clip_norm: ArrayLike) -> PyTree:
     >>> jaxclip.ops.clip_by_average_norm(jnp.array([3., 4.]), 1.)
     Array([1.2, 1.6], dtype=float32)
   """
-  tree = _as_tensor(tree, "clip_by_average_norm")
+  tree = _tf_args.as_tensor(tree, "clip_by_average_norm")
   _validation.check_hparam(clip_norm, "clip_norm", lo=0)
   _validation.check_inexact_leaves(tree, "clip_by_average_norm")
 

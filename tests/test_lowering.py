@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import re
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -18,7 +19,7 @@ import pytest
 
 import jaxclip
 from jaxclip._kernel import _numerics
-from jaxclip._kernel._platform import _reductions, _stacks, _vectors
+from jaxclip._kernel._platform import _reduce, _segments, _stacks, _vectors
 from tests import helpers
 
 # Many small leaves of a few shapes (stacked on CPU) and one larger leaf.
@@ -168,7 +169,18 @@ def test_grad_costs_at_most_twice_the_naive_math(name, monkeypatch):
   # Without it (a predicate that is constantly false: XLA drops the branch),
   # the step's own math costs at most twice the naive math.
   jax.clear_caches()
-  monkeypatch.setattr(_numerics, "needs_rescaling", lambda total, size: jnp.zeros_like(total, bool))
+  # Patched in every module that reads it by name: the package (``_numerics.needs_rescaling``,
+  # read by _reduction) and the rooms of ``_numerics/`` that call it (_rescue and its importers).
+  never = lambda total, size: jnp.zeros_like(total, bool)
+  readers = [
+    module
+    for name, module in sorted(sys.modules.items())
+    if name.startswith("jaxclip.")
+    and getattr(module, "needs_rescaling", None) is _numerics.needs_rescaling
+  ]
+  assert _numerics in readers and len(readers) > 1, readers
+  for module in readers:
+    monkeypatch.setattr(module, "needs_rescaling", never)
   try:
     fast = jax.jit(jax.grad(_loss(CLIPS[name][0]), argnums=(0, 1)))
     fast_flops, fast_bytes, _ = _analysis(
@@ -347,14 +359,14 @@ def test_small_parts_reduces_each_array_in_one_segment_reduction(op):
     jnp.asarray(np.abs(rng.normal(size=shape)), jnp.float32)
     for shape in [(3,), (1,), (4, 5), (65,), (2, 1, 3)]
   )
-  plain = lambda ts: jnp.stack([_reductions.plain_reduce(t, op, None, False) for t in ts])
-  parts = jax.jit(lambda ts: _reductions.small_parts(ts, op))
+  plain = lambda ts: jnp.stack([_reduce.plain_reduce(t, op, None, False) for t in ts])
+  parts = jax.jit(lambda ts: _segments.small_parts(ts, op))
   np.testing.assert_allclose(parts(terms), plain(terms), rtol=1e-6)
   assert "scatter" in parts.lower(terms).as_text()
   assert "stablehlo.reduce" not in parts.lower(terms).as_text()
   # Derivatives are the plain reductions': a gradient at 0 is finite.
   weights = jnp.arange(1.0, 6.0)
-  grad = jax.grad(lambda ts: jnp.sum(_reductions.small_parts(ts, op) * weights))
+  grad = jax.grad(lambda ts: jnp.sum(_segments.small_parts(ts, op) * weights))
   reference = jax.grad(lambda ts: jnp.sum(plain(ts) * weights))(terms)
   for a, b in zip(grad(terms), reference, strict=True):
     np.testing.assert_allclose(a, b, rtol=1e-6)
@@ -395,19 +407,19 @@ def test_share_vector_takes_the_small_leaves_terms_in_one_kernel(op):
     jnp.asarray(2.5, jnp.float32),
   ]
   term = _numerics.abs_sq if op == "sum" else _numerics.safe_abs
-  vector = jax.jit(lambda xs: _reductions.share_vector(xs, term, op, jnp.float32))
-  plain = jnp.stack([_reductions.share(x, term, op).astype(jnp.float32) for x in leaves])
+  vector = jax.jit(lambda xs: _segments.share_vector(xs, term, op, jnp.float32))
+  plain = jnp.stack([_reduce.share(x, term, op).astype(jnp.float32) for x in leaves])
   np.testing.assert_allclose(vector(leaves), plain, rtol=1e-6)
   # The same segment reduction of the same terms as when each leaf's were taken alone.
-  segmentable = _reductions.segmentable
+  segmentable = _segments.segmentable
   per_leaf = tuple(
     term(x).astype(jnp.float32)
     if segmentable(x)
-    else jnp.reshape(_reductions.share(x, term, op).astype(jnp.float32), (1,))
+    else jnp.reshape(_reduce.share(x, term, op).astype(jnp.float32), (1,))
     for x in leaves
   )
   np.testing.assert_array_equal(
-    vector(leaves), jax.jit(_reductions.small_parts, static_argnums=1)(per_leaf, op)
+    vector(leaves), jax.jit(_segments.small_parts, static_argnums=1)(per_leaf, op)
   )
   hlo = vector.lower(leaves).compile().as_text()
   assert hlo.count(" fusion(") < 20, hlo.count(" fusion(")
@@ -415,7 +427,7 @@ def test_share_vector_takes_the_small_leaves_terms_in_one_kernel(op):
   weights = jnp.arange(1.0, len(leaves) + 1.0)
   grad = jax.grad(lambda xs: jnp.sum(vector(xs) * weights))
   reference = jax.grad(
-    lambda xs: jnp.sum(jnp.stack([_reductions.share(x, term, op) for x in xs]) * weights)
+    lambda xs: jnp.sum(jnp.stack([_reduce.share(x, term, op) for x in xs]) * weights)
   )(leaves)
   for a, b in zip(grad(leaves), reference, strict=True):
     np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=1e-6)

@@ -23,9 +23,10 @@ branch is never traced.
 The rooms:
 
 * ``_switch``: :func:`on_cpu`, the rescues' :func:`cond`, and which leaves count as small;
-* ``_reductions``: one leaf's norm reduction (bfloat16 barrier, float16
-  two-output reduction); a tree norm's partial sums by group; every leaf's
-  sum as one vector by one segment reduction;
+* ``_reduce``: one leaf's norm reduction (bfloat16 barrier, float16
+  two-output reduction);
+* ``_groups``: a tree norm's partial sums, small leaves reduced by group;
+* ``_segments``: every leaf's sum as one vector by one segment reduction;
 * ``_stacks``: small leaves of one shape scaled as stacks, their rows read
   at opaque indices;
 * ``_vectors``: a per-tensor rule vmapped over vectors of every leaf's
@@ -46,15 +47,15 @@ from jaxclip._kernel._platform._cuda import cuda_norm as cuda_norm
 from jaxclip._kernel._platform._cuda import cuda_norm_applies as cuda_norm_applies
 from jaxclip._kernel._platform._ghost_cost import GHOST_FLOPS_SHARE_CPU as GHOST_FLOPS_SHARE_CPU
 from jaxclip._kernel._platform._ghost_cost import ghost_cost_model as ghost_cost_model
-from jaxclip._kernel._platform._reductions import combine_scalars as combine_scalars
-from jaxclip._kernel._platform._reductions import count_all as count_all
-from jaxclip._kernel._platform._reductions import reduce as reduce
-from jaxclip._kernel._platform._reductions import reduction_input as reduction_input
-from jaxclip._kernel._platform._reductions import scaled_leaf_sums as scaled_leaf_sums
-from jaxclip._kernel._platform._reductions import scaled_sums as scaled_sums
-from jaxclip._kernel._platform._reductions import share as share
-from jaxclip._kernel._platform._reductions import share_vector as share_vector
-from jaxclip._kernel._platform._reductions import shares_by_group as shares_by_group
+from jaxclip._kernel._platform._groups import scaled_sums as scaled_sums
+from jaxclip._kernel._platform._groups import shares_by_group as shares_by_group
+from jaxclip._kernel._platform._reduce import combine_scalars as combine_scalars
+from jaxclip._kernel._platform._reduce import reduce as reduce
+from jaxclip._kernel._platform._reduce import reduction_input as reduction_input
+from jaxclip._kernel._platform._reduce import share as share
+from jaxclip._kernel._platform._segments import count_all as count_all
+from jaxclip._kernel._platform._segments import scaled_leaf_sums as scaled_leaf_sums
+from jaxclip._kernel._platform._segments import share_vector as share_vector
 from jaxclip._kernel._platform._stacks import flat_concatenate as flat_concatenate
 from jaxclip._kernel._platform._stacks import join_plan as join_plan
 from jaxclip._kernel._platform._stacks import map_joined as map_joined
