@@ -48,7 +48,7 @@ def scale_exponent(m: jax.Array) -> jax.Array:
   """The int32 ``e`` with ``m / 2**e`` in ``[0.5, 1)``; ``0`` where ``m`` is 0 or not finite."""
   ok = (m > 0) & jnp.isfinite(m)
   e = jnp.frexp(jnp.where(ok, m, 1))[1].astype(jnp.int32)
-  # lax.select, not jnp.where (a jit): on jax 0.11+ frexp's exponent of a 0-d
+  # lax.select, not jnp.where (a jit): on jax 0.12 frexp's exponent of a 0-d
   # input under vmap loses an Explicit mesh, and jnp.where's batching rule then
   # fails with spmd_axis_name (test_ghost_multi_device's spmd check).
   return jax.lax.select(ok, e, jnp.zeros_like(m, jnp.int32))
