@@ -98,11 +98,11 @@ def _layer(module):
 def test_import_graph_is_layered():
   """jaxclip's modules import each other at top level only, downward, without a cycle.
 
-  The layers: the norm kernel (``_kernel``: the type aliases of ``_typing``, which
-  import nothing of jaxclip -> ``_validation`` and ``_sharding`` -> the ``_platform``
-  folder -> the ``_numerics`` folder -> ``_reduction``) -> ``ops`` (TensorFlow's family) ->
-  ``transforms`` -> ``skipping`` and ``privacy``, which do not import each other ->
-  the package's ``__init__``. A function-level import is how a cycle hides, so
+  The layers: the norm kernel (``_kernel``: the type aliases of ``_typing`` and the symbolic
+  shapes of ``_shapes``, which import nothing of jaxclip -> ``_validation`` and ``_sharding``
+  -> the ``_platform`` folder -> the ``_numerics`` folder -> ``_reduction``) -> ``ops``
+  (TensorFlow's family) -> ``transforms`` -> ``skipping`` and ``privacy``, which do not import
+  each other -> the package's ``__init__``. A function-level import is how a cycle hides, so
   there is none.
   """
   import pathlib
@@ -122,14 +122,15 @@ def test_import_graph_is_layered():
 
   cycle = helpers.import_cycle(graph)
   assert not cycle, f"import cycle: {' -> '.join(cycle)}"
-  assert not graph.get("_kernel._typing"), graph.get("_kernel._typing")
-  for bottom in ("_kernel._validation", "_kernel._sharding"):  # type aliases at most
-    assert graph.get(bottom, set()) <= {"_kernel._typing"}, (bottom, graph[bottom])
+  floor = {"_kernel._typing", "_kernel._shapes"}  # importing nothing of jaxclip
+  assert not any(graph.get(m) for m in floor), {m: graph.get(m) for m in floor}
+  for bottom in ("_kernel._validation", "_kernel._sharding"):  # the floor at most
+    assert graph.get(bottom, set()) <= floor, (bottom, graph[bottom])
   for name in (m for m in graph if m.startswith("_kernel._platform")):  # the XLA:CPU room
     outside = {m for m in graph[name] if not m.startswith("_kernel._platform.")}
-    allowed = {"_kernel._sharding", "_kernel._typing", "_kernel._validation"}
+    allowed = {"_kernel._sharding", "_kernel._shapes", "_kernel._typing", "_kernel._validation"}
     assert outside <= allowed, (name, outside)
-  kernel = {"_kernel._platform", "_kernel._sharding", "_kernel._typing", "_kernel._validation"}
+  kernel = {"_kernel._platform", "_kernel._sharding", "_kernel._validation", *floor}
   rooms = {  # the norm kernel's math, a room per idea
     _module_name(p, package_dir) for p in files if p.parent.name == "_numerics"
   } - {"_kernel._numerics"}

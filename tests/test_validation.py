@@ -10,33 +10,34 @@ import jax.numpy as jnp
 import pytest
 
 import jaxclip
-from jaxclip._kernel import _validation
+from jaxclip._kernel import _shapes, _validation
 
 _PACKAGE = pathlib.Path(jaxclip.__file__).parent
 # Checks that once had copies elsewhere (a size, a key, a mask, an ord, a symbolic shape), by
-# the names the copies had.
+# the names the copies had, and the one module each lives in.
+_VALIDATION, _SHAPES = "_kernel/_validation.py", "_kernel/_shapes.py"
 _ONE_HOME = {
-  "check_size": "check_size",
-  "_positive_int": "check_size",
-  "_static_int": "check_size",
-  "check_key": "check_key",
-  "_check_key": "check_key",
-  "check_mask": "check_mask",
-  "_check_mask": "check_mask",
-  "check_ord": "check_ord",
-  "is_symbolic": "is_symbolic",
-  "constant_size": "constant_size",
-  "min_dim": "min_dim",
+  "check_size": ("check_size", _VALIDATION),
+  "_positive_int": ("check_size", _VALIDATION),
+  "_static_int": ("check_size", _VALIDATION),
+  "check_key": ("check_key", _VALIDATION),
+  "_check_key": ("check_key", _VALIDATION),
+  "check_mask": ("check_mask", _VALIDATION),
+  "_check_mask": ("check_mask", _VALIDATION),
+  "check_ord": ("check_ord", _VALIDATION),
+  "is_symbolic": ("is_symbolic", _SHAPES),
+  "constant_size": ("constant_size", _SHAPES),
+  "min_dim": ("min_dim", _SHAPES),
 }
 
 
-def test_each_shared_check_is_defined_once_in_validation():
+def test_each_shared_check_is_defined_once_in_its_module():
   found: dict[str, list[str]] = {}
   for path in sorted(_PACKAGE.rglob("*.py")):
     for node in ast.walk(ast.parse(path.read_text())):
       if isinstance(node, ast.FunctionDef) and node.name in _ONE_HOME:
         found.setdefault(node.name, []).append(str(path.relative_to(_PACKAGE)))
-  want = {name: ["_kernel/_validation.py"] for name in set(_ONE_HOME.values())}
+  want = {name: [home] for name, home in _ONE_HOME.values()}
   assert found == want
 
 
@@ -63,10 +64,10 @@ def test_a_traced_size_is_left_alone_unless_it_is_needed_before_tracing():
 
 def test_constant_size_and_is_symbolic_read_shapes_under_export():
   (b,) = jax.export.symbolic_shape("b")
-  assert _validation.is_symbolic(b) and not _validation.is_symbolic(3)
-  assert _validation.constant_size(jax.ShapeDtypeStruct((b, 3), jnp.float32)) is None
-  assert _validation.constant_size(jnp.ones((2, 3))) == 6
-  assert _validation.constant_size(2.0) == 1
+  assert _shapes.is_symbolic(b) and not _shapes.is_symbolic(3)
+  assert _shapes.constant_size(jax.ShapeDtypeStruct((b, 3), jnp.float32)) is None
+  assert _shapes.constant_size(jnp.ones((2, 3))) == 6
+  assert _shapes.constant_size(2.0) == 1
 
 
 @pytest.mark.parametrize("method", ["vmap", "ghost"])

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxclip._kernel import _numerics, _validation
+from jaxclip._kernel import _numerics, _shapes, _validation
 
 
 def value_clip(
@@ -117,7 +117,7 @@ def norm_clip(tree: Any, clip_norm: Any, axes: Any = None, arg: str = "clip_norm
   paths, treedef = jax.tree_util.tree_flatten_with_path(tree)
   shape = jnp.shape(clip_norm)
   for path, x in paths:
-    if _validation.constant_size(x) is None:  # symbolic (jax.export): checked when run
+    if _shapes.constant_size(x) is None:  # symbolic (jax.export): checked when run
       continue
     kept = _numerics.kept_shape(jnp.shape(x), axes)
     try:

@@ -10,7 +10,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxclip._kernel import _numerics, _platform, _sharding, _validation
+from jaxclip._kernel import _numerics, _platform, _shapes, _sharding
 from jaxclip._kernel._typing import AxisName, PyTree
 
 
@@ -154,7 +154,7 @@ def _plain_tree_norm(
 
 def _tree_size(leaves: list[Any]) -> int | None:
   """The number of entries of ``leaves`` together (``None`` if one is symbolic)."""
-  sizes = [_validation.constant_size(x) for x in leaves]
+  sizes = [_shapes.constant_size(x) for x in leaves]
   return None if None in sizes else sum(sizes)
 
 
@@ -210,7 +210,7 @@ def tree_leaf_norms(
     )
   root = _numerics.safe_sqrt if ord == 2 else (lambda t: t)
   vector = totals
-  needs = _numerics.needs_rescaling(vector, [_validation.constant_size(x) for x in leaves])
+  needs = _numerics.needs_rescaling(vector, [_shapes.constant_size(x) for x in leaves])
 
   def fast(vector, total, needs):
     return root(vector), root(total)
@@ -247,7 +247,7 @@ def _leaf_norms_one_by_one(
   leaves, treedef = jax.tree.flatten(tree)
   root = _numerics.safe_sqrt if ord == 2 else (lambda t: t)
   needs = [
-    _numerics.any_needs_rescaling(_validation.constant_size(x))(t)
+    _numerics.any_needs_rescaling(_shapes.constant_size(x))(t)
     for t, x in zip(totals, leaves, strict=True)
   ]
   flag = functools.reduce(jnp.logical_or, needs, needs_total)

@@ -33,39 +33,6 @@ def concrete_value(x: Any) -> np.ndarray | None:
     return None
 
 
-def is_symbolic(d: Any) -> bool:
-  """Whether a dimension is symbolic (a batch exported with ``jax.export.symbolic_shape``)."""
-  return jax.export.is_symbolic_dim(d)
-
-
-def min_dim(d: Any, limit: int) -> Any:
-  """``min(d, limit)`` for a dimension ``d`` that may be symbolic.
-
-  A symbolic ``min`` where JAX offers one; otherwise ``limit`` (work padded
-  up to ``limit`` rows, still exact).
-  """
-  if not is_symbolic(d):
-    return min(d, limit)
-  try:
-    from jax._src import core as _core
-
-    return _core.min_dim(d, limit)
-  except (ImportError, AttributeError):
-    return limit
-
-
-def constant_size(x: Any) -> int | None:
-  """The number of entries of ``x``, or ``None`` if a dimension is symbolic.
-
-  Under ``jax.export`` a symbolic size cannot be compared with a constant:
-  every choice made by size reads it here, and a size that is not a
-  constant counts as large (such a leaf takes the plain path, whose ops
-  accept any shape).
-  """
-  shape = x.shape if hasattr(x, "shape") else np.shape(x)
-  return None if any(is_symbolic(d) for d in shape) else math.prod(shape)
-
-
 def _traced(name: str, why: str) -> TypeError:
   return TypeError(f"{name} must be a concrete value, not traced: {why}.")
 

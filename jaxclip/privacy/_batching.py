@@ -16,7 +16,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jaxclip._kernel import _numerics, _validation
+from jaxclip._kernel import _numerics, _shapes, _validation
 
 
 def batch_size(args: Sequence[Any], batch_argnums: tuple[int, ...]) -> int:
@@ -76,7 +76,7 @@ def pad_rows(x: jax.Array, rows: Any) -> jax.Array:
   n = x.shape[0]
   if n == rows:
     return x
-  if _validation.is_symbolic(n) or _validation.is_symbolic(rows):
+  if _shapes.is_symbolic(n) or _shapes.is_symbolic(rows):
     return jnp.take(x, jnp.minimum(jnp.arange(rows), n - 1), axis=0)
   return jnp.pad(x, [(0, rows - n)] + [(0, 0)] * (x.ndim - 1))
 
@@ -182,7 +182,7 @@ def grouped(batch: Batch, k: int, microbatch_size: int | None) -> Units:
   size, mask = batch.size, batch.mask
   if k == 1:
     return Units(batch.args, batch.idx, size, mask, microbatch_size)
-  if _validation.is_symbolic(size % k):
+  if _shapes.is_symbolic(size % k):
     raise ValueError(
       f"group_size={k} must divide the batch, whose size {size} is symbolic (jax.export) "
       f"and not known to be a multiple of {k}: export it as one, such as "

@@ -10,7 +10,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jaxclip._kernel import _numerics, _sharding, _validation
+from jaxclip._kernel import _numerics, _shapes, _sharding
 from jaxclip._kernel._typing import AxisName
 from jaxclip.privacy._batching import Units, pad_rows, stand_in
 
@@ -43,7 +43,7 @@ class Chunks(NamedTuple):
   def pads(self, units: int) -> bool:
     """Whether the chunks hold more than ``units`` rows (always, for a symbolic batch: the
     padding rows are then masked, whether there are any or not)."""
-    if _validation.is_symbolic(units):
+    if _shapes.is_symbolic(units):
       return self.padded != units
     return self.padded > units
 
@@ -66,8 +66,8 @@ def chunks_for(
 ) -> Chunks:
   """How ``units`` are cut into chunks (``microbatch_size`` counts examples)."""
   micro = units.microbatch
-  size = units.size if micro is None else _validation.min_dim(units.size, int(micro))
-  if _validation.is_symbolic(units.size):  # a symbolic batch has at least one example
+  size = units.size if micro is None else _shapes.min_dim(units.size, int(micro))
+  if _shapes.is_symbolic(units.size):  # a symbolic batch has at least one example
     num = -(-units.size // size)
     several = micro is not None  # chunks of microbatch_size, unless the batch is smaller
     size_devices = int(micro) if several else None

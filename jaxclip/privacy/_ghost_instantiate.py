@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxclip._kernel import _numerics, _validation
+from jaxclip._kernel import _numerics, _shapes
 from jaxclip.privacy import _ghost_sites
 from jaxclip.privacy._ghost_types import Boundary, Captured, Group, Site
 
@@ -138,7 +138,7 @@ def instantiated_sumsq(
     math.prod(jnp.shape(cap.pvals[u][k])) for u, k in lay.order
   )
   limit = max(1, _CHUNK_ELEMENTS // max(size, 1))
-  if cap.spmd_axis_name is None and _validation.is_symbolic(cap.n):
+  if cap.spmd_axis_name is None and _shapes.is_symbolic(cap.n):
     return _symbolic_chunks(per_example, xs, cap.n, limit)
   chunk = min(cap.n, limit)
   if cap.spmd_axis_name is not None or chunk >= cap.n:
@@ -167,7 +167,7 @@ def _symbolic_chunks(fn: Callable[[Any], jax.Array], xs: Any, n: Any, limit: int
   (the last one filled up with copies of example ``n - 1``, dropped after),
   mapped one after the other.
   """
-  chunk = _validation.min_dim(n, limit)
+  chunk = _shapes.min_dim(n, limit)
   num = -(-n // chunk)
   rows = jnp.minimum(jnp.arange(num * chunk), n - 1)
   split = lambda x: jnp.take(x, rows, axis=0).reshape((num, chunk) + x.shape[1:])

@@ -8,7 +8,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxclip._kernel import _platform, _validation
+from jaxclip._kernel import _platform, _shapes
 from jaxclip._kernel._numerics._dtypes import as_array
 from jaxclip._kernel._numerics._rescue import leaf_norm_rescued
 from jaxclip._kernel._numerics._terms import (
@@ -62,8 +62,6 @@ def count_sum(indicators: list[jax.Array]) -> jax.Array:
   arrays by one segment reduction).
   """
   arrays = [
-    jax.lax.convert_element_type(x, jnp.int32)
-    for x in indicators
-    if _validation.constant_size(x) != 0
+    jax.lax.convert_element_type(x, jnp.int32) for x in indicators if _shapes.constant_size(x) != 0
   ]
   return _platform.count_all(arrays) if arrays else jnp.zeros((), jnp.int32)

@@ -10,7 +10,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxclip._kernel import _platform, _sharding, _validation
+from jaxclip._kernel import _platform, _shapes, _sharding
 from jaxclip._kernel._numerics._dtypes import as_array
 from jaxclip._kernel._numerics._leaf_norms import leaf_norm
 from jaxclip._kernel._numerics._rescue import (
@@ -67,7 +67,7 @@ def scale_by_leaf_norms(
   others = None if companions is None else [as_array(c) for c in companions]
   together = None
   arrays = leaves + (others or [])
-  if ord != math.inf and all(_validation.constant_size(a) is not None for a in arrays):
+  if ord != math.inf and all(_shapes.constant_size(a) is not None for a in arrays):
 
     def together(xs, cs, ops, stacks):  # closes over no traced value (a custom_jvp's argument)
       axes = [canonical_axes(x.ndim, axes_of(x.shape)) for x in xs]

@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 import jax
 import jax.numpy as jnp
 
-from jaxclip._kernel import _platform, _validation
+from jaxclip._kernel import _platform, _shapes
 from jaxclip._kernel._numerics._dtypes import accumulation_dtype, convert
 
 Axes = int | Sequence[int] | None
@@ -105,6 +105,6 @@ def constant_size_of(x: jax.Array, axes: tuple[int, ...] | None) -> int | None:
 
 
 def dims_size(dims) -> int | None:
-  if any(_validation.is_symbolic(d) for d in dims):
+  if any(_shapes.is_symbolic(d) for d in dims):
     return None
   return math.prod(dims)

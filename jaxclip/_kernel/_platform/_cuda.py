@@ -27,7 +27,7 @@ import jax.numpy as jnp
 
 from jaxclip._kernel import _sharding
 from jaxclip._kernel._platform._tricks import is_on
-from jaxclip._kernel._validation import constant_size
+from jaxclip._kernel._shapes import constant_size
 
 # The tile of one program: BLOCK entries per step, STEPS steps (the fastest
 # of the three measured; 4 warps). The kernel has one branch per input, and

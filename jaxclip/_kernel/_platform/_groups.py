@@ -25,7 +25,7 @@ from jaxclip._kernel._platform._reduce import (
 from jaxclip._kernel._platform._stacks import flat_concatenate
 from jaxclip._kernel._platform._switch import is_small
 from jaxclip._kernel._platform._tricks import is_on
-from jaxclip._kernel._validation import constant_size
+from jaxclip._kernel._shapes import constant_size
 
 # Small leaves of at most _TINY_LEAF elements are added elementwise _GROUP at
 # a time, the others concatenated _CHUNK_LEAVES at a time (shares_by_group).

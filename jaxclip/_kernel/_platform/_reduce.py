@@ -16,7 +16,7 @@ import jax.numpy as jnp
 
 from jaxclip._kernel._platform._switch import on_cpu
 from jaxclip._kernel._platform._tricks import is_on
-from jaxclip._kernel._validation import constant_size
+from jaxclip._kernel._shapes import constant_size
 
 Term = Callable[[jax.Array], jax.Array]
 

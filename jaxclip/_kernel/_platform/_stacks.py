@@ -22,7 +22,7 @@ import numpy as np
 from jaxclip._kernel import _sharding
 from jaxclip._kernel._platform._switch import SMALL_LEAF, on_cpu
 from jaxclip._kernel._platform._tricks import is_on
-from jaxclip._kernel._validation import constant_size
+from jaxclip._kernel._shapes import constant_size
 
 # Small leaves of one shape and dtype are stacked: all in one stack when
 # there are at most _FLAT_STACK, else _STACK at a time. Rows are taken at

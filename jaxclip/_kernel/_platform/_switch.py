@@ -9,7 +9,7 @@ from typing import Any
 import jax
 
 from jaxclip._kernel import _sharding
-from jaxclip._kernel._validation import constant_size
+from jaxclip._kernel._shapes import constant_size
 
 # Leaves of at most this many elements are reduced together (grouping and
 # segment reductions) and scaled by stacks.
