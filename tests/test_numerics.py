@@ -250,6 +250,12 @@ def test_nonfinite_leaf_in_per_leaf_clip_is_nan_only_there():
   np.testing.assert_allclose(float(ops.global_norm(out["b"])), 1.0, rtol=1e-6)
 
 
+@pytest.mark.xfail(
+  jax.__version_info__ < (0, 10, 1),
+  reason="jax 0.10.0's own jnp.frexp fails under vmap with spmd_axis_name on an Explicit mesh "
+  "(a select inside it joins a sharded predicate with an unsharded case); measured on 0.10.0",
+  strict=True,
+)
 def test_scale_exponent_batches_with_spmd_axis_name_on_an_explicit_mesh():
   # jax 0.12: under vmap, frexp's exponent of a 0-d value has no mesh in its
   # type, and jnp.where's batching rule then failed with spmd_axis_name

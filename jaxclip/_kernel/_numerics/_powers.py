@@ -50,7 +50,8 @@ def scale_exponent(m: jax.Array) -> jax.Array:
   e = jnp.frexp(jnp.where(ok, m, 1))[1].astype(jnp.int32)
   # lax.select, not jnp.where (a jit): on jax 0.12 frexp's exponent of a 0-d
   # input under vmap loses an Explicit mesh, and jnp.where's batching rule then
-  # fails with spmd_axis_name (test_ghost_multi_device's spmd check).
+  # fails with spmd_axis_name (test_ghost_multi_device's spmd check). On jax
+  # 0.10.0 frexp itself fails there (a select inside it); 0.10.2 and 0.12 pass.
   return jax.lax.select(ok, e, jnp.zeros_like(m, jnp.int32))
 
 
