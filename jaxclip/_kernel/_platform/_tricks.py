@@ -106,7 +106,6 @@ def cache(maxsize: int) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     def cached(*args: Any) -> Any:
       return keyed(_OFF.get(), *args)
 
-    cached.cache_clear = keyed.cache_clear  # type: ignore[attr-defined]
     return cached
 
   return decorate
