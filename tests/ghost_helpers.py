@@ -24,7 +24,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxclip
-from jaxclip.privacy import _ghost, _ghost_walk
+from jaxclip.privacy import _ghost
+from jaxclip.privacy._ghost._jaxpr import _walk
 
 
 def compare(
@@ -69,7 +70,7 @@ def plan(loss_fn, params, *example):
     leaves, *example
   )
   infos = _ghost.input_infos([x.ndim for x in leaves], [True] * len(example))
-  sites, _ = _ghost_walk.analysis(closed, infos)
+  sites, _ = _walk.analysis(closed, infos)
   return _ghost.make_plan(sites, len(leaves))
 
 

@@ -2,7 +2,7 @@
 
 Equinox and flax linen convolutions with stride, padding, dilation and
 feature groups get the ``conv`` rule; an example's kernel gradient formed
-tap by tap (``jaxclip/privacy/_ghost_conv.py``) equals ``jax.vjp``'s in
+tap by tap (``jaxclip/privacy/_conv_taps.py``) equals ``jax.vjp``'s in
 every layout, ghost's sums and norms with it equal vmap's, and its program
 lowers for GPU and TPU. Against ``method="vmap"`` at the median norm
 (``tests.ghost_helpers.compare``).
@@ -17,8 +17,9 @@ import numpy as np
 import pytest
 
 import jaxclip
-from jaxclip.privacy import _ghost, _ghost_conv
-from jaxclip.privacy import _jax_internals as _jax
+from jaxclip.privacy import _ghost
+from jaxclip.privacy._ghost._jaxpr import _internals as _jax
+from jaxclip.privacy._ghost._rules import _conv_taps
 from tests.ghost_helpers import compare as _compare
 
 
@@ -113,10 +114,10 @@ def test_conv_kernel_gradient_tap_by_tap_equals_the_vjp(lhs_shape, rhs_shape, dn
   k = jax.random.normal(kk, rhs_shape)
   (eqn,) = jax.make_jaxpr(conv)(xs[0], k).eqns
   parts = _jax.conv_parts(eqn)
-  assert _ghost_conv.patches_fit(eqn, parts) == fits  # the others: here for their layouts
+  assert _conv_taps.patches_fit(eqn, parts) == fits  # the others: here for their layouts
   gs = jax.random.normal(kg, (n, *eqn.outvars[0].aval.shape))
   gs = gs.at[0].set(gs[0].at[(0,) * gs[0].ndim].set(jnp.nan))
-  got = jax.jit(jax.vmap(lambda x, g: _ghost_conv.kernel_gradient(parts, k, x, g)))(xs, gs)
+  got = jax.jit(jax.vmap(lambda x, g: _conv_taps.kernel_gradient(parts, k, x, g)))(xs, gs)
   ref = jax.vmap(lambda x, g: jax.vjp(lambda k: conv(x, k), k)[1](g)[0])(xs, gs)
   assert got.shape == (n, *rhs_shape)
   assert np.isnan(np.asarray(got[0])).any()
@@ -153,9 +154,7 @@ def test_strided_conv_whose_kernel_gradient_is_taken_tap_by_tap_matches_vmap():
   inputs = _ghost.inputs_for(traced, None)
   (u,) = [u for u, s in enumerate(traced.plan.sites) if s.name == "conv_general_dilated"]
   assert u in inputs.accumulated
-  assert _ghost_conv.patches_fit(
-    traced.plan.sites[u].eqn, _jax.conv_parts(traced.plan.sites[u].eqn)
-  )
+  assert _conv_taps.patches_fit(traced.plan.sites[u].eqn, _jax.conv_parts(traced.plan.sites[u].eqn))
   _compare(_strided_conv_loss, params, x, y, batch_argnums=(1, 2))
 
 

@@ -23,8 +23,9 @@ import pytest
 from jax.interpreters import ad, batching, mlir
 
 import jaxclip
-from jaxclip.privacy import _ghost, _ghost_instantiate
-from jaxclip.privacy import _jax_internals as _jax
+from jaxclip.privacy import _ghost
+from jaxclip.privacy._ghost._jaxpr import _internals as _jax
+from jaxclip.privacy._ghost._rules import _instantiate
 from tests.helpers import assert_tree_allclose
 
 FAKE = "fake_call_for_ghost_tests"
@@ -283,7 +284,7 @@ def test_symbolic_chunks_cover_every_example_once():
   (b,) = jax.export.symbolic_shape("b")
 
   def chunked(a, c):
-    return _ghost_instantiate._symbolic_chunks(fn, {"a": a, "c": c}, a.shape[0], 3)
+    return _instantiate._symbolic_chunks(fn, {"a": a, "c": c}, a.shape[0], 3)
 
   exported = jax.export.export(jax.jit(chunked))(
     jax.ShapeDtypeStruct((b, 2), jnp.float32), jax.ShapeDtypeStruct((b,), jnp.float32)

@@ -17,7 +17,9 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxclip
-from jaxclip.privacy import _ghost, _ghost_capture, _ghost_sites
+from jaxclip.privacy import _ghost
+from jaxclip.privacy._ghost import _capture
+from jaxclip.privacy._ghost._jaxpr import _sites
 from tests.ghost_helpers import compare as _compare
 
 
@@ -139,11 +141,11 @@ def test_rnn_step_sites_share_one_output_gradient_and_keep_no_per_step_records()
   assert inputs.accumulated == frozenset(step[:2])
   assert dict(inputs.borrowed) == {}  # the two dots accumulate: neither needs g
   own = [u for u in range(len(sites)) if u not in traced.plan.tapped]  # with nothing accumulated
-  assert _ghost_sites.borrowed(sites, own) == {step[1]: step[0]}
+  assert _sites.borrowed(sites, own) == {step[1]: step[0]}
   shapes = {}
 
   def run():  # abstract: shapes only, no compiles
-    cap = _ghost_capture.capture(inputs, sites)
+    cap = _capture.capture(inputs, sites)
     shapes.update({u: (len(cap.drecs[u]), [g.shape for g in cap.gs[u]]) for u in step + nested})
     return 0
 
@@ -251,7 +253,7 @@ def test_rematerialised_layers_take_two_passes_and_hold_no_site_records():
     records = {}  # what each site keeps, from an abstract run (shapes only: no compiles)
 
     def run(inputs=inputs, traced=traced, ghost_sites=ghost_sites, records=records):
-      cap = _ghost_capture.capture(inputs, traced.plan.sites)
+      cap = _capture.capture(inputs, traced.plan.sites)
       records.update({u: (len(cap.drecs[u]), [g.shape for g in cap.gs[u]]) for u in ghost_sites})
       return 0
 

@@ -17,7 +17,8 @@ import numpy as np
 import pytest
 
 import jaxclip
-from jaxclip.privacy import _ghost, _ghost_capture
+from jaxclip.privacy import _ghost
+from jaxclip.privacy._ghost import _capture
 from tests.ghost_helpers import compare as _compare
 from tests.ghost_helpers import plan as _plan
 
@@ -117,7 +118,7 @@ def test_two_pass_tied_head_in_bfloat16_within_its_rounding_of_float64():
   loss = _tied_lm("outside")
   half = jax.tree.map(lambda p: p.astype(jnp.bfloat16), params)
   plan, early, _ = _early_plan(loss, half, tokens)
-  assert plan.two_pass and early and _ghost_capture._has_half(half, plan.sites)
+  assert plan.two_pass and early and _capture._has_half(half, plan.sites)
   with jax.enable_x64(True):
     wide = jax.tree.map(lambda p: np.asarray(p, np.float64), half)  # the same values
     fn = lambda c: jaxclip.per_example_clipped_grad(loss, c, return_norms=True)

@@ -1,6 +1,6 @@
 """Each layout the ghost engine reads of JAX's jaxprs, read on the installed jax (issue #52).
 
-:mod:`jaxclip.privacy._jax_internals` is the one place that knows how JAX
+:mod:`jaxclip.privacy._ghost._jaxpr._internals` is the one place that knows how JAX
 spells its primitives and their parameters; each layout is behind one
 accessor there. A JAX release that renames or reshapes one of them makes the
 engine fall back to ``method="vmap"`` (still exact, but without its rules):
@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxclip.privacy import _jax_internals as _jax
+from jaxclip.privacy._ghost._jaxpr import _internals as _jax
 
 
 def _eqns(fn, *args):

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxclip._kernel import _validation
-from jaxclip.privacy import _batching, _clip_batch, _ghost, _ghost_book
+from jaxclip.privacy import _batching, _clip_batch, _ghost
 
 
 @dataclasses.dataclass(frozen=True)
@@ -229,7 +229,7 @@ def ghost_plan(
   sum_passes = 1
   groups = None if l2_norm_clip is None else _clip_batch.clip_groups(l2_norm_clip, params)
   if chosen is not None and groups is not None and groups.per_group:
-    mixed = _ghost_book.mixed_boundaries(chosen, groups.of_leaf)
+    mixed = _ghost.mixed_boundaries(chosen, groups.of_leaf)
     for u, k in mixed:
       for i in chosen.sites[u].infos[k].deps:
         rule, reason = rules[i]
@@ -239,7 +239,7 @@ def ghost_plan(
       sum_passes = len(set(groups.of_leaf))
     else:
       inputs = [{groups.of_leaf[i] for i in info.deps} for s in chosen.sites for info in s.infos]
-      sum_passes = len(_ghost_book.pull_passes(inputs, groups.of_leaf))
+      sum_passes = len(_ghost.pull_passes(inputs, groups.of_leaf))
   paths = [jax.tree_util.keystr(k) for k, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
   return GhostPlan(
     tuple(

@@ -31,7 +31,6 @@ The rooms:
   at opaque indices;
 * ``_vectors``: a per-tensor rule vmapped over vectors of every leaf's
   scalars;
-* ``_ghost_cost``: the ghost cost model's CPU constant;
 * ``_cuda``: the global 2-norm on CUDA GPUs, every leaf in one Pallas
   (Triton) kernel with no conditional (:func:`cuda_norm`), staged with
   :func:`on_cuda` in processes that have a CUDA backend
@@ -45,8 +44,6 @@ The rooms:
 
 from jaxclip._kernel._platform._cuda import cuda_norm as cuda_norm
 from jaxclip._kernel._platform._cuda import cuda_norm_applies as cuda_norm_applies
-from jaxclip._kernel._platform._ghost_cost import GHOST_FLOPS_SHARE_CPU as GHOST_FLOPS_SHARE_CPU
-from jaxclip._kernel._platform._ghost_cost import ghost_cost_model as ghost_cost_model
 from jaxclip._kernel._platform._groups import scaled_sums as scaled_sums
 from jaxclip._kernel._platform._groups import shares_by_group as shares_by_group
 from jaxclip._kernel._platform._reduce import combine_scalars as combine_scalars

@@ -2,11 +2,11 @@
 
 :func:`site_cost` and :func:`site_memory` give a boundary's flops and floats
 held per example under its ghost rule and instantiated, from which
-:mod:`jaxclip.privacy._ghost_rules` picks; :func:`accumulates` says where a
+:mod:`jaxclip.privacy._ghost._planning` picks; :func:`accumulates` says where a
 boundary's per-example gradient is formed in the backward pass instead. The
 rules' shapes (:func:`dot_dims`, :func:`conv_dims`) and the choice between a
 Gram product and the gradient itself (:func:`gram_is_cheaper`) are the
-formulas' too (:mod:`jaxclip.privacy._ghost_norms`).
+formulas' too (:mod:`jaxclip.privacy._ghost._rules._norms`).
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from collections.abc import Sequence
 
 import jax.numpy as jnp
 
-from jaxclip.privacy import _jax_internals as _jax
-from jaxclip.privacy._ghost_types import Site
+from jaxclip.privacy._ghost._jaxpr import _internals as _jax
+from jaxclip.privacy._ghost._types import Site
 
 
 def gram_is_cheaper(t: int, c: int, f: int) -> bool:
@@ -30,7 +30,7 @@ def lookup_gram_is_cheaper(t: int, rows: int) -> bool:
 
 
 def dot_dims(site: Site, pos: int) -> tuple[tuple[int, int, int, int], tuple[list[int], ...]]:
-  """``(n, T, C, F)`` of :func:`jaxclip.privacy._ghost_norms._dot_operands`, and the data
+  """``(n, T, C, F)`` of :func:`jaxclip.privacy._ghost._rules._norms._dot_operands`, and the data
   operand's batch, free and contracting dims."""
   eqn = site.eqn
   (lc, rc), (lb, rb) = _jax.dot_dimension_numbers(eqn)
@@ -69,7 +69,7 @@ def accumulates(site: Site, k: int) -> bool:
   form each example's gradient anyway (the Gram form costing more flops),
   where that gradient is smaller than the site's output gradients: it is
   then formed where ``a`` and ``g`` meet
-  (:class:`jaxclip.privacy._ghost_capture.Forward`), and neither is kept
+  (:class:`jaxclip.privacy._ghost._capture.Forward`), and neither is kept
   past that step for the site (its ``a`` may still be kept by the model's
   own backward pass, so only ``g`` is counted). Inside scans, a weight every
   iteration reads gets one gradient per example (each iteration's term

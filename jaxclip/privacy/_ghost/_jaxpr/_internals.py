@@ -1,6 +1,6 @@
 """What the ghost engine reads of JAX's jaxprs: every primitive and parameter name, in one place.
 
-The engine (:mod:`jaxclip.privacy._ghost_walk` and the modules it serves)
+The engine (:mod:`jaxclip.privacy._ghost._jaxpr._walk` and the modules it serves)
 walks the jaxpr of a per-example loss. It recognises some primitives by name
 and reads some of their parameters; those names are JAX's internals and may
 change from one release to the next. They are all here, in the tables below

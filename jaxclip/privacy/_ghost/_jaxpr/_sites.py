@@ -2,7 +2,7 @@
 
 A per-example loss is traced to a jaxpr. Every value of the program is classed
 as depending on the parameters only (*param*), on the batch (*data*), or on
-neither (*const*) (:class:`~jaxclip.privacy._ghost_types.Info`); a param value
+neither (*const*) (:class:`~jaxclip.privacy._ghost._types.Info`); a param value
 that rearranges a parameter leaf, or a static slice of one, keeps that *view*
 of the leaf (:func:`view_of`). A *site* is an equation that takes a floating-point param
 value and a data value, such as ``x @ W`` or ``E[ids]``: the loss depends on the
@@ -12,8 +12,8 @@ input (:func:`is_fixed_lookup`). Each param input of a site gets the rule its
 equation allows (:func:`rule_for`).
 
 Which primitives these are, and how their parameters are read, is
-:mod:`jaxclip.privacy._jax_internals`'s; the walkers that find the sites are in
-:mod:`jaxclip.privacy._ghost_walk`.
+:mod:`jaxclip.privacy._ghost._jaxpr._internals`'s; the walkers that find the sites are in
+:mod:`jaxclip.privacy._ghost._jaxpr._walk`.
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxclip.privacy import _jax_internals as _jax
-from jaxclip.privacy._ghost_types import CONST, DATA, PARAM, Info, Site
+from jaxclip.privacy._ghost._jaxpr import _internals as _jax
+from jaxclip.privacy._ghost._types import CONST, DATA, PARAM, Info, Site
 
 
 def is_float(aval: Any) -> bool:
@@ -241,7 +241,7 @@ def site_outputs(
 
   Inside scans, every input and output has one leading axis per scan.
   ``bind(eqn, vals)`` evaluates the site's equation (another one evaluates it
-  in float32: :func:`jaxclip.privacy._ghost_wide.wide_bind`).
+  in float32: :func:`jaxclip.privacy._ghost._wide.wide_bind`).
   """
 
   def once(pvals, cvals, dvals):

@@ -1,10 +1,10 @@
 """Ghost norms: walking a per-example loss's jaxpr, and finding its sites.
 
 :class:`Walker` walks a jaxpr equation by equation, classing each value
-(:mod:`jaxclip.privacy._ghost_sites`); its subclasses say what a site does.
+(:mod:`jaxclip.privacy._ghost._jaxpr._sites`); its subclasses say what a site does.
 :class:`Analyzer` finds the sites statically (no values); the walkers that
-evaluate an example are in :mod:`jaxclip.privacy._ghost_forward` and
-:mod:`jaxclip.privacy._ghost_capture`.
+evaluate an example are in :mod:`jaxclip.privacy._ghost._forward` and
+:mod:`jaxclip.privacy._ghost._capture`.
 
 Call primitives (``jit``, ``remat``) are walked into when a parameter goes in,
 and a ``lax.scan`` over stacked layers is walked per iteration, its records
@@ -23,9 +23,18 @@ from typing import Any, NamedTuple
 
 import jax
 
-from jaxclip.privacy import _ghost_sites as _sites
-from jaxclip.privacy import _jax_internals as _jax
-from jaxclip.privacy._ghost_types import CONST_INFO, DATA, DATA_INFO, PARAM, Info, Pair, Site, Stack
+from jaxclip.privacy._ghost._jaxpr import _internals as _jax
+from jaxclip.privacy._ghost._jaxpr import _sites
+from jaxclip.privacy._ghost._types import (
+  CONST_INFO,
+  DATA,
+  DATA_INFO,
+  PARAM,
+  Info,
+  Pair,
+  Site,
+  Stack,
+)
 
 
 class _ScanShape(NamedTuple):

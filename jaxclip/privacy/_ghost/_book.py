@@ -11,7 +11,7 @@ pull-back through each site and through ``h`` are evaluated in float32
 (``wide``), so that nothing rounds it to half precision before the noise.
 The second backward pass does so too: its forward pass takes float32 copies
 of the leaves and evaluates each site in float32, its outputs rounded to
-their dtypes (``wide`` in :class:`jaxclip.privacy._ghost_forward.Forward`),
+their dtypes (``wide`` in :class:`jaxclip.privacy._ghost._forward.Forward`),
 so each site's sum over the batch, and the leaves' gradients, are float32.
 The second backward pass's float16 output gradients with weights above 1
 (automatic clipping) is scaled by a power of two into float16's range
@@ -28,10 +28,13 @@ import jax
 import jax.numpy as jnp
 
 from jaxclip._kernel import _numerics
-from jaxclip.privacy import _batching, _ghost_instantiate, _ghost_sites, _ghost_wide
-from jaxclip.privacy import _jax_internals as _jax
-from jaxclip.privacy._ghost_rules import Plan
-from jaxclip.privacy._ghost_types import Captured, Site
+from jaxclip.privacy import _batching
+from jaxclip.privacy._ghost import _wide
+from jaxclip.privacy._ghost._jaxpr import _internals as _jax
+from jaxclip.privacy._ghost._jaxpr import _sites
+from jaxclip.privacy._ghost._planning import Plan
+from jaxclip.privacy._ghost._rules import _instantiate
+from jaxclip.privacy._ghost._types import Captured, Site
 
 
 def kept(cap: Captured, keep: jax.Array) -> Captured:
@@ -141,10 +144,10 @@ def book_keep(
 def _pull(cap: Captured, wide: bool) -> Callable[[list[Any]], Any]:
   """The pull-back of the sites' param inputs to the leaves: ``cap.pull``, or, with half
   precision (``wide``), that of the parameters' pass evaluated in float32 at float32 copies
-  of the leaves (:class:`jaxclip.privacy._ghost_capture.WideParamsPass`)."""
+  of the leaves (:class:`jaxclip.privacy._ghost._capture.WideParamsPass`)."""
   if not wide:
     return cap.pull
-  leaves = [_ghost_wide.widened(x) for x in cap.leaves]
+  leaves = [_wide.widened(x) for x in cap.leaves]
   return jax.vjp(cap.wide_pass, leaves, has_aux=True)[1]
 
 
@@ -153,21 +156,21 @@ def _site_pullback(cap: Captured, u: int, wide: bool = False) -> Callable[[jax.A
 
   With ``wide`` (a model with half precision), the weighted output gradients
   are formed in float32 and pulled back through the site evaluated in
-  float32 (:func:`jaxclip.privacy._ghost_wide.wide_bind`): the sum over
+  float32 (:func:`jaxclip.privacy._ghost._wide.wide_bind`): the sum over
   the batch is taken in float32 and returned so, as
   :func:`_pull` with ``wide`` takes it, never rounded to half precision
   before the noise.
   """
   gs, pvals = cap.gs[u], cap.pvals[u]
   if wide:
-    pvals = [_ghost_wide.widened(p) for p in pvals]
+    pvals = [_wide.widened(p) for p in pvals]
   if u in cap.tapped:  # the per-example gradients of its param inputs, weighted and summed
-    spread = _ghost_instantiate.spread if cap.sites[u].summed else lambda x, p: x
+    spread = _instantiate.spread if cap.sites[u].summed else lambda x, p: x
     return lambda w: [spread(_weighted_sum(g, w, p), p) for g, p in zip(gs, pvals, strict=True)]
   site, cvals, dvals = cap.sites[u], cap.cvals[u], cap.drecs[u]
-  bind = _ghost_wide.wide_bind if wide else _jax.bind
+  bind = _wide.wide_bind if wide else _jax.bind
   fn = lambda pv: _batched_outputs(site, pv, cvals, dvals, cap.n, cap.spmd_axis_name, bind)
-  vjp = _ghost_instantiate.site_vjp(site, fn, pvals)
+  vjp = _instantiate.site_vjp(site, fn, pvals)
   return lambda w: vjp([_weighted(g, w, wide=wide) for g in gs])[0]
 
 
@@ -224,7 +227,7 @@ def _book_keep_groups(
           cts.append(by_group[u][own][j])
         else:
           like = cap.pvals[u][j]
-          cts.append(jnp.zeros_like(_ghost_wide.widened(like) if wide else like))
+          cts.append(jnp.zeros_like(_wide.widened(like) if wide else like))
       out.append(cts)
     return out
 
@@ -264,8 +267,8 @@ def _batched_outputs(
   bind: Any = None,
 ) -> list[Any]:
   """The site's outputs for every example (``dvals`` with a leading batch axis), its equation
-  evaluated by ``bind`` (as :func:`jaxclip.privacy._ghost_sites.site_outputs`)."""
-  outputs = functools.partial(_ghost_sites.site_outputs, bind=bind or _jax.bind)
+  evaluated by ``bind`` (as :func:`jaxclip.privacy._ghost._jaxpr._sites.site_outputs`)."""
+  outputs = functools.partial(_sites.site_outputs, bind=bind or _jax.bind)
   if not dvals:  # the site does not see the example: the same outputs for all
     return [jnp.broadcast_to(x, (n,) + jnp.shape(x)) for x in outputs(site, pvals, cvals, [])]
   return jax.vmap(lambda db: outputs(site, pvals, cvals, db), spmd_axis_name=spmd_axis_name)(dvals)

@@ -3,11 +3,11 @@
 The classes of a value (:class:`Info`), the sites (:class:`Site`), the
 boundaries and groups a plan names (:class:`Boundary`, :class:`Group`,
 :class:`Ghost`, :class:`Tied`) and what the capture gives (:class:`Captured`).
-The stages (:mod:`~jaxclip.privacy._ghost_sites` and
-:mod:`~jaxclip.privacy._ghost_walk` find the sites,
-:mod:`~jaxclip.privacy._ghost_rules` plans, :mod:`~jaxclip.privacy._ghost_forward`,
-:mod:`~jaxclip.privacy._ghost_capture`, :mod:`~jaxclip.privacy._ghost_instantiate`
-and :mod:`~jaxclip.privacy._ghost_book` execute) import these; this module
+The stages (:mod:`~jaxclip.privacy._ghost._jaxpr._sites` and
+:mod:`~jaxclip.privacy._ghost._jaxpr._walk` find the sites,
+:mod:`~jaxclip.privacy._ghost._planning` plans, :mod:`~jaxclip.privacy._ghost._forward`,
+:mod:`~jaxclip.privacy._ghost._capture`, :mod:`~jaxclip.privacy._ghost._rules._instantiate`
+and :mod:`~jaxclip.privacy._ghost._book` execute) import these; this module
 imports none of them, so planning does not import execution.
 """
 
@@ -87,7 +87,7 @@ class Site:
 
   @property
   def name(self) -> str:
-    """The name of the equation's primitive (as ``_jax_internals.name`` reads it), or "the loss"."""
+    """The name of the equation's primitive (as ``_jaxpr._internals.name`` reads it), or "the loss"."""
     return "the loss" if self.eqn is None else self.eqn.primitive.name
 
   def param_positions(self) -> list[int]:
@@ -100,7 +100,7 @@ class Site:
     return [self.eqn.invars[p].aval for p in self.param_positions()]
 
   def zero_avals(self, tapped: bool) -> list[Any]:
-    """What :class:`~jaxclip.privacy._ghost_forward.Forward` adds zeros to: the param inputs
+    """What :class:`~jaxclip.privacy._ghost._forward.Forward` adds zeros to: the param inputs
     if ``tapped``, else the outputs."""
     return self.param_avals() if tapped else list(self.out_avals)
 
@@ -108,7 +108,7 @@ class Site:
   def summed(self) -> bool:
     """Whether every param input is the same value in every iteration of the site's scans.
 
-    Tapped (see :class:`jaxclip.privacy._ghost_forward.Forward`), such a site
+    Tapped (see :class:`jaxclip.privacy._ghost._forward.Forward`), such a site
     gets one zero closed over by the scans, and the gradient with respect to
     it is the sum of the iterations' (one bias row per example, not one per
     iteration).
@@ -180,15 +180,15 @@ class Captured(NamedTuple):
       ``params_pass``).
     aux: The aux leaves the loss returns for every example.
     spmd_axis_name: Passed to ``vmap``.
-    tapped: As in :class:`~jaxclip.privacy._ghost_capture.Inputs`, with the
+    tapped: As in :class:`~jaxclip.privacy._ghost._capture.Inputs`, with the
       accumulated sites (their ``gs`` are their param inputs' gradients too).
-    accumulated: As in :class:`~jaxclip.privacy._ghost_capture.Inputs`.
+    accumulated: As in :class:`~jaxclip.privacy._ghost._capture.Inputs`.
     weighted: With probed sites, ``weights -> sum_b weights_b grad_b`` (the
       parameters' gradients, in their dtypes, in float32 where the model has
       half precision: see ``wide`` in
-      :class:`~jaxclip.privacy._ghost_forward.Forward`): the second backward pass.
+      :class:`~jaxclip.privacy._ghost._forward.Forward`): the second backward pass.
     wide_pass: ``params_pass`` evaluated in float32 where the model has half
-      precision (:class:`~jaxclip.privacy._ghost_capture.WideParamsPass`), for float32 leaves.
+      precision (:class:`~jaxclip.privacy._ghost._capture.WideParamsPass`), for float32 leaves.
   """
 
   sites: tuple[Site, ...]
@@ -209,6 +209,6 @@ class Captured(NamedTuple):
 
   def wide(self) -> bool:
     """Whether any leaf or site value is bfloat16 or float16: the book-keeping then sums in
-    float32 (:mod:`jaxclip.privacy._ghost_book`)."""
+    float32 (:mod:`jaxclip.privacy._ghost._book`)."""
     values = [self.leaves, self.pvals, self.cvals, self.gs, self.drecs]
     return any(is_half(x) for x in jax.tree.leaves(values))

@@ -6,7 +6,7 @@ gradient ``g``) and records each site's data inputs ``a``; at a *tapped* site
 the zeros go to its param inputs instead; at a *probed* site it records
 nothing and the gradient with respect to its zero is the site's squared norm,
 computed from ``a`` and ``g`` in the backward pass (:func:`_probe`).
-:func:`jaxclip.privacy._ghost_capture.capture` runs it over a batch.
+:func:`jaxclip.privacy._ghost._capture.capture` runs it over a batch.
 """
 
 from __future__ import annotations
@@ -16,12 +16,12 @@ from typing import Any
 
 import jax
 
-from jaxclip.privacy import _ghost_conv
-from jaxclip.privacy import _ghost_sites as _sites
-from jaxclip.privacy import _jax_internals as _jax
-from jaxclip.privacy._ghost_types import DATA, PARAM, Info, Pair, Site, Stack
-from jaxclip.privacy._ghost_walk import Analyzer, Walker
-from jaxclip.privacy._ghost_wide import narrowed, wide_bind
+from jaxclip.privacy._ghost._jaxpr import _internals as _jax
+from jaxclip.privacy._ghost._jaxpr import _sites
+from jaxclip.privacy._ghost._jaxpr._walk import Analyzer, Walker
+from jaxclip.privacy._ghost._rules import _conv_taps
+from jaxclip.privacy._ghost._types import DATA, PARAM, Info, Pair, Site, Stack
+from jaxclip.privacy._ghost._wide import narrowed, wide_bind
 
 
 class Forward(Walker):
@@ -35,7 +35,7 @@ class Forward(Walker):
   the same value in every iteration). A site in ``probed`` gets one scalar
   zero, whose gradient is the site's squared norm (see :func:`_probe`), and
   records nothing. A site whose ``zs[u]`` is empty takes another's output
-  gradient (``borrowed`` in :class:`jaxclip.privacy._ghost_capture.Inputs`)
+  gradient (``borrowed`` in :class:`jaxclip.privacy._ghost._capture.Inputs`)
   and gets no zero.
 
   Args:
@@ -56,18 +56,18 @@ class Forward(Walker):
       the gradient with respect to it, the example's gradient of that
       input, is formed in the backward pass from the site's data input and
       output gradient (:func:`_probe`), with nothing recorded
-      (:func:`jaxclip.privacy._ghost_costs.accumulates`). Where the input is
+      (:func:`jaxclip.privacy._ghost._costs.accumulates`). Where the input is
       the same value in every iteration of the site's scans, the zero is
       closed over by them, and the gradient is summed over the iterations.
     wide: Whether the parameters' values come in float32 copies of
       half-precision leaves (the two-pass plan's forward pass, whose second
       backward pass gives the clipped sum): what depends on the parameters
       alone is then evaluated in float32
-      (:func:`jaxclip.privacy._ghost_wide.wide_bind`), and each site in
+      (:func:`jaxclip.privacy._ghost._wide.wide_bind`), and each site in
       float32 with its outputs rounded to their dtypes, so that the model's
       values are those of its own dtypes while the parameters' gradients,
       summed over the batch at each site, are float32
-      (:func:`jaxclip.privacy._ghost_wide.narrowed`).
+      (:func:`jaxclip.privacy._ghost._wide.narrowed`).
   """
 
   def __init__(
@@ -208,12 +208,12 @@ def _param_gradient(eqn: Any, roles: Sequence[str]) -> Callable[..., Any]:
 
   A convolution's kernel gradient is taken one kernel tap at a time where its
   input's patches would be no larger than its input and output together
-  (:mod:`jaxclip.privacy._ghost_conv`); otherwise, as at any other site, by
+  (:mod:`jaxclip.privacy._ghost._rules._conv_taps`); otherwise, as at any other site, by
   ``jax.vjp`` of the site's primitive.
   """
   parts = _jax.conv_parts(eqn)
-  if parts is not None and list(roles) == [DATA, PARAM] and _ghost_conv.patches_fit(eqn, parts):
-    return lambda pvals, dvals, gs: _ghost_conv.kernel_gradient(parts, pvals[0], dvals[0], gs[0])
+  if parts is not None and list(roles) == [DATA, PARAM] and _conv_taps.patches_fit(eqn, parts):
+    return lambda pvals, dvals, gs: _conv_taps.kernel_gradient(parts, pvals[0], dvals[0], gs[0])
 
   def fn(pvals, dvals, gs):
     def outputs(p):

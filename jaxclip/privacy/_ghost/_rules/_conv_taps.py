@@ -1,7 +1,7 @@
 """One example's gradient of a convolution's kernel, tap by tap (ghost norms).
 
 Where a ghost site's per-example kernel gradient is formed in the backward
-pass (:func:`jaxclip.privacy._ghost_costs.accumulates`), ``jax.vjp`` forms it
+pass (:func:`jaxclip.privacy._ghost._costs.accumulates`), ``jax.vjp`` forms it
 as a convolution grouped by example; for a convolution with few taps against
 its channels, :func:`kernel_gradient` forms it one tap at a time instead,
 reading the output gradient where it lies (:func:`patches_fit` says where).
@@ -17,7 +17,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxclip.privacy import _jax_internals as _jax
+from jaxclip.privacy._ghost._jaxpr import _internals as _jax
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 

@@ -1,11 +1,11 @@
 """Ghost norms: each example's squared gradient norm, by a plan's rules.
 
 :func:`plan_sumsq` adds up, per example (and per clip group), the terms of a
-plan: each ghost boundary's rule (:mod:`jaxclip.privacy._ghost_norms`) from
+plan: each ghost boundary's rule (:mod:`jaxclip.privacy._ghost._rules._norms`) from
 its captured ``a`` and ``g``, or the term taken in the backward pass (a
 probed site, :func:`probe_sumsq`; an accumulated one, its per-example
 gradient), each tied table's terms and the instantiated leaves'
-(:mod:`jaxclip.privacy._ghost_instantiate`).
+(:mod:`jaxclip.privacy._ghost._rules._instantiate`).
 """
 
 from __future__ import annotations
@@ -16,14 +16,14 @@ import jax
 import jax.numpy as jnp
 
 from jaxclip._kernel import _numerics
-from jaxclip.privacy import _ghost_instantiate, _ghost_norms
-from jaxclip.privacy._ghost_rules import Plan
-from jaxclip.privacy._ghost_types import Captured, Site, Tied
+from jaxclip.privacy._ghost._planning import Plan
+from jaxclip.privacy._ghost._rules import _instantiate, _norms
+from jaxclip.privacy._ghost._types import Captured, Site, Tied
 
 
 def early_heads(plan: Plan) -> list[tuple[int, int]]:
   """The tied heads whose own term is taken in the backward pass (``early`` of
-  :class:`jaxclip.privacy._ghost_forward.Forward`).
+  :class:`jaxclip.privacy._ghost._forward.Forward`).
 
   In a two-pass plan a head's output gradient, as large as its logits, is
   needed for the norms only: taken at the head, its own term frees it before
@@ -47,7 +47,7 @@ def plan_sumsq(
   With ``leaf_groups`` (the clip group of each leaf), ``(examples, groups)``:
   each example's squared norm over each group's leaves. A ghost rule's or a
   tied table's term belongs to its one leaf's group; the instantiated leaves
-  are summed per group (:func:`jaxclip.privacy._ghost_instantiate.instantiated_sumsq`).
+  are summed per group (:func:`jaxclip.privacy._ghost._rules._instantiate.instantiated_sumsq`).
   """
   acc = _numerics.tree_accumulation_dtype(cap.leaves)  # as method="vmap" sums squares
   num = 1 if leaf_groups is None else num_groups or max(leaf_groups, default=-1) + 1
@@ -61,7 +61,7 @@ def plan_sumsq(
       parts[g] = parts[g] + jnp.sum(part.reshape(cap.n, -1), axis=1).astype(acc)
       continue
     if u in cap.accumulated:  # the per-example gradient, formed in the backward pass
-      parts[g] = parts[g] + _ghost_norms.safe_sumsq(cap.gs[u][k]).astype(acc)
+      parts[g] = parts[g] + _norms.safe_sumsq(cap.gs[u][k]).astype(acc)
       continue
     parts[g] = parts[g] + _rule_sumsq(cap, u, k, rule).astype(acc)
   early = {du for du, _ in early_heads(plan)}
@@ -71,9 +71,9 @@ def plan_sumsq(
     parts[g] = parts[g] + _tied_sumsq(cap, pair, early).astype(acc)
   for inst in plan.groups:
     if leaf_groups is None:
-      parts[0] = parts[0] + _ghost_instantiate.instantiated_sumsq(inst, cap).astype(acc)
+      parts[0] = parts[0] + _instantiate.instantiated_sumsq(inst, cap).astype(acc)
       continue
-    per_group = _ghost_instantiate.instantiated_sumsq(inst, cap, leaf_groups, num).astype(acc)
+    per_group = _instantiate.instantiated_sumsq(inst, cap, leaf_groups, num).astype(acc)
     parts = [p + per_group[:, j] for j, p in enumerate(parts)]
   if leaf_groups is None:
     return parts[0]
@@ -95,10 +95,10 @@ def _site_rule(site: Site, k: int, rule: str) -> Callable[..., jax.Array]:
   """
   if rule == "dot":
     pos, shared = site.param_positions()[k], len(site.infos[k].shared)
-    return lambda w, a, g: _ghost_norms.dot_sumsq(site, pos, a, g, shared)
+    return lambda w, a, g: _norms.dot_sumsq(site, pos, a, g, shared)
   if rule == "conv":
-    return lambda w, a, g: _ghost_norms.conv_sumsq(site, w, a, g)
-  return lambda w, ids, g: _ghost_norms.gather_sumsq(site, ids, g)
+    return lambda w, a, g: _norms.conv_sumsq(site, w, a, g)
+  return lambda w, ids, g: _norms.gather_sumsq(site, ids, g)
 
 
 def _rule_sumsq(cap: Captured, u: int, k: int, rule: str) -> jax.Array:
@@ -112,9 +112,9 @@ def _rule_sumsq(cap: Captured, u: int, k: int, rule: str) -> jax.Array:
   fn = _site_rule(site, k, rule)
   if rule == "conv":
     kernel = _repeat(cap.pvals[u][k], cap.n)
-    return _ghost_norms.per_iteration(site, fn, kernel, a, g)
+    return _norms.per_iteration(site, fn, kernel, a, g)
   shared = site.infos[k].shared
-  return _ghost_norms.per_iteration(site, lambda a, g: fn(None, a, g), a, g, shared=shared)
+  return _norms.per_iteration(site, lambda a, g: fn(None, a, g), a, g, shared=shared)
 
 
 def _repeat(x: jax.Array, n: int) -> jax.Array:
@@ -143,9 +143,9 @@ def _tied_sumsq(
   lookup, head = cap.sites[gu], cap.sites[du]
   pos = head.param_positions()[dk]
   ids, rows, a, g = cap.drecs[gu][0], cap.gs[gu][0], cap.drecs[du][0], cap.gs[du][0]
-  own = cap.gs[du][-1] if du in early else _ghost_norms.dot_sumsq(head, pos, a, g)
+  own = cap.gs[du][-1] if du in early else _norms.dot_sumsq(head, pos, a, g)
   return (
-    _ghost_norms.gather_sumsq(lookup, ids, rows)
+    _norms.gather_sumsq(lookup, ids, rows)
     + own
-    + 2 * _ghost_norms.tied_cross(lookup, ids, rows, head, pos, a, g)
+    + 2 * _norms.tied_cross(lookup, ids, rows, head, pos, a, g)
   )

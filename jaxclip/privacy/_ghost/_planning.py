@@ -20,10 +20,10 @@ from typing import NamedTuple
 
 import jax.numpy as jnp
 
-from jaxclip._kernel import _platform
-from jaxclip.privacy import _ghost_costs, _ghost_sites
-from jaxclip.privacy import _jax_internals as _jax
-from jaxclip.privacy._ghost_types import DATA, Boundary, Ghost, Group, Site, Tied
+from jaxclip.privacy._ghost import _cost_model, _costs
+from jaxclip.privacy._ghost._jaxpr import _internals as _jax
+from jaxclip.privacy._ghost._jaxpr import _sites
+from jaxclip.privacy._ghost._types import DATA, Boundary, Ghost, Group, Site, Tied
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,7 +36,7 @@ class Plan:
     tied: ``((site, position), (site, position))`` of the lookup and the
       ``dot_general`` of each embedding table tied to an output head: both
       rules, plus their cross term.
-    groups: The :class:`~jaxclip.privacy._ghost_types.Group` of leaves whose
+    groups: The :class:`~jaxclip.privacy._ghost._types.Group` of leaves whose
       per-example gradients are instantiated (at most one: a single
       per-example pass through each of their sites).
     cost: Per example, the flops of this plan's norms and those of forming
@@ -50,7 +50,7 @@ class Plan:
       book-kept (:func:`_probed`). Empty for the one-pass plan.
     unknown: Why the engine cannot read each higher-order equation it does
       not know that touches the parameters or the batch
-      (:func:`jaxclip.privacy._jax_internals.unreadable`); if any, the whole
+      (:func:`jaxclip.privacy._ghost._jaxpr._internals.unreadable`); if any, the whole
       loss takes ``method="vmap"`` whatever the rules.
     num_leaves: The number of parameter leaves.
     chosen: ``(leaf, reason)`` of each leaf that has a ghost rule but is
@@ -83,7 +83,7 @@ def make_plan(
   """Groups the leaves by shared uses and picks each group's rule.
 
   Args:
-    sites: From :func:`jaxclip.privacy._ghost_walk.analysis`.
+    sites: From :func:`jaxclip.privacy._ghost._jaxpr._walk.analysis`.
     num_leaves: The number of parameter leaves.
     unknown: From the same: the higher-order equations the engine cannot read.
     instantiate: Leaves to instantiate although they have a ghost rule, each
@@ -197,22 +197,22 @@ def _ghost_cost(
   sites: Sequence[Site], ghost: Sequence[Ghost], tied: Sequence[Tied], groups: Sequence[Group]
 ) -> int:
   """Per example, the flops of the plan's norms."""
-  cost = sum(_ghost_costs.site_cost(sites[u], k, rule)[0] for u, k, rule in ghost)
+  cost = sum(_costs.site_cost(sites[u], k, rule)[0] for u, k, rule in ghost)
   for pair in tied:
     (gu, gk), (du, dk) = pair
     cost += (
-      _ghost_costs.site_cost(sites[gu], gk, "gather")[0]
-      + _ghost_costs.site_cost(sites[du], dk, "dot")[0]
-      + _ghost_costs.tied_cross_cost(sites, pair)
+      _costs.site_cost(sites[gu], gk, "gather")[0]
+      + _costs.site_cost(sites[du], dk, "dot")[0]
+      + _costs.tied_cross_cost(sites, pair)
     )
   return cost + sum(
-    _ghost_costs.site_cost(sites[u], k, "generic")[1] for group in groups for u, k in group.bounds
+    _costs.site_cost(sites[u], k, "generic")[1] for group in groups for u, k in group.bounds
   )
 
 
 def _per_example_cost(sites: Sequence[Site], boundaries: Sequence[Boundary]) -> int:
   """Per example, the flops of forming every per-example gradient."""
-  return sum(_ghost_costs.site_cost(sites[u], k, sites[u].rules[k])[1] for u, k in boundaries)
+  return sum(_costs.site_cost(sites[u], k, sites[u].rules[k])[1] for u, k in boundaries)
 
 
 def _disjoint_uses(sites: Sequence[Site], leaf: int, bounds: Sequence[Boundary]) -> bool:
@@ -230,7 +230,7 @@ def _disjoint_uses(sites: Sequence[Site], leaf: int, bounds: Sequence[Boundary])
     return False
   if len({sites[u].stack for u, _ in bounds}) != 1:
     return False
-  return all(_ghost_sites.disjoint(a, b) for j, a in enumerate(infos) for b in infos[j + 1 :])
+  return all(_sites.disjoint(a, b) for j, a in enumerate(infos) for b in infos[j + 1 :])
 
 
 def _tied_pair(sites: Sequence[Site], leaf: int, bounds: Sequence[Boundary]) -> Tied | None:
@@ -284,21 +284,21 @@ def _leaf_costs(plan: Plan) -> dict[int, _LeafCost]:
   parts: dict[int, list[tuple[str, int, int, int, int]]] = {}
   for u, k, rule in plan.ghost:
     site = plan.sites[u]
-    flops, grad = _ghost_costs.site_cost(site, k, rule)
-    mem, grad_mem = _ghost_costs.site_memory(site, k, rule)
+    flops, grad = _costs.site_cost(site, k, rule)
+    mem, grad_mem = _costs.site_memory(site, k, rule)
     parts.setdefault(site.infos[k].view, []).append((_RULE_NAMES[rule], flops, grad, mem, grad_mem))
   for pair in plan.tied:
     (gu, gk), (du, dk) = pair
     look, head = plan.sites[gu], plan.sites[du]
     (f1, g1), (f2, g2) = (
-      _ghost_costs.site_cost(look, gk, "gather"),
-      _ghost_costs.site_cost(head, dk, "dot"),
+      _costs.site_cost(look, gk, "gather"),
+      _costs.site_cost(head, dk, "dot"),
     )
     (m1, h1), (m2, h2) = (
-      _ghost_costs.site_memory(look, gk, "gather"),
-      _ghost_costs.site_memory(head, dk, "dot"),
+      _costs.site_memory(look, gk, "gather"),
+      _costs.site_memory(head, dk, "dot"),
     )
-    cross = _ghost_costs.tied_cross_cost(plan.sites, pair)
+    cross = _costs.tied_cross_cost(plan.sites, pair)
     parts[look.infos[gk].view] = [("tied", f1 + f2 + cross, g1 + g2, m1 + m2, h1 + h2)]
   return {
     leaf: _LeafCost(ps[0][0], *(sum(p[j] for p in ps) for j in range(1, 5)))
@@ -310,7 +310,7 @@ def auto_plan(plan: Plan, platform: str | None) -> tuple[Plan | None, str | None
   """The plan ``method="auto"`` takes in a program lowered for ``platform``.
 
   By the platform's cost model
-  (:func:`jaxclip._kernel._platform.ghost_cost_model`):
+  (:func:`jaxclip._kernel._cost_model.ghost_cost_model`):
 
   * on CPU, by flops: per layer, the rules' own switch between the Gram form
     and the layer's per-example gradient formed from its ``a`` and ``g``
@@ -331,9 +331,9 @@ def auto_plan(plan: Plan, platform: str | None) -> tuple[Plan | None, str | None
     ``(plan, None)``, or ``(None, reason)`` for ``method="vmap"``'s program.
   """
   where = f"auto on {platform or 'a platform other than CPU'}"
-  if _platform.ghost_cost_model(platform) == "flops":
+  if _cost_model.ghost_cost_model(platform) == "flops":
     ghost, per_example = plan.cost
-    share = _platform.GHOST_FLOPS_SHARE_CPU
+    share = _cost_model.GHOST_FLOPS_SHARE_CPU
     if ghost > share * per_example:
       return None, (
         f"{where}: the norms' {ghost:.3g} flops per example exceed {share:g}x the per-example "

@@ -2,10 +2,10 @@
 
 The rules (``dot``, ``conv``, ``lookup`` and a tied table's cross term) work
 from the data inputs ``a`` and output gradients ``g`` that
-:mod:`jaxclip.privacy._ghost_capture` records (the parameters no rule covers
-are :mod:`jaxclip.privacy._ghost_instantiate`'s). What each rule costs, and
+:mod:`jaxclip.privacy._ghost._capture` records (the parameters no rule covers
+are :mod:`jaxclip.privacy._ghost._rules._instantiate`'s). What each rule costs, and
 where the Gram form is cheaper than the per-example gradient, is
-:mod:`jaxclip.privacy._ghost_costs`'s.
+:mod:`jaxclip.privacy._ghost._costs`'s.
 """
 
 from __future__ import annotations
@@ -16,14 +16,14 @@ import jax
 import jax.numpy as jnp
 
 from jaxclip._kernel import _numerics
-from jaxclip.privacy import _jax_internals as _jax
-from jaxclip.privacy._ghost_costs import (
+from jaxclip.privacy._ghost._costs import (
   conv_dims,
   dot_dims,
   gram_is_cheaper,
   lookup_gram_is_cheaper,
 )
-from jaxclip.privacy._ghost_types import Site
+from jaxclip.privacy._ghost._jaxpr import _internals as _jax
+from jaxclip.privacy._ghost._types import Site
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 

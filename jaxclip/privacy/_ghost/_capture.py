@@ -1,6 +1,6 @@
 """Ghost norms: each site's ``a`` and ``g`` for every example, and its param inputs.
 
-:class:`jaxclip.privacy._ghost_forward.Forward` evaluates one example, adding
+:class:`jaxclip.privacy._ghost._forward.Forward` evaluates one example, adding
 a zero at each site and recording its data inputs ``a``; :class:`ParamsPass`
 evaluates only what does not depend on the batch and records each site's
 param and const inputs. :func:`capture` runs both over a batch.
@@ -16,9 +16,10 @@ import jax
 import jax.numpy as jnp
 
 from jaxclip._kernel import _numerics, _sharding
-from jaxclip.privacy import _ghost_sites as _sites
-from jaxclip.privacy._ghost_forward import Forward
-from jaxclip.privacy._ghost_types import (
+from jaxclip.privacy._ghost._forward import Forward
+from jaxclip.privacy._ghost._jaxpr import _sites
+from jaxclip.privacy._ghost._jaxpr._walk import Walker, input_infos
+from jaxclip.privacy._ghost._types import (
   CONST,
   DATA,
   PARAM,
@@ -29,8 +30,7 @@ from jaxclip.privacy._ghost_types import (
   Stack,
   is_half,
 )
-from jaxclip.privacy._ghost_walk import Walker, input_infos
-from jaxclip.privacy._ghost_wide import wide_bind, widened
+from jaxclip.privacy._ghost._wide import wide_bind, widened
 
 
 class ParamsPass(Walker):
@@ -62,7 +62,7 @@ class WideParamsPass(ParamsPass):
   its parameters (a cast's target, a dot's ``preferred_element_type``) taken
   as float32. Given float32 copies of the leaves, its pull-back
   (``jax.vjp``) carries the book-keeping's float32 sums to the leaves with
-  no rounding to half precision on the way (:mod:`jaxclip.privacy._ghost_book`).
+  no rounding to half precision on the way (:mod:`jaxclip.privacy._ghost._book`).
   """
 
   def bind(self, eqn: Any, vals: list[Any], info: Info | None = None) -> list[Any]:
@@ -90,11 +90,11 @@ class Inputs(NamedTuple):
     tapped: The sites whose per-example param-input gradients are taken in
       the backward pass instead of their output gradients.
     probed: The sites whose squared norms are taken in the backward pass
-      (see :class:`~jaxclip.privacy._ghost_forward.Forward`).
+      (see :class:`~jaxclip.privacy._ghost._forward.Forward`).
     borrowed: ``{site: site}``: the sites that take another's output
-      gradient, the same value (:func:`jaxclip.privacy._ghost_sites.borrowed`).
-    accumulated: As in :class:`~jaxclip.privacy._ghost_forward.Forward`.
-    early: As in :class:`~jaxclip.privacy._ghost_forward.Forward`.
+      gradient, the same value (:func:`jaxclip.privacy._ghost._jaxpr._sites.borrowed`).
+    accumulated: As in :class:`~jaxclip.privacy._ghost._forward.Forward`.
+    early: As in :class:`~jaxclip.privacy._ghost._forward.Forward`.
   """
 
   closed: Any

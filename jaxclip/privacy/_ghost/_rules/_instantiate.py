@@ -1,7 +1,7 @@
 """Ghost norms: the per-example gradients of the parameters no rule covers.
 
 Leaves no rule covers (layer-norm scales, biases, a weight used twice) are
-instantiated in groups (:class:`~jaxclip.privacy._ghost_types.Group`): each
+instantiated in groups (:class:`~jaxclip.privacy._ghost._types.Group`): each
 example's gradient of the group's boundaries (the sites' param inputs) is
 formed through those sites only, from their recorded ``a`` and ``g``, in chunks
 of examples, and pulled back to the leaves. A leaf used only through views of
@@ -20,8 +20,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxclip._kernel import _numerics, _shapes
-from jaxclip.privacy import _ghost_sites
-from jaxclip.privacy._ghost_types import Boundary, Captured, Group, Site
+from jaxclip.privacy._ghost._jaxpr import _sites
+from jaxclip.privacy._ghost._types import Boundary, Captured, Group, Site
 
 # Elements of per-example gradients one chunk of an instantiated group may hold at once.
 _CHUNK_ELEMENTS = 1 << 24
@@ -43,7 +43,7 @@ def disjoint_views(
       for i, (u, _) in zip(infos, bounds, strict=True)
     )
     and len({sites[u].stack for u, _ in bounds}) == 1
-    and all(_ghost_sites.disjoint(a, b) for j, a in enumerate(infos) for b in infos[j + 1 :])
+    and all(_sites.disjoint(a, b) for j, a in enumerate(infos) for b in infos[j + 1 :])
   )
 
 
@@ -197,7 +197,7 @@ def _site_param_grads(
     pv = list(pvals)
     for k, x in zip(ks, sub, strict=True):
       pv[k] = x
-    return _ghost_sites.site_outputs(site, pv, cvals, d)
+    return _sites.site_outputs(site, pv, cvals, d)
 
   vjp = site_vjp(site, fn, [pvals[k] for k in ks])
   return vjp(list(g))[0]

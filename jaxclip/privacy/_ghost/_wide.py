@@ -4,9 +4,9 @@ Where the model holds bfloat16 or float16 values, the engine evaluates what
 it sums in float32: :func:`widened` widens a value (exactly), :func:`wide_bind`
 evaluates an equation on widened values, and :func:`narrowed` rounds values
 back to their variables' dtypes (the two-pass plan's forward pass, in
-:class:`jaxclip.privacy._ghost_forward.Forward`; the parameters' pass, in
-:class:`jaxclip.privacy._ghost_capture.WideParamsPass`; the book-keeping, in
-:mod:`jaxclip.privacy._ghost_book`).
+:class:`jaxclip.privacy._ghost._forward.Forward`; the parameters' pass, in
+:class:`jaxclip.privacy._ghost._capture.WideParamsPass`; the book-keeping, in
+:mod:`jaxclip.privacy._ghost._book`).
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from typing import Any, NamedTuple
 import jax.numpy as jnp
 import numpy as np
 
-from jaxclip.privacy import _jax_internals as _jax
-from jaxclip.privacy._ghost_types import HALF, is_half
+from jaxclip.privacy._ghost._jaxpr import _internals as _jax
+from jaxclip.privacy._ghost._types import HALF, is_half
 
 
 def widened(x: Any) -> Any:

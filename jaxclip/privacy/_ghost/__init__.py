@@ -1,4 +1,4 @@
-"""Per-example gradient norms without per-example gradients (ghost norms).
+"""The ghost engine: per-example gradient norms without per-example gradients.
 
 The engine behind ``per_example_clipped_grad(..., method="ghost")`` and
 ``"auto"``. It works on the traced jaxpr of one example's loss, so any JAX
@@ -23,24 +23,32 @@ only. The clipped sum is then book-kept from the same ``a`` and ``g``, or,
 where a ghost site is rematerialised, taken by a second, weighted backward
 pass.
 
-The engine, one module per step:
+The only way in for the rest of :mod:`jaxclip.privacy`:
+``per_example_clipped_grad(method="ghost" | "auto")`` (:func:`trace`,
+:func:`plan_for`, :func:`clipped_sum`) and :func:`jaxclip.ghost_plan`'s
+report (:func:`leaf_rules`, :func:`mixed_boundaries`, :func:`pull_passes`).
+The tests reach further in; nothing else does.
 
-* :mod:`~jaxclip.privacy._ghost_sites` and :mod:`~jaxclip.privacy._ghost_walk`:
-  the values' classes, the sites and the rule each can get;
-* :mod:`~jaxclip.privacy._ghost_capture` and
-  :mod:`~jaxclip.privacy._ghost_forward`: each site's ``a`` and ``g`` (or,
-  formed in the backward pass, its per-example gradient:
-  :mod:`~jaxclip.privacy._ghost_conv` for a convolution, tap by tap), half
-  precision evaluated in float32 (:mod:`~jaxclip.privacy._ghost_wide`);
-* :mod:`~jaxclip.privacy._ghost_norms`: each rule's per-example squared
-  norm, and :mod:`~jaxclip.privacy._ghost_sumsq` a plan's;
-* :mod:`~jaxclip.privacy._ghost_instantiate`: the per-example gradients of
-  the parameters no rule covers;
-* :mod:`~jaxclip.privacy._ghost_rules`: which rule each leaf gets, and
-  ``"auto"``'s choice between a rule and a per-example gradient
-  (:mod:`~jaxclip.privacy._ghost_costs`: each rule's cost);
-* :mod:`~jaxclip.privacy._ghost_book`: the clipped sum;
-* this module: tracing, and running a plan.
+The layout, one step per module:
+
+* ``_types``: the records the steps share (a value's class, a site, a
+  boundary, a group of instantiated leaves, what the capture gives); it
+  imports none of the steps;
+* ``_jaxpr/``: reading the jaxpr, the one place that knows JAX's internals
+  (``_internals``: primitive and parameter names, each layout behind one
+  accessor), walking it (``_walk``) and finding its sites (``_sites``);
+* ``_rules/``: the rule registry (``__init__``) and one file per rule, each
+  declaring how it matches a site, its squared norm, its cost, its memory
+  and whether it accumulates in the backward pass; ``_instantiate`` is the
+  base rule (the per-example gradient, formed through the sites);
+* ``_planning``: which rule each leaf gets, and ``"auto"``'s choice between
+  a rule and a per-example gradient, by ``_costs`` (each boundary's flops and
+  floats) and ``_cost_model`` (the platform's weighing);
+* ``_forward`` and ``_capture``: one example's evaluation with a zero added
+  at each site, each site's ``a`` and ``g`` over a batch, half precision
+  evaluated in float32 (``_wide``);
+* ``_sumsq``: each example's squared norm by a plan; ``_book``: the clipped
+  sum; this module: tracing, and running a plan.
 """
 
 from __future__ import annotations
@@ -54,29 +62,24 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxclip._kernel import _numerics, _sharding
-from jaxclip.privacy import (
-  _batching,
-  _ghost_book,
-  _ghost_capture,
-  _ghost_costs,
-  _ghost_rules,
-  _ghost_sites,
-  _ghost_walk,
-)
-from jaxclip.privacy._ghost_capture import Inputs
-from jaxclip.privacy._ghost_rules import Plan, make_plan
-from jaxclip.privacy._ghost_sumsq import early_heads, plan_sumsq, probe_sumsq
-from jaxclip.privacy._ghost_types import Captured
-from jaxclip.privacy._ghost_walk import input_infos
+from jaxclip.privacy import _batching
+from jaxclip.privacy._ghost import _book, _capture, _costs, _planning
+from jaxclip.privacy._ghost._book import mixed_boundaries, pull_passes
+from jaxclip.privacy._ghost._capture import Inputs
+from jaxclip.privacy._ghost._jaxpr import _sites, _walk
+from jaxclip.privacy._ghost._jaxpr._walk import input_infos
+from jaxclip.privacy._ghost._planning import Plan, make_plan
+from jaxclip.privacy._ghost._sumsq import early_heads, plan_sumsq, probe_sumsq
+from jaxclip.privacy._ghost._types import Captured
 
 __all__ = [
-  "Plan",
+  "METHODS",
   "Traced",
   "clipped_sum",
-  "input_infos",
   "leaf_rules",
-  "make_plan",
+  "mixed_boundaries",
   "plan_for",
+  "pull_passes",
   "trace",
 ]
 
@@ -88,7 +91,7 @@ def plan_for(plan: Plan, method: str, platform: str | None) -> tuple[Plan | None
   ``method="vmap"``'s program.
 
   ``"ghost"`` takes every rule the analyser found; ``"auto"`` chooses per
-  leaf by the platform's cost model (:func:`jaxclip.privacy._ghost_rules.auto_plan`).
+  leaf by the platform's cost model (:func:`jaxclip.privacy._ghost._planning.auto_plan`).
   Either takes ``"vmap"``'s program where the loss has a higher-order
   primitive the engine cannot read (``plan.unknown``): what it uses is not
   known.
@@ -97,7 +100,7 @@ def plan_for(plan: Plan, method: str, platform: str | None) -> tuple[Plan | None
     return None, "falls back to method='vmap': " + "; ".join(plan.unknown)
   if method == "ghost":
     return plan, None
-  return _ghost_rules.auto_plan(plan, platform)
+  return _planning.auto_plan(plan, platform)
 
 
 def leaf_rules(plan: Plan, method: str, platform: str | None) -> list[tuple[str, str | None]]:
@@ -109,7 +112,7 @@ def leaf_rules(plan: Plan, method: str, platform: str | None) -> list[tuple[str,
   """
   chosen, why = plan_for(plan, method, platform)
   if chosen is not None:
-    return _ghost_rules.leaf_rules(chosen, plan.num_leaves)
+    return _planning.leaf_rules(chosen, plan.num_leaves)
   if plan.unknown:
     return [("instantiate", why)] * plan.num_leaves
   used = {i for s in plan.sites for info in s.infos for i in info.deps}
@@ -208,7 +211,7 @@ def trace(
   loss_shape = out_shape[0] if has_aux else out_shape
   _batching.check_loss(loss_shape, shown=str(loss_shape))
   infos = input_infos([jnp.ndim(x) for x in leaves], batched)
-  sites, unknown = _ghost_walk.analysis(closed, infos)
+  sites, unknown = _walk.analysis(closed, infos)
   plan = make_plan(sites, len(leaves), unknown)
   return Traced(closed, out_shape, leaves, params_tree, arg_leaves, batched, plan)
 
@@ -234,7 +237,7 @@ def clipped_sum(
   not finite; every example at weight 0 (in every group) is then *selected*
   away, not multiplied by 0 (``0 * nan`` is ``nan``): its output gradients
   and its data records are replaced before the book-keeping
-  (:func:`jaxclip.privacy._ghost_book.book_keep`), and a second backward
+  (:func:`jaxclip.privacy._ghost._book.book_keep`), and a second backward
   pass runs on a batch where such rows are copies of a kept example.
 
   Args:
@@ -246,7 +249,7 @@ def clipped_sum(
       or ``None`` for one group. With groups, the norms are ``(examples,
       groups)``, each example's norm over each group's leaves, and so are the
       weights: leaf ``i`` of example ``b`` is weighted by
-      ``weights[b, leaf_groups[i]]`` (:func:`jaxclip.privacy._ghost_book.book_keep`).
+      ``weights[b, leaf_groups[i]]`` (:func:`jaxclip.privacy._ghost._book.book_keep`).
     num_groups: How many groups (some may hold no leaf); ``None``: those
       ``leaf_groups`` names.
 
@@ -255,7 +258,7 @@ def clipped_sum(
     in float32 (or wider).
   """
   plan = traced.plan
-  cap = _ghost_capture.capture(inputs_for(traced, spmd_axis_name), plan.sites)
+  cap = _capture.capture(inputs_for(traced, spmd_axis_name), plan.sites)
   norms = _numerics.safe_sqrt(plan_sumsq(plan, cap, leaf_groups, num_groups))
   weights, extra = weights_fn(norms)
   keep = weights != 0
@@ -264,7 +267,7 @@ def clipped_sum(
     grads = _two_pass_kept(traced, spmd_axis_name, cap, weights, keep, leaf_groups)
     grads = [_numerics.upcast_for_accumulation(x) for x in grads]
   else:
-    grads = _ghost_book.book_keep(_ghost_book.kept(cap, keep), weights, leaf_groups)
+    grads = _book.book_keep(_book.kept(cap, keep), weights, leaf_groups)
   # With no example kept, a stand-in row may hold anything: nothing is released of any.
   any_kept = jnp.any(keep)
   grads = [jnp.where(any_kept, x, jnp.zeros((), x.dtype)) for x in grads]
@@ -287,7 +290,7 @@ def _two_pass_kept(
   """
 
   def as_captured():
-    return _ghost_book.two_pass(cap, weights, leaf_groups)
+    return _book.two_pass(cap, weights, leaf_groups)
 
   def rerun():
     onehot = _batching.first_onehot(keep)
@@ -297,10 +300,10 @@ def _two_pass_kept(
       else x
       for x, b in zip(traced.arg_leaves, traced.batched, strict=True)
     ]
-    again = _ghost_capture.capture(
+    again = _capture.capture(
       inputs_for(dataclasses.replace(traced, arg_leaves=clean), spmd_axis_name), traced.plan.sites
     )
-    return _ghost_book.two_pass(again, weights, leaf_groups)
+    return _book.two_pass(again, weights, leaf_groups)
 
   # Two conds, not one: a cond's operands are live until it returns, so one
   # cond over both branches would hold the capture's residuals (the first
@@ -319,19 +322,17 @@ def _placeholders(avals: Sequence[Any]) -> list[Any]:
 
 
 def inputs_for(traced: Traced, spmd_axis_name: Any) -> Inputs:
-  """What :func:`jaxclip.privacy._ghost_capture.capture` takes to run ``traced``'s plan.
+  """What :func:`jaxclip.privacy._ghost._capture.capture` takes to run ``traced``'s plan.
 
   Besides the plan's tapped and probed sites: the ghost boundaries whose
   per-example gradients are formed in the backward pass
-  (:func:`jaxclip.privacy._ghost_costs.accumulates`), and the sites that
-  take another's output gradient (:func:`jaxclip.privacy._ghost_sites.borrowed`).
+  (:func:`jaxclip.privacy._ghost._costs.accumulates`), and the sites that
+  take another's output gradient (:func:`jaxclip.privacy._ghost._jaxpr._sites.borrowed`).
   """
   plan = traced.plan
   probes = {u: probe_sumsq(plan.sites[u], k, rule) for u, k, rule in plan.ghost if u in plan.probed}
   accumulated = frozenset(
-    u
-    for u, k, _ in plan.ghost
-    if u not in plan.probed and _ghost_costs.accumulates(plan.sites[u], k)
+    u for u, k, _ in plan.ghost if u not in plan.probed and _costs.accumulates(plan.sites[u], k)
   )
   own = [u for u in range(len(plan.sites)) if u not in plan.tapped | plan.probed | accumulated]
   return Inputs(
@@ -342,7 +343,7 @@ def inputs_for(traced: Traced, spmd_axis_name: Any) -> Inputs:
     spmd_axis_name,
     plan.tapped,
     probes,
-    _ghost_sites.borrowed(plan.sites, own),
+    _sites.borrowed(plan.sites, own),
     accumulated,
     {du: probe_sumsq(plan.sites[du], dk, "dot") for du, dk in early_heads(plan)},
   )

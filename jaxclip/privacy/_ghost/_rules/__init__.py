@@ -1,0 +1,1 @@
+"""The ghost engine's rules: each site's per-example squared norm, one file per rule."""
