@@ -36,7 +36,9 @@ def test_mlp_matches_vmap_and_uses_the_dot_rule():
   assert len(plan.groups) == 1
   # b1's site gives its per-example gradient in the backward pass (8 floats), not its output
   # gradient and input (16): the sites of the two dots record a and g.
-  assert plan.tapped == {u for u, s in enumerate(plan.sites) if s.rules == ("generic",)} != set()
+  assert (
+    plan.tapped == {u for u, s in enumerate(plan.sites) if s.rules == ("instantiate",)} != set()
+  )
 
 
 def test_gpt_with_tied_head_matches_vmap():
@@ -84,7 +86,7 @@ def test_flax_nnx_model_matches_vmap():
   labels = jnp.arange(16) % 5
   _compare(loss, state, ids, labels, batch_argnums=(1, 2))
   plan = _plan(loss, state, ids[0], labels[0])
-  assert sorted(r for _, _, r in plan.ghost) == ["dot", "dot", "gather"]
+  assert sorted(r for _, _, r in plan.ghost) == ["dot", "dot", "lookup"]
 
 
 def test_equinox_conv_model_matches_vmap():

@@ -42,8 +42,8 @@ The layout, one step per module:
   and whether it accumulates in the backward pass; ``_instantiate`` is the
   base rule (the per-example gradient, formed through the sites);
 * ``_planning``: which rule each leaf gets, and ``"auto"``'s choice between
-  a rule and a per-example gradient, by ``_costs`` (each boundary's flops and
-  floats) and ``_cost_model`` (the platform's weighing);
+  a rule and a per-example gradient, by each rule's flops and floats and
+  ``_cost_model`` (the platform's weighing);
 * ``_forward`` and ``_capture``: one example's evaluation with a zero added
   at each site, each site's ``a`` and ``g`` over a batch, half precision
   evaluated in float32 (``_wide``);
@@ -63,14 +63,14 @@ import numpy as np
 
 from jaxclip._kernel import _numerics, _sharding
 from jaxclip.privacy import _batching
-from jaxclip.privacy._ghost import _book, _capture, _costs, _planning
+from jaxclip.privacy._ghost import _book, _capture, _planning, _rules
 from jaxclip.privacy._ghost._book import mixed_boundaries, pull_passes
 from jaxclip.privacy._ghost._capture import Inputs
 from jaxclip.privacy._ghost._jaxpr import _sites, _walk
 from jaxclip.privacy._ghost._jaxpr._walk import input_infos
-from jaxclip.privacy._ghost._planning import Plan, make_plan
+from jaxclip.privacy._ghost._planning import make_plan
 from jaxclip.privacy._ghost._sumsq import early_heads, plan_sumsq, probe_sumsq
-from jaxclip.privacy._ghost._types import Captured
+from jaxclip.privacy._ghost._types import Captured, Plan
 
 __all__ = [
   "METHODS",
@@ -326,13 +326,15 @@ def inputs_for(traced: Traced, spmd_axis_name: Any) -> Inputs:
 
   Besides the plan's tapped and probed sites: the ghost boundaries whose
   per-example gradients are formed in the backward pass
-  (:func:`jaxclip.privacy._ghost._costs.accumulates`), and the sites that
+  (:meth:`jaxclip.privacy._ghost._rules._base.Rule.accumulates`), and the sites that
   take another's output gradient (:func:`jaxclip.privacy._ghost._jaxpr._sites.borrowed`).
   """
   plan = traced.plan
   probes = {u: probe_sumsq(plan.sites[u], k, rule) for u, k, rule in plan.ghost if u in plan.probed}
   accumulated = frozenset(
-    u for u, k, _ in plan.ghost if u not in plan.probed and _costs.accumulates(plan.sites[u], k)
+    u
+    for u, k, rule in plan.ghost
+    if u not in plan.probed and _rules.get(rule).accumulates(plan.sites[u], k)
   )
   own = [u for u in range(len(plan.sites)) if u not in plan.tapped | plan.probed | accumulated]
   return Inputs(

@@ -32,9 +32,8 @@ from jaxclip.privacy import _batching
 from jaxclip.privacy._ghost import _wide
 from jaxclip.privacy._ghost._jaxpr import _internals as _jax
 from jaxclip.privacy._ghost._jaxpr import _sites
-from jaxclip.privacy._ghost._planning import Plan
 from jaxclip.privacy._ghost._rules import _instantiate
-from jaxclip.privacy._ghost._types import Captured, Site
+from jaxclip.privacy._ghost._types import Captured, Plan, Site
 
 
 def kept(cap: Captured, keep: jax.Array) -> Captured:

@@ -56,7 +56,7 @@ class Forward(Walker):
       the gradient with respect to it, the example's gradient of that
       input, is formed in the backward pass from the site's data input and
       output gradient (:func:`_probe`), with nothing recorded
-      (:func:`jaxclip.privacy._ghost._costs.accumulates`). Where the input is
+      (:meth:`jaxclip.privacy._ghost._rules._base.Rule.accumulates`). Where the input is
       the same value in every iteration of the site's scans, the zero is
       closed over by them, and the gradient is summed over the iterations.
     wide: Whether the parameters' values come in float32 copies of

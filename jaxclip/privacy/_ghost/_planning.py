@@ -20,58 +20,14 @@ from typing import NamedTuple
 
 import jax.numpy as jnp
 
-from jaxclip.privacy._ghost import _cost_model, _costs
+from jaxclip.privacy._ghost import _cost_model, _rules
 from jaxclip.privacy._ghost._jaxpr import _internals as _jax
 from jaxclip.privacy._ghost._jaxpr import _sites
-from jaxclip.privacy._ghost._types import DATA, Boundary, Ghost, Group, Site, Tied
-
-
-@dataclasses.dataclass(frozen=True)
-class Plan:
-  """How each parameter leaf's per-example norm is computed.
-
-  Attributes:
-    sites: The sites of the program, in order.
-    ghost: ``(site, position, rule)`` for leaves handled by a ghost rule.
-    tied: ``((site, position), (site, position))`` of the lookup and the
-      ``dot_general`` of each embedding table tied to an output head: both
-      rules, plus their cross term.
-    groups: The :class:`~jaxclip.privacy._ghost._types.Group` of leaves whose
-      per-example gradients are instantiated (at most one: a single
-      per-example pass through each of their sites).
-    cost: Per example, the flops of this plan's norms and those of forming
-      every per-example gradient.
-    tapped: The sites whose per-example param-input gradients are taken in
-      the backward pass instead of their output gradients and data inputs
-      (:func:`_tapped`).
-    probed: The ghost sites whose squared norms are taken in the backward
-      pass, their ``a`` and ``g`` kept no longer than that step; the
-      clipped sum is then a second, weighted backward pass instead of
-      book-kept (:func:`_probed`). Empty for the one-pass plan.
-    unknown: Why the engine cannot read each higher-order equation it does
-      not know that touches the parameters or the batch
-      (:func:`jaxclip.privacy._ghost._jaxpr._internals.unreadable`); if any, the whole
-      loss takes ``method="vmap"`` whatever the rules.
-    num_leaves: The number of parameter leaves.
-    chosen: ``(leaf, reason)`` of each leaf that has a ghost rule but is
-      instantiated by choice (``method="auto"``, :func:`auto_plan`).
-  """
-
-  sites: tuple[Site, ...]
-  ghost: tuple[Ghost, ...]
-  tied: tuple[Tied, ...]
-  groups: tuple[Group, ...]
-  cost: tuple[int, int] = (0, 0)
-  tapped: frozenset[int] = frozenset()
-  probed: frozenset[int] = frozenset()
-  unknown: tuple[str, ...] = ()
-  num_leaves: int = 0
-  chosen: tuple[tuple[int, str], ...] = ()
-
-  @property
-  def two_pass(self) -> bool:
-    """Whether the clipped sum is a second backward pass (see ``probed``)."""
-    return bool(self.probed)
+from jaxclip.privacy._ghost._rules import _tied
+from jaxclip.privacy._ghost._rules._dot import DOT
+from jaxclip.privacy._ghost._rules._instantiate import INSTANTIATE
+from jaxclip.privacy._ghost._rules._lookup import LOOKUP
+from jaxclip.privacy._ghost._types import DATA, Boundary, Ghost, Group, Plan, Site, Tied
 
 
 def make_plan(
@@ -90,6 +46,7 @@ def make_plan(
       with the reason (:func:`auto_plan`).
   """
   instantiate = dict(instantiate or {})
+  sites = [dataclasses.replace(s, rules=_rules.rules_of(s)) for s in sites]
   boundaries = [Boundary(u, k) for u, s in enumerate(sites) if s.outs for k in range(len(s.infos))]
   ghost, tied, groups = [], [], []
   for leaves, bounds in _units(sites, boundaries, num_leaves):
@@ -197,22 +154,20 @@ def _ghost_cost(
   sites: Sequence[Site], ghost: Sequence[Ghost], tied: Sequence[Tied], groups: Sequence[Group]
 ) -> int:
   """Per example, the flops of the plan's norms."""
-  cost = sum(_costs.site_cost(sites[u], k, rule)[0] for u, k, rule in ghost)
+  cost = sum(_rules.get(rule).cost(sites[u], k)[0] for u, k, rule in ghost)
   for pair in tied:
     (gu, gk), (du, dk) = pair
     cost += (
-      _costs.site_cost(sites[gu], gk, "gather")[0]
-      + _costs.site_cost(sites[du], dk, "dot")[0]
-      + _costs.tied_cross_cost(sites, pair)
+      LOOKUP.cost(sites[gu], gk)[0]
+      + DOT.cost(sites[du], dk)[0]
+      + _tied.tied_cross_cost(sites, pair)
     )
-  return cost + sum(
-    _costs.site_cost(sites[u], k, "generic")[1] for group in groups for u, k in group.bounds
-  )
+  return cost + sum(INSTANTIATE.cost(sites[u], k)[1] for group in groups for u, k in group.bounds)
 
 
 def _per_example_cost(sites: Sequence[Site], boundaries: Sequence[Boundary]) -> int:
   """Per example, the flops of forming every per-example gradient."""
-  return sum(_costs.site_cost(sites[u], k, sites[u].rules[k])[1] for u, k in boundaries)
+  return sum(_rules.get(sites[u].rules[k]).cost(sites[u], k)[1] for u, k in boundaries)
 
 
 def _disjoint_uses(sites: Sequence[Site], leaf: int, bounds: Sequence[Boundary]) -> bool:
@@ -224,7 +179,9 @@ def _disjoint_uses(sites: Sequence[Site], leaf: int, bounds: Sequence[Boundary])
   """
   infos = [sites[u].infos[k] for u, k in bounds]
   if any(
-    i.view != leaf or sites[u].rules[k] == "generic" or (i.shared and sites[u].rules[k] != "dot")
+    i.view != leaf
+    or sites[u].rules[k] == INSTANTIATE.name
+    or (i.shared and not _rules.get(sites[u].rules[k]).takes_shared)
     for i, (u, k) in zip(infos, bounds, strict=True)
   ):
     return False
@@ -238,9 +195,9 @@ def _tied_pair(sites: Sequence[Site], leaf: int, bounds: Sequence[Boundary]) -> 
   if len(bounds) != 2 or any(sites[u].stack for u, _ in bounds):
     return None
   by_rule = {sites[u].rules[k]: Boundary(u, k) for u, k in bounds}
-  if set(by_rule) != {"gather", "dot"}:
+  if set(by_rule) != {LOOKUP.name, DOT.name}:
     return None
-  (gu, gk), (du, dk) = by_rule["gather"], by_rule["dot"]
+  (gu, gk), (du, dk) = by_rule[LOOKUP.name], by_rule[DOT.name]
   if DATA not in sites[gu].roles:  # fixed rows (wpe[arange(T)]): no cross term
     return None
   g_info, d_info = sites[gu].infos[gk], sites[du].infos[dk]
@@ -254,7 +211,7 @@ def _tied_pair(sites: Sequence[Site], leaf: int, bounds: Sequence[Boundary]) -> 
   contract, batch = (rc, rb) if pos == 1 else (lc, lb)
   if batch or len(contract) != 1 or d_info.axes[contract[0]] != 1:
     return None
-  return Tied(lookup=by_rule["gather"], dot=by_rule["dot"])
+  return Tied(lookup=by_rule[LOOKUP.name], dot=by_rule[DOT.name])
 
 
 def _merge_groups(groups: Sequence[Group]) -> tuple[Group, ...]:
@@ -264,9 +221,6 @@ def _merge_groups(groups: Sequence[Group]) -> tuple[Group, ...]:
   leaves = sorted(i for ls, _ in groups for i in ls)
   bounds = sorted(b for _, bs in groups for b in bs)
   return (Group(tuple(leaves), tuple(bounds)),)
-
-
-_RULE_NAMES = {"dot": "dot", "gather": "lookup", "conv": "conv"}
 
 
 class _LeafCost(NamedTuple):
@@ -284,21 +238,15 @@ def _leaf_costs(plan: Plan) -> dict[int, _LeafCost]:
   parts: dict[int, list[tuple[str, int, int, int, int]]] = {}
   for u, k, rule in plan.ghost:
     site = plan.sites[u]
-    flops, grad = _costs.site_cost(site, k, rule)
-    mem, grad_mem = _costs.site_memory(site, k, rule)
-    parts.setdefault(site.infos[k].view, []).append((_RULE_NAMES[rule], flops, grad, mem, grad_mem))
+    flops, grad = _rules.get(rule).cost(site, k)
+    mem, grad_mem = _rules.get(rule).memory(site, k)
+    parts.setdefault(site.infos[k].view, []).append((rule, flops, grad, mem, grad_mem))
   for pair in plan.tied:
     (gu, gk), (du, dk) = pair
     look, head = plan.sites[gu], plan.sites[du]
-    (f1, g1), (f2, g2) = (
-      _costs.site_cost(look, gk, "gather"),
-      _costs.site_cost(head, dk, "dot"),
-    )
-    (m1, h1), (m2, h2) = (
-      _costs.site_memory(look, gk, "gather"),
-      _costs.site_memory(head, dk, "dot"),
-    )
-    cross = _costs.tied_cross_cost(plan.sites, pair)
+    (f1, g1), (f2, g2) = LOOKUP.cost(look, gk), DOT.cost(head, dk)
+    (m1, h1), (m2, h2) = LOOKUP.memory(look, gk), DOT.memory(head, dk)
+    cross = _tied.tied_cross_cost(plan.sites, pair)
     parts[look.infos[gk].view] = [("tied", f1 + f2 + cross, g1 + g2, m1 + m2, h1 + h2)]
   return {
     leaf: _LeafCost(ps[0][0], *(sum(p[j] for p in ps) for j in range(1, 5)))
@@ -363,7 +311,7 @@ def leaf_rules(plan: Plan, num_leaves: int) -> list[tuple[str, str | None]]:
   """``(rule, reason)`` of each parameter leaf, as :func:`jaxclip.ghost_plan` reports them."""
   out: list[tuple[str, str | None]] = [("unused", None)] * num_leaves
   for u, k, rule in plan.ghost:
-    out[plan.sites[u].infos[k].view] = (_RULE_NAMES[rule], None)
+    out[plan.sites[u].infos[k].view] = (rule, None)
   for (gu, gk), _ in plan.tied:
     out[plan.sites[gu].infos[gk].view] = ("tied", None)
   chosen = dict(plan.chosen)
@@ -382,7 +330,7 @@ def _fallback_reason(sites: Sequence[Site], leaf: int, bounds: Sequence[Boundary
   site, info = sites[u], sites[u].infos[k]
   if len(info.deps) > 1:
     return f"combined with another parameter before `{site.name}`"
-  if info.scan_const and (info.view != leaf or site.rules[k] != "generic"):
+  if info.scan_const and (info.view != leaf or site.rules[k] != INSTANTIATE.name):
     return (
       f"a `lax.scan` constant: the same weight is read by `{site.name}` in every iteration "
       "(closed over, not sliced from xs), and only the dot rule takes iterations together"
@@ -391,4 +339,4 @@ def _fallback_reason(sites: Sequence[Site], leaf: int, bounds: Sequence[Boundary
     return f"transformed before `{site.name}`"
   if site.eqn is None:
     return "the loss depends on it without the example"
-  return f"used by `{site.name}`, not a dot/lookup/conv"
+  return f"used by `{site.name}`, not a {'/'.join(rule.name for rule in _rules.RULES)}"

@@ -1,7 +1,7 @@
 """Ghost norms: each example's squared gradient norm, by a plan's rules.
 
 :func:`plan_sumsq` adds up, per example (and per clip group), the terms of a
-plan: each ghost boundary's rule (:mod:`jaxclip.privacy._ghost._rules._norms`) from
+plan: each ghost boundary's rule (:mod:`jaxclip.privacy._ghost._rules`) from
 its captured ``a`` and ``g``, or the term taken in the backward pass (a
 probed site, :func:`probe_sumsq`; an accumulated one, its per-example
 gradient), each tied table's terms and the instantiated leaves'
@@ -16,9 +16,10 @@ import jax
 import jax.numpy as jnp
 
 from jaxclip._kernel import _numerics
-from jaxclip.privacy._ghost._planning import Plan
-from jaxclip.privacy._ghost._rules import _instantiate, _norms
-from jaxclip.privacy._ghost._types import Captured, Site, Tied
+from jaxclip.privacy._ghost import _rules
+from jaxclip.privacy._ghost._rules import _instantiate, _lookup, _scaling, _tied
+from jaxclip.privacy._ghost._rules._dot import dot_sumsq
+from jaxclip.privacy._ghost._types import Captured, Plan, Site, Tied
 
 
 def early_heads(plan: Plan) -> list[tuple[int, int]]:
@@ -61,7 +62,7 @@ def plan_sumsq(
       parts[g] = parts[g] + jnp.sum(part.reshape(cap.n, -1), axis=1).astype(acc)
       continue
     if u in cap.accumulated:  # the per-example gradient, formed in the backward pass
-      parts[g] = parts[g] + _norms.safe_sumsq(cap.gs[u][k]).astype(acc)
+      parts[g] = parts[g] + _scaling.safe_sumsq(cap.gs[u][k]).astype(acc)
       continue
     parts[g] = parts[g] + _rule_sumsq(cap, u, k, rule).astype(acc)
   early = {du for du, _ in early_heads(plan)}
@@ -88,33 +89,21 @@ def plan_sumsq(
   )
 
 
-def _site_rule(site: Site, k: int, rule: str) -> Callable[..., jax.Array]:
-  """``(kernel, a, g) -> ||grad||^2`` of a ghost boundary, per example (leading batch axis).
-
-  ``kernel`` (the param input) is read by the ``conv`` rule only.
-  """
-  if rule == "dot":
-    pos, shared = site.param_positions()[k], len(site.infos[k].shared)
-    return lambda w, a, g: _norms.dot_sumsq(site, pos, a, g, shared)
-  if rule == "conv":
-    return lambda w, a, g: _norms.conv_sumsq(site, w, a, g)
-  return lambda w, ids, g: _norms.gather_sumsq(site, ids, g)
-
-
 def _rule_sumsq(cap: Captured, u: int, k: int, rule: str) -> jax.Array:
   """A ghost boundary's squared norms, summed over its scan iterations.
 
   A lookup of fixed rows (``wpe[jnp.arange(T)]``) records no data: its ids are
   its const input, the same for every example.
   """
-  site, g = cap.sites[u], cap.gs[u][0]
+  site, g, r = cap.sites[u], cap.gs[u][0], _rules.get(rule)
   a = cap.drecs[u][0] if cap.drecs[u] else _repeat(cap.cvals[u][0], cap.n)
-  fn = _site_rule(site, k, rule)
-  if rule == "conv":
+  if r.reads_param:
     kernel = _repeat(cap.pvals[u][k], cap.n)
-    return _norms.per_iteration(site, fn, kernel, a, g)
+    return _scaling.per_iteration(site, lambda w, a, g: r.sumsq(site, k, w, a, g), kernel, a, g)
   shared = site.infos[k].shared
-  return _norms.per_iteration(site, lambda a, g: fn(None, a, g), a, g, shared=shared)
+  return _scaling.per_iteration(
+    site, lambda a, g: r.sumsq(site, k, None, a, g), a, g, shared=shared
+  )
 
 
 def _repeat(x: jax.Array, n: int) -> jax.Array:
@@ -127,8 +116,8 @@ def probe_sumsq(site: Site, k: int, rule: str) -> Callable[..., jax.Array]:
   The rules take a leading batch axis; inside the backward pass (under the
   batch's ``vmap``) the site's values are one example's.
   """
-  fn, one = _site_rule(site, k, rule), lambda x: x[None]
-  return lambda pv, dv, gs: fn(one(pv[k]), one(dv[0]), one(gs[0]))[0]
+  r, one = _rules.get(rule), lambda x: x[None]
+  return lambda pv, dv, gs: r.sumsq(site, k, one(pv[k]), one(dv[0]), one(gs[0]))[0]
 
 
 def _tied_sumsq(
@@ -143,9 +132,9 @@ def _tied_sumsq(
   lookup, head = cap.sites[gu], cap.sites[du]
   pos = head.param_positions()[dk]
   ids, rows, a, g = cap.drecs[gu][0], cap.gs[gu][0], cap.drecs[du][0], cap.gs[du][0]
-  own = cap.gs[du][-1] if du in early else _norms.dot_sumsq(head, pos, a, g)
+  own = cap.gs[du][-1] if du in early else dot_sumsq(head, pos, a, g)
   return (
-    _norms.gather_sumsq(lookup, ids, rows)
+    _lookup.lookup_sumsq(lookup, ids, rows)
     + own
-    + 2 * _norms.tied_cross(lookup, ids, rows, head, pos, a, g)
+    + 2 * _tied.tied_cross(lookup, ids, rows, head, pos, a, g)
   )

@@ -62,8 +62,10 @@ class Site:
     infos: For each ``PARAM`` input, what it depends on.
     outs: The floating-point outputs (the others carry no gradient).
     out_avals: Their per-example abstract values.
-    rules: For each ``PARAM`` input, ``"dot"``, ``"gather"``, ``"conv"`` or
-      ``"generic"``.
+    rules: For each ``PARAM`` input, the name of the rule it can get
+      (:func:`jaxclip.privacy._ghost._rules.rules_of`: ``"dot"``,
+      ``"lookup"``, ``"conv"``, ... or ``"instantiate"``); set by the
+      planner, empty as the walk finds the site.
     stack: ``(scan id, length)`` of each ``lax.scan`` the site is in,
       outermost first: its records then carry one leading axis per scan (one
       entry per iteration).
@@ -87,7 +89,7 @@ class Site:
 
   @property
   def name(self) -> str:
-    """The name of the equation's primitive (as ``_jaxpr._internals.name`` reads it), or "the loss"."""
+    """The name of the equation's primitive (as ``_internals.name`` reads it), or "the loss"."""
     return "the loss" if self.eqn is None else self.eqn.primitive.name
 
   def param_positions(self) -> list[int]:
@@ -212,3 +214,51 @@ class Captured(NamedTuple):
     float32 (:mod:`jaxclip.privacy._ghost._book`)."""
     values = [self.leaves, self.pvals, self.cvals, self.gs, self.drecs]
     return any(is_half(x) for x in jax.tree.leaves(values))
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  """How each parameter leaf's per-example norm is computed.
+
+  Attributes:
+    sites: The sites of the program, in order.
+    ghost: ``(site, position, rule)`` for leaves handled by a ghost rule.
+    tied: ``((site, position), (site, position))`` of the lookup and the
+      ``dot_general`` of each embedding table tied to an output head: both
+      rules, plus their cross term.
+    groups: The :class:`~jaxclip.privacy._ghost._types.Group` of leaves whose
+      per-example gradients are instantiated (at most one: a single
+      per-example pass through each of their sites).
+    cost: Per example, the flops of this plan's norms and those of forming
+      every per-example gradient.
+    tapped: The sites whose per-example param-input gradients are taken in
+      the backward pass instead of their output gradients and data inputs
+      (:func:`jaxclip.privacy._ghost._planning._tapped`).
+    probed: The ghost sites whose squared norms are taken in the backward
+      pass, their ``a`` and ``g`` kept no longer than that step; the
+      clipped sum is then a second, weighted backward pass instead of
+      book-kept (:func:`jaxclip.privacy._ghost._planning._probed`). Empty for the one-pass plan.
+    unknown: Why the engine cannot read each higher-order equation it does
+      not know that touches the parameters or the batch
+      (:func:`jaxclip.privacy._ghost._jaxpr._internals.unreadable`); if any, the whole
+      loss takes ``method="vmap"`` whatever the rules.
+    num_leaves: The number of parameter leaves.
+    chosen: ``(leaf, reason)`` of each leaf that has a ghost rule but is
+      instantiated by choice (``method="auto"``, :func:`auto_plan`).
+  """
+
+  sites: tuple[Site, ...]
+  ghost: tuple[Ghost, ...]
+  tied: tuple[Tied, ...]
+  groups: tuple[Group, ...]
+  cost: tuple[int, int] = (0, 0)
+  tapped: frozenset[int] = frozenset()
+  probed: frozenset[int] = frozenset()
+  unknown: tuple[str, ...] = ()
+  num_leaves: int = 0
+  chosen: tuple[tuple[int, str], ...] = ()
+
+  @property
+  def two_pass(self) -> bool:
+    """Whether the clipped sum is a second backward pass (see ``probed``)."""
+    return bool(self.probed)

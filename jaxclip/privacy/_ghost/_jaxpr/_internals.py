@@ -357,6 +357,26 @@ def gather_parts(eqn: Any) -> GatherParts | None:
   return GatherParts(dn, tuple(sizes), getattr(mode, "name", str(mode)))
 
 
+def is_row_lookup(eqn: Any) -> bool:
+  """Whether a ``gather`` takes whole rows of its operand: ``E[ids]``, ``take(E, ids, 0)``."""
+  parts = gather_parts(eqn)
+  if parts is None:
+    return False
+  dn = parts.dimension_numbers
+  op, idx = eqn.invars[0].aval, eqn.invars[1].aval
+  rest = tuple(op.shape[1:])
+  lead = idx.ndim - 1
+  return (
+    idx.ndim >= 1
+    and idx.shape[-1] == 1
+    and tuple(dn.collapsed_slice_dims) == (0,)
+    and tuple(dn.start_index_map) == (0,)
+    and not tuple(dn.operand_batching_dims)
+    and parts.slice_sizes == (1,) + rest
+    and tuple(dn.offset_dims) == tuple(range(lead, lead + len(rest)))
+  )
+
+
 class ConvParts(NamedTuple):
   dimension_numbers: Any  # a ConvDimensionNumbers, or None
   feature_group_count: int

@@ -1,4 +1,4 @@
-"""Ghost norms: the sites of a per-example loss, and which rule each can get.
+"""Ghost norms: the sites of a per-example loss.
 
 A per-example loss is traced to a jaxpr. Every value of the program is classed
 as depending on the parameters only (*param*), on the batch (*data*), or on
@@ -8,8 +8,8 @@ of the leaf (:func:`view_of`). A *site* is an equation that takes a floating-poi
 value and a data value, such as ``x @ W`` or ``E[ids]``: the loss depends on the
 parameters through the sites alone. A lookup of a param table at ids that do
 not depend on the example (``wpe[jnp.arange(T)]``) is a site with no data
-input (:func:`is_fixed_lookup`). Each param input of a site gets the rule its
-equation allows (:func:`rule_for`).
+input (:func:`is_fixed_lookup`). Which rule each param input of a site gets is
+the rule registry's (:mod:`jaxclip.privacy._ghost._rules`).
 
 Which primitives these are, and how their parameters are read, is
 :mod:`jaxclip.privacy._ghost._jaxpr._internals`'s; the walkers that find the sites are in
@@ -96,48 +96,6 @@ def disjoint(a: Info, b: Info) -> bool:
   return any(ax in rb and (ra[ax][1] <= rb[ax][0] or rb[ax][1] <= ra[ax][0]) for ax in ra)
 
 
-# ----------------------------------------------------------------------------
-# Which rule a site's param input can get
-# ----------------------------------------------------------------------------
-
-
-def _gather_is_lookup(eqn: Any) -> bool:
-  """Whether a gather takes whole rows of its operand: ``E[ids]``, ``take(E, ids, 0)``."""
-  parts = _jax.gather_parts(eqn)
-  if parts is None:
-    return False
-  dn = parts.dimension_numbers
-  op, idx = eqn.invars[0].aval, eqn.invars[1].aval
-  rest = tuple(op.shape[1:])
-  lead = idx.ndim - 1
-  return (
-    idx.ndim >= 1
-    and idx.shape[-1] == 1
-    and tuple(dn.collapsed_slice_dims) == (0,)
-    and tuple(dn.start_index_map) == (0,)
-    and not tuple(dn.operand_batching_dims)
-    and parts.slice_sizes == (1,) + rest
-    and tuple(dn.offset_dims) == tuple(range(lead, lead + len(rest)))
-  )
-
-
-def _conv_is_ghostable(eqn: Any) -> bool:
-  parts = _jax.conv_parts(eqn)
-  return parts is not None and parts.batch_group_count == 1 and parts.dimension_numbers is not None
-
-
-def rule_for(eqn: Any, roles: tuple[str, ...], pos: int) -> str:
-  if eqn is None:
-    return "generic"
-  if _jax.dot_dimension_numbers(eqn) is not None and len(roles) == 2 and roles[1 - pos] == DATA:
-    return "dot"
-  if pos == 0 and len(roles) == 2 and roles[1] != PARAM and _gather_is_lookup(eqn):
-    return "gather"
-  if pos == 1 and len(roles) == 2 and roles[0] == DATA and _conv_is_ghostable(eqn):
-    return "conv"
-  return "generic"
-
-
 def site_roles(eqn: Any, infos: Sequence[Info]) -> tuple[str, ...]:
   if eqn is None:
     return (PARAM,)
@@ -173,7 +131,7 @@ def is_fixed_lookup(eqn: Any, infos: Sequence[Any]) -> bool:
   per-example gradient being formed from the rows' gradients.
   """
   kinds = [getattr(i, "kind", i) for i in infos]
-  return kinds == [PARAM, CONST] and _gather_is_lookup(eqn)
+  return kinds == [PARAM, CONST] and _jax.is_row_lookup(eqn)
 
 
 def join_outputs(jaxpr: Any, sites: list[Site], first: int) -> None:

@@ -315,7 +315,7 @@ class Analyzer(Walker):
         tuple(i for i, r in zip(infos, roles, strict=True) if r == PARAM),
         outs,
         tuple(avals[j] for j in outs),
-        tuple(_sites.rule_for(eqn, roles, p) for p, r in enumerate(roles) if r == PARAM),
+        (),  # the planner's (jaxclip.privacy._ghost._rules.rules_of)
         self.stack,
         self.in_remat,
       )

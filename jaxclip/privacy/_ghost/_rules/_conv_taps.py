@@ -1,7 +1,7 @@
 """One example's gradient of a convolution's kernel, tap by tap (ghost norms).
 
 Where a ghost site's per-example kernel gradient is formed in the backward
-pass (:func:`jaxclip.privacy._ghost._costs.accumulates`), ``jax.vjp`` forms it
+pass (:meth:`jaxclip.privacy._ghost._rules._base.Rule.accumulates`), ``jax.vjp`` forms it
 as a convolution grouped by example; for a convolution with few taps against
 its channels, :func:`kernel_gradient` forms it one tap at a time instead,
 reading the output gradient where it lies (:func:`patches_fit` says where).

@@ -21,6 +21,7 @@ import numpy as np
 
 from jaxclip._kernel import _numerics, _shapes
 from jaxclip.privacy._ghost._jaxpr import _sites
+from jaxclip.privacy._ghost._rules._base import Rule
 from jaxclip.privacy._ghost._types import Boundary, Captured, Group, Site
 
 # Elements of per-example gradients one chunk of an instantiated group may hold at once.
@@ -217,3 +218,10 @@ def site_vjp(site: Site, fn: Callable[[Any], Any], primals: Any) -> Callable[[An
 
   vjp = named(lambda: jax.vjp(fn, primals)[1])
   return lambda cts: named(vjp, cts)
+
+
+class InstantiateRule(Rule):
+  """The base rule: the per-example gradient, formed through the sites (this module)."""
+
+
+INSTANTIATE = InstantiateRule()
