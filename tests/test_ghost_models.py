@@ -33,7 +33,7 @@ def test_mlp_matches_vmap_and_uses_the_dot_rule():
   _compare(mlp_loss, params, x, y, batch_argnums=(1, 2))
   plan = _plan(mlp_loss, params, x[0], y[0])
   assert sorted(r for _, _, r in plan.ghost) == ["dot", "dot"]  # w1, w2; b1 instantiated
-  assert len(plan.groups) == 1
+  assert len(plan.instantiated) == 1
   # b1's site gives its per-example gradient in the backward pass (8 floats), not its output
   # gradient and input (16): the sites of the two dots record a and g.
   assert (
@@ -51,7 +51,7 @@ def test_gpt_with_tied_head_matches_vmap():
   # The tied embedding is used twice (lookup and head): both rules and their cross term.
   (((u, k), _),) = plan.tied
   assert plan.sites[u].infos[k].deps == {names.index("['wte']")}
-  assert names.index("['wte']") not in {i for leaves, _ in plan.groups for i in leaves}
+  assert names.index("['wte']") not in {i for leaves, _ in plan.instantiated for i in leaves}
 
 
 def test_gpt_with_microbatches_padding_and_aux():

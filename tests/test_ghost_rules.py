@@ -125,4 +125,4 @@ def test_leaves_instantiated_at_one_site_share_one_pass():
   _compare(loss, params, xs, batch_argnums=1)
   leaves, tree = jax.tree.flatten(params)
   plan = _ghost.trace(loss, params, [xs], [0], has_aux=False).plan
-  assert [leaves for leaves, _ in plan.groups] == [(0, 1)]  # b and s: one per-example pass
+  assert [leaves for leaves, _ in plan.instantiated] == [(0, 1)]  # b and s: one per-example pass

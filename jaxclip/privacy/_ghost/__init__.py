@@ -112,7 +112,7 @@ def leaf_rules(plan: Plan, method: str, platform: str | None) -> list[tuple[str,
   """
   chosen, why = plan_for(plan, method, platform)
   if chosen is not None:
-    return _planning.leaf_rules(chosen, plan.num_leaves)
+    return _planning.reported_rules(chosen, plan.num_leaves)
   if plan.unknown:
     return [("instantiate", why)] * plan.num_leaves
   used = {i for s in plan.sites for info in s.infos for i in info.deps}

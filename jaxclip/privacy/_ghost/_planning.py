@@ -27,7 +27,7 @@ from jaxclip.privacy._ghost._rules import _tied
 from jaxclip.privacy._ghost._rules._dot import DOT
 from jaxclip.privacy._ghost._rules._instantiate import INSTANTIATE
 from jaxclip.privacy._ghost._rules._lookup import LOOKUP
-from jaxclip.privacy._ghost._types import DATA, Boundary, Ghost, Group, Plan, Site, Tied
+from jaxclip.privacy._ghost._types import DATA, Boundary, Ghost, Instantiated, Plan, Site, Tied
 
 
 def make_plan(
@@ -48,10 +48,10 @@ def make_plan(
   instantiate = dict(instantiate or {})
   sites = [dataclasses.replace(s, rules=_rules.rules_of(s)) for s in sites]
   boundaries = [Boundary(u, k) for u, s in enumerate(sites) if s.outs for k in range(len(s.infos))]
-  ghost, tied, groups = [], [], []
+  ghost, tied, inst = [], [], []
   for leaves, bounds in _units(sites, boundaries, num_leaves):
     if len(leaves) == 1 and leaves[0] in instantiate:
-      groups.append(Group(leaves, tuple(bounds)))
+      inst.append(Instantiated(leaves, tuple(bounds)))
       continue
     if len(leaves) == 1 and _disjoint_uses(sites, leaves[0], bounds):
       ghost.extend(Ghost(u, k, sites[u].rules[k]) for u, k in bounds)
@@ -60,9 +60,9 @@ def make_plan(
     if pair is not None:
       tied.append(pair)
       continue
-    groups.append(Group(leaves, tuple(bounds)))
-  cost = (_ghost_cost(sites, ghost, tied, groups), _per_example_cost(sites, boundaries))
-  merged = _merge_groups(groups)
+    inst.append(Instantiated(leaves, tuple(bounds)))
+  cost = (_ghost_cost(sites, ghost, tied, inst), _per_example_cost(sites, boundaries))
+  merged = _merged(inst)
   return Plan(
     tuple(sites),
     tuple(ghost),
@@ -97,7 +97,7 @@ def _probed(sites: Sequence[Site], ghost: Sequence[Ghost]) -> frozenset[int]:
   )
 
 
-def _tapped(sites: Sequence[Site], groups: Sequence[Group]) -> frozenset[int]:
+def _tapped(sites: Sequence[Site], inst: Sequence[Instantiated]) -> frozenset[int]:
   """The sites whose per-example param-input gradients are taken in the backward pass.
 
   Those are the sites where each param input is instantiated and where these
@@ -106,7 +106,7 @@ def _tapped(sites: Sequence[Site], groups: Sequence[Group]) -> frozenset[int]:
   Half-precision inputs are not tapped, so that the clipped sum stays that of
   the model's own operations, as ``jax.grad`` sums it.
   """
-  instantiated = {b for group in groups for b in group.bounds}
+  instantiated = {b for one in inst for b in one.bounds}
 
   def size(avals):
     return sum(math.prod(a.shape) for a in avals)
@@ -151,7 +151,7 @@ def _units(
 
 
 def _ghost_cost(
-  sites: Sequence[Site], ghost: Sequence[Ghost], tied: Sequence[Tied], groups: Sequence[Group]
+  sites: Sequence[Site], ghost: Sequence[Ghost], tied: Sequence[Tied], inst: Sequence[Instantiated]
 ) -> int:
   """Per example, the flops of the plan's norms."""
   cost = sum(_rules.get(rule).cost(sites[u], k)[0] for u, k, rule in ghost)
@@ -162,7 +162,7 @@ def _ghost_cost(
       + DOT.cost(sites[du], dk)[0]
       + _tied.tied_cross_cost(sites, pair)
     )
-  return cost + sum(INSTANTIATE.cost(sites[u], k)[1] for group in groups for u, k in group.bounds)
+  return cost + sum(INSTANTIATE.cost(sites[u], k)[1] for one in inst for u, k in one.bounds)
 
 
 def _per_example_cost(sites: Sequence[Site], boundaries: Sequence[Boundary]) -> int:
@@ -214,13 +214,13 @@ def _tied_pair(sites: Sequence[Site], leaf: int, bounds: Sequence[Boundary]) -> 
   return Tied(lookup=by_rule[LOOKUP.name], dot=by_rule[DOT.name])
 
 
-def _merge_groups(groups: Sequence[Group]) -> tuple[Group, ...]:
-  """The instantiated groups as one: a single per-example pass, through each site once."""
-  if not groups:
+def _merged(inst: Sequence[Instantiated]) -> tuple[Instantiated, ...]:
+  """The instantiated units as one: a single per-example pass, through each site once."""
+  if not inst:
     return ()
-  leaves = sorted(i for ls, _ in groups for i in ls)
-  bounds = sorted(b for _, bs in groups for b in bs)
-  return (Group(tuple(leaves), tuple(bounds)),)
+  leaves = sorted(i for ls, _ in inst for i in ls)
+  bounds = sorted(b for _, bs in inst for b in bs)
+  return (Instantiated(tuple(leaves), tuple(bounds)),)
 
 
 class _LeafCost(NamedTuple):
@@ -307,7 +307,7 @@ def auto_plan(plan: Plan, platform: str | None) -> tuple[Plan | None, str | None
   return make_plan(plan.sites, plan.num_leaves, plan.unknown, chosen), None
 
 
-def leaf_rules(plan: Plan, num_leaves: int) -> list[tuple[str, str | None]]:
+def reported_rules(plan: Plan, num_leaves: int) -> list[tuple[str, str | None]]:
   """``(rule, reason)`` of each parameter leaf, as :func:`jaxclip.ghost_plan` reports them."""
   out: list[tuple[str, str | None]] = [("unused", None)] * num_leaves
   for u, k, rule in plan.ghost:
@@ -315,7 +315,7 @@ def leaf_rules(plan: Plan, num_leaves: int) -> list[tuple[str, str | None]]:
   for (gu, gk), _ in plan.tied:
     out[plan.sites[gu].infos[gk].view] = ("tied", None)
   chosen = dict(plan.chosen)
-  for leaves, bounds in plan.groups:
+  for leaves, bounds in plan.instantiated:
     for i in leaves:
       out[i] = ("instantiate", chosen.get(i) or _fallback_reason(plan.sites, i, bounds))
   return out

@@ -70,7 +70,7 @@ def plan_sumsq(
     (gu, gk), _ = pair
     g = group(plan.sites[gu].infos[gk].view)
     parts[g] = parts[g] + _tied_sumsq(cap, pair, early).astype(acc)
-  for inst in plan.groups:
+  for inst in plan.instantiated:
     if leaf_groups is None:
       parts[0] = parts[0] + _instantiate.instantiated_sumsq(inst, cap).astype(acc)
       continue

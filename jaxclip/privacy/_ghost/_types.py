@@ -1,7 +1,7 @@
 """Ghost norms: the records the engine's stages share.
 
 The classes of a value (:class:`Info`), the sites (:class:`Site`), the
-boundaries and groups a plan names (:class:`Boundary`, :class:`Group`,
+boundaries and leaves a plan names (:class:`Boundary`, :class:`Instantiated`,
 :class:`Ghost`, :class:`Tied`) and what the capture gives (:class:`Captured`).
 The stages (:mod:`~jaxclip.privacy._ghost._jaxpr._sites` and
 :mod:`~jaxclip.privacy._ghost._jaxpr._walk` find the sites,
@@ -126,7 +126,7 @@ class Boundary(NamedTuple):
   pos: int  # the position among the site's param inputs
 
 
-class Group(NamedTuple):
+class Instantiated(NamedTuple):
   """Leaves whose per-example gradients are instantiated together, and their boundaries."""
 
   leaves: tuple[int, ...]
@@ -226,7 +226,7 @@ class Plan:
     tied: ``((site, position), (site, position))`` of the lookup and the
       ``dot_general`` of each embedding table tied to an output head: both
       rules, plus their cross term.
-    groups: The :class:`~jaxclip.privacy._ghost._types.Group` of leaves whose
+    instantiated: The :class:`Instantiated` leaves whose
       per-example gradients are instantiated (at most one: a single
       per-example pass through each of their sites).
     cost: Per example, the flops of this plan's norms and those of forming
@@ -250,7 +250,7 @@ class Plan:
   sites: tuple[Site, ...]
   ghost: tuple[Ghost, ...]
   tied: tuple[Tied, ...]
-  groups: tuple[Group, ...]
+  instantiated: tuple[Instantiated, ...]
   cost: tuple[int, int] = (0, 0)
   tapped: frozenset[int] = frozenset()
   probed: frozenset[int] = frozenset()

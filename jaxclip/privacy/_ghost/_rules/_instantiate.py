@@ -1,8 +1,8 @@
 """Ghost norms: the per-example gradients of the parameters no rule covers.
 
 Leaves no rule covers (layer-norm scales, biases, a weight used twice) are
-instantiated in groups (:class:`~jaxclip.privacy._ghost._types.Group`): each
-example's gradient of the group's boundaries (the sites' param inputs) is
+instantiated together (:class:`~jaxclip.privacy._ghost._types.Instantiated`): each
+example's gradient of their boundaries (the sites' param inputs) is
 formed through those sites only, from their recorded ``a`` and ``g``, in chunks
 of examples, and pulled back to the leaves. A leaf used only through views of
 disjoint parts of it (a bias, a slice per scan iteration) needs no pull-back:
@@ -22,9 +22,9 @@ import numpy as np
 from jaxclip._kernel import _numerics, _shapes
 from jaxclip.privacy._ghost._jaxpr import _sites
 from jaxclip.privacy._ghost._rules._base import Rule
-from jaxclip.privacy._ghost._types import Boundary, Captured, Group, Site
+from jaxclip.privacy._ghost._types import Boundary, Captured, Instantiated, Site
 
-# Elements of per-example gradients one chunk of an instantiated group may hold at once.
+# Elements of per-example gradients one chunk of the instantiated leaves may hold at once.
 _CHUNK_ELEMENTS = 1 << 24
 
 
@@ -49,10 +49,10 @@ def disjoint_views(
 
 
 class _Layout(NamedTuple):
-  """How an instantiated group's per-example gradients are formed.
+  """How the instantiated leaves' per-example gradients are formed.
 
   Attributes:
-    by_site: The group's boundary positions at each of its sites.
+    by_site: The boundary positions at each of its sites.
     direct: Leaves used only through views of disjoint parts of them (a bias,
       a scale, a slice per scan iteration): their squared norm is that of
       their uses' gradients summed, with no pull-back to the leaf.
@@ -66,19 +66,19 @@ class _Layout(NamedTuple):
   order: list[Boundary]
 
 
-def _layout(sites: Sequence[Site], group: Group, tapped: frozenset[int]) -> _Layout:
+def _layout(sites: Sequence[Site], inst: Instantiated, tapped: frozenset[int]) -> _Layout:
   by_site: dict[int, list[int]] = {}
-  for u, k in group.bounds:
+  for u, k in inst.bounds:
     by_site.setdefault(u, []).append(k)
   summed = frozenset(u for u in tapped if sites[u].summed)
   direct = frozenset(
     i
-    for i in group.leaves
+    for i in inst.leaves
     if disjoint_views(
-      sites, i, [(u, k) for u, k in group.bounds if i in sites[u].infos[k].deps], summed
+      sites, i, [(u, k) for u, k in inst.bounds if i in sites[u].infos[k].deps], summed
     )
   )
-  pulled = [i for i in group.leaves if i not in direct]
+  pulled = [i for i in inst.leaves if i not in direct]
   order = [(u, k) for u in by_site for k in by_site[u] if not sites[u].infos[k].deps <= direct]
   return _Layout(by_site, direct, pulled, order)
 
@@ -91,9 +91,9 @@ def _sq(x: jax.Array) -> jax.Array:
 
 
 def instantiated_sumsq(
-  group: Group, cap: Captured, leaf_groups: Sequence[int] | None = None, num_groups: int = 1
+  inst: Instantiated, cap: Captured, leaf_groups: Sequence[int] | None = None, num_groups: int = 1
 ) -> jax.Array:
-  """Per-example squared norms of a group's gradients, instantiated in chunks of examples.
+  """Per-example squared norms of the instantiated leaves' gradients, formed in chunks of examples.
 
   With ``leaf_groups`` (the clip group of each parameter leaf), ``(examples,
   num_groups)``: each leaf's squared norm goes to its clip group's column
@@ -101,7 +101,7 @@ def instantiated_sumsq(
   is; a pulled-back leaf's gradient is its own).
   """
   sites = cap.sites
-  lay = _layout(sites, group, cap.tapped)
+  lay = _layout(sites, inst, cap.tapped)
   pull = _boundary_pull(cap, lay) if lay.pulled else None
 
   def per_example(xs):
@@ -135,7 +135,7 @@ def instantiated_sumsq(
     return total
 
   xs = ({u: cap.drecs[u] for u in lay.by_site}, {u: cap.gs[u] for u in lay.by_site})
-  size = sum(math.prod(jnp.shape(cap.leaves[i])) for i in group.leaves) + sum(
+  size = sum(math.prod(jnp.shape(cap.leaves[i])) for i in inst.leaves) + sum(
     math.prod(jnp.shape(cap.pvals[u][k])) for u, k in lay.order
   )
   limit = max(1, _CHUNK_ELEMENTS // max(size, 1))
