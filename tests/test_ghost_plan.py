@@ -83,9 +83,11 @@ def test_ghost_plan_names_each_leaf_rule_reason_and_floats():
   assert all(
     rules[f"['{i}']['{n}']"] == "dot" for i in range(L) for n in ("qkv", "proj", "fc", "out")
   )
-  leaf = plan.leaves[paths.index("['0']['ln1_s']")]
+  leaf = plan.leaves[paths.index("['0']['ln1_s']")]  # a layer norm's scale: its own rule
+  assert (leaf.rule, leaf.floats, leaf.shape, leaf.reason) == ("scale", D, (D,), None)
+  leaf = plan.leaves[paths.index("['0']['ln1_b']")]  # its bias: none
   assert (leaf.rule, leaf.floats, leaf.shape) == ("instantiate", D, (D,))
-  assert "mul" in leaf.reason
+  assert "used by `add`" in leaf.reason
   assert all((leaf.reason is None) == (leaf.rule != "instantiate") for leaf in plan.leaves)
   sizes = {leaf.path: leaf.floats for leaf in plan.leaves}
   fallen = sum(sizes[p] for p, r in rules.items() if r == "instantiate")

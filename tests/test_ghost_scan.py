@@ -181,7 +181,7 @@ def test_flax_linen_scan_over_remat_blocks_gets_the_dot_rule_per_layer():
   _compare(loss, params, xs, batch_argnums=1, rtol=1e-4)
   rules = jaxclip.ghost_plan(loss, params, xs, batch_argnums=1).rules
   assert rules["['ScanCheckpointBlock_0']['Dense_0']['kernel']"] == "dot"
-  assert rules["['ScanCheckpointBlock_0']['LayerNorm_0']['scale']"] == "instantiate"
+  assert rules["['ScanCheckpointBlock_0']['LayerNorm_0']['scale']"] == "scale"
 
 
 def _remat_model(remat):

@@ -13,9 +13,10 @@ a flax linen ``nn.RNN(nn.LSTMCell)``, an ALBERT-style GPT whose one block
 * every parameter leaf gets the rule issue #25 asks for, read from
   :func:`jaxclip.ghost_plan`: dense, attention and embedding weights a ghost
   rule (``"dot"``, ``"lookup"``, ``"tied"``) also inside a scan (sliced per
-  iteration or read by every iteration), convolution kernels ``"conv"``, only
-  normalisation scales, biases and position tables added as a bias
-  instantiated, and at most 10% of the floats at the benchmark size. A leaf
+  iteration or read by every iteration), convolution kernels ``"conv"``,
+  normalisation scales ``"scale"`` (issue #49), only biases and position
+  tables added as a bias instantiated, and at most 10% of the floats at the
+  benchmark size. A leaf
   that silently falls back fails here.
 
 ``method="ghost"`` applies every rule whatever it costs (issue #39). A third
@@ -42,50 +43,59 @@ from workloads import zoo
 BATCH = 8
 # Path patterns (searched in ``jax.tree_util.keystr`` of each leaf) and the rule
 # their leaves must get; the first pattern that matches a path decides.
-_NORMS_AND_BIASES = (r"\['(scale|bias)'\]|norm\d?\.(weight|bias)|\.bias$", "instantiate")
+_NORM_SCALES = (r"\['scale'\]|norm\d?\.weight", "scale")  # layer, RMS and group norms'
+_BIASES = (r"\['bias'\]|norm\d?\.bias|\.bias$", "instantiate")
 EXPECTED = {
   "linen_scan_gpt": [
     (r"\['Embed_0'\]\['embedding'\]", "tied"),  # lookup + Embed.attend head
     (r"\['pos'\]", "instantiate"),  # added to the embeddings, as a bias
-    _NORMS_AND_BIASES,
+    _NORM_SCALES,
+    _BIASES,
     (r"\['kernel'\]", "dot"),
   ],  # Dense and attention kernels, in the scan
   "linen_resnet": [
     (r"Conv_\d\'\]\['kernel'\]", "conv"),
-    _NORMS_AND_BIASES,
+    _NORM_SCALES,
+    _BIASES,
     (r"\['Dense_0'\]\['kernel'\]", "dot"),
   ],
   "nnx_llama": [
     (r"\['embed'\]\['embedding'\]", "lookup"),
-    _NORMS_AND_BIASES,
+    _NORM_SCALES,
+    _BIASES,
     (r"\['kernel'\]", "dot"),
   ],  # the head, and the blocks' Linears in the scan
   "eqx_vit": [
     (r"^\.patch\.weight$", "conv"),
     (r"^\.pos$", "instantiate"),
-    _NORMS_AND_BIASES,
+    _NORM_SCALES,
+    _BIASES,
     (r"(_proj|fc\d|head)\.weight$", "dot"),
   ],
   "jax_scan_mlp": [
     (r"\['embed'\]", "lookup"),
-    (r"\['(scale|b_in)'\]", "instantiate"),
+    (r"\['scale'\]", "scale"),
+    (r"\['b_in'\]", "instantiate"),
     (r"\['(w_in|w_out|head)'\]", "dot"),
   ],
 }
 EXPECTED["linen_lstm"] = [  # the cell's weights: the dot rule over every step
   (r"\['Embed_0'\]\['embedding'\]", "lookup"),
-  _NORMS_AND_BIASES,
+  _NORM_SCALES,
+  _BIASES,
   (r"\['kernel'\]", "dot"),
 ]
 EXPECTED["linen_shared_gpt"] = [  # one block read by every layer: the dot rule over layers
   (r"\['Embed_0'\]\['embedding'\]", "lookup"),
   (r"\['pos'\]", "lookup"),  # pos[jnp.arange(T)]: fixed ids
-  _NORMS_AND_BIASES,
+  _NORM_SCALES,
+  _BIASES,
   (r"\['kernel'\]", "dot"),
 ]
 EXPECTED["linen_cnn"] = [
   (r"Conv_\d\'\]\['kernel'\]", "conv"),
-  _NORMS_AND_BIASES,
+  _NORM_SCALES,
+  _BIASES,
   (r"\['Dense_0'\]\['kernel'\]", "dot"),
 ]
 # The models that rematerialise their layers: ghost takes two backward passes.

@@ -195,7 +195,7 @@ def ghost_plan(
     {"['b']": 'instantiate', "['w']": 'dot'}
     >>> print(plan)  # doctest: +NORMALIZE_WHITESPACE
     path   shape     rule         floats  reason
-    ['b']  (16,)     instantiate  16      used by `add`, not a dot/lookup/conv
+    ['b']  (16,)     instantiate  16      used by `add`, not a dot/lookup/conv/scale
     ['w']  (16, 16)  dot          256
     2 leaves; 5.9% of the floats instantiated
 

@@ -87,6 +87,7 @@ VIEWS = frozenset(
 SLICE, TRANSPOSE, SQUEEZE = "slice", "transpose", "squeeze"
 # Sums of two values: the gradient of each input is the output's.
 ADDS = frozenset({"add", "add_any"})
+MUL = "mul"
 DOT, GATHER, CONV = "dot_general", "gather", "conv_general_dilated"
 
 # Parameter names.
@@ -316,6 +317,10 @@ def squeeze_dimensions(eqn: Any) -> tuple[int, ...] | None:
 def is_add(eqn: Any) -> bool:
   """Whether an equation is the sum of its two inputs."""
   return name(eqn) in ADDS and len(eqn.invars) == 2
+
+
+def is_mul(eqn: Any) -> bool:
+  return name(eqn) == MUL
 
 
 def is_slice(eqn: Any) -> bool:

@@ -16,6 +16,8 @@ The rules:
   output head (both rules and their cross term);
 * ``_conv``: a convolution's kernel; ``_conv_taps``: its per-example
   gradient tap by tap, where that is formed in the backward pass;
+* ``_scale``: a layer norm's or RMS norm's scale, an elementwise product
+  of a parameter and data;
 * ``_instantiate``: the base rule, the per-example gradient formed through
   the sites.
 
@@ -32,10 +34,11 @@ from jaxclip.privacy._ghost._rules._conv import CONV
 from jaxclip.privacy._ghost._rules._dot import DOT
 from jaxclip.privacy._ghost._rules._instantiate import INSTANTIATE
 from jaxclip.privacy._ghost._rules._lookup import LOOKUP
+from jaxclip.privacy._ghost._rules._scale import SCALE
 from jaxclip.privacy._ghost._types import PARAM, Site
 
 # The registered rules, in the order they are tried.
-RULES: tuple[Rule, ...] = (DOT, LOOKUP, CONV)
+RULES: tuple[Rule, ...] = (DOT, LOOKUP, CONV, SCALE)
 
 _BY_NAME = {rule.name: rule for rule in (*RULES, INSTANTIATE)}
 

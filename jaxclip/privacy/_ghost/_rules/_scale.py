@@ -1,0 +1,147 @@
+"""The ``scale`` rule: an elementwise product of a parameter and data, the parameter repeated.
+
+A layer norm's or RMS norm's scale (``x_hat * scale``; flax linen and nnx,
+equinox under ``vmap``, by hand) reaches the loss through a ``mul`` whose
+param operand is a view of the leaf with size-1 axes where the data operand
+has positions (``(1, d)`` against ``(T, d)``, or ``(T, 1)`` against
+``(1, d)`` where flax multiplies ``rsqrt(var + eps)`` by the scale first):
+``mul`` broadcasts the size-1 axes itself. (A ``broadcast_in_dim`` that
+repeats the scale's values, ``jnp.broadcast_to``, is not a view of the leaf:
+such a scale is instantiated, exactly.) Each example's gradient of
+the scale is ``grad_j = sum_t g_tj a_tj`` over the repeated axes ``t`` (``a``
+the data operand, ``g`` the output gradient), so
+
+.. math::
+
+  \\|\\nabla\\|^2 = \\sum_j \\Big(\\sum_t g_{tj} \\, a_{tj}\\Big)^2,
+
+formed per example from the site's records, as book-keeping forms a
+per-example gradient from ``a`` and ``g`` (Bu et al., 2023); where it is
+smaller than the output gradient (float32), it is formed in the backward
+pass instead (:meth:`ScaleRule.accumulates`), as the ``dot`` rule's is. A
+weight every iteration of a scan reads sums their terms before squaring.
+The products are taken scaled by exact powers of two, each term by its own
+exponents, so that no finite example's squares overflow or flush (as the
+other rules, Li et al., 2022).
+
+References:
+  Li et al., 2022, `Large Language Models Can Be Strong Differentially
+  Private Learners <https://arxiv.org/abs/2110.05679>`_; Bu et al., 2023,
+  `Differentially Private Optimization on Large Model at Small Cost
+  <https://arxiv.org/abs/2210.00038>`_.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jaxclip._kernel import _numerics
+from jaxclip.privacy._ghost._jaxpr import _internals as _jax
+from jaxclip.privacy._ghost._rules._base import Rule, formed_in_backward, levels, size
+from jaxclip.privacy._ghost._types import DATA, PARAM, Site
+
+_LOW = jnp.iinfo(jnp.int32).min // 4  # below any exponent: an element that is 0
+
+
+def summed_dims(site: Site, k: int) -> tuple[int, ...]:
+  """The output axes along which param input ``k``'s elements repeat: its gradient is the
+  output gradient times the data operand, summed over them (those where the operand has size
+  1, or no axis: numpy's alignment, and the output not)."""
+  p, out = site.param_avals()[k].shape, site.out_avals[0].shape
+  p = (1,) * (len(out) - len(p)) + tuple(p)
+  return tuple(d for d in range(len(out)) if p[d] == 1 and out[d] != 1)
+
+
+def _times_pow2(x: jax.Array, e: jax.Array) -> jax.Array:
+  """``x * 2**e`` for ``|e|`` up to twice the float32 exponent range (three exact steps)."""
+  third = e // 3
+  return _numerics.times_pow2(
+    _numerics.times_pow2(_numerics.times_pow2(x, third), third), e - 2 * third
+  )
+
+
+def _split(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """``x = m * 2**e`` elementwise, ``|m|`` in ``[0.5, 1)`` (``e = 0`` where ``x`` is 0 or not
+  finite), in the accumulation dtype."""
+  x = _numerics.upcast_for_accumulation(x)
+  e = _numerics.scale_exponent(jnp.abs(x))
+  return _numerics.times_pow2(x, -e), e
+
+
+def scale_sumsq(a: jax.Array, g: jax.Array, axes: tuple[int, ...]) -> jax.Array:
+  """Each example's ``sum (sum over axes of g * a)^2`` (leading batch axis), overflow-safe.
+
+  ``a`` broadcasts against ``g``. Each product is ``m * 2**e`` with ``|m|``
+  in ``[0.25, 1)``; every term is taken relative to the example's largest
+  ``e``, summed, squared and scaled back: a term below the largest by more
+  than the dtype's range is flushed (its square is below the norm's
+  precision), and a norm beyond the range is ``inf``.
+  """
+  (ma, ea), (mg, eg) = _split(a), _split(g)
+  m, e = mg * ma, eg + ea
+  n = m.shape[0]
+  top = jnp.max(jnp.where(m != 0, e, _LOW).reshape(n, -1), axis=1)
+  top = jnp.where(top == _LOW, 0, top)
+  shift = jnp.maximum(e - top.reshape((n,) + (1,) * (e.ndim - 1)), -1024)
+  grad = jnp.sum(_numerics.times_pow2(m, shift), axis=axes)
+  q = jnp.sum((grad * grad).reshape(n, -1), axis=1)
+  return _times_pow2(q, 2 * top)
+
+
+class ScaleRule(Rule):
+  """The ``scale`` rule (see the module's docstring)."""
+
+  name = "scale"
+  takes_shared = True
+
+  def matches(self, eqn: Any, roles: tuple[str, ...], pos: int) -> bool:
+    """A ``mul`` of param input ``pos`` and data, into a float output."""
+    if eqn is None or not _jax.is_mul(eqn) or len(roles) != 2 or len(eqn.outvars) != 1:
+      return False
+    if roles[pos] != PARAM or roles[1 - pos] != DATA:
+      return False
+    p, out = eqn.invars[pos].aval, eqn.outvars[0].aval
+    return jnp.issubdtype(out.dtype, jnp.floating) and p.ndim <= out.ndim
+
+  def sumsq(self, site: Site, k: int, w: Any, a: jax.Array, g: jax.Array) -> jax.Array:
+    """``a`` and ``g`` for every example; inside scans, the axes of the ``shared`` levels
+    (a scale every iteration reads) follow the batch axis, and are summed over first."""
+    del w
+    shared = len(site.infos[k].shared)
+    lead = 1 + shared
+    a = a.reshape(a.shape[:lead] + (1,) * (g.ndim - a.ndim) + a.shape[lead:])
+    axes = tuple(range(1, lead)) + tuple(lead + d for d in summed_dims(site, k))
+    return scale_sumsq(a, g, axes)
+
+  def cost(self, site: Site, k: int) -> tuple[int, int]:
+    """A product and a sum per output element, as the per-example gradient it forms."""
+    reps, rows = levels(site, k)
+    flops = size(site.out_avals) * reps * rows
+    return flops, flops
+
+  def work(self, site: Site, k: int) -> int:
+    """The per-example gradient of the repeated view, per iteration of its own."""
+    out, dims = site.out_avals[0].shape, summed_dims(site, k)
+    return levels(site, k)[0] * math.prod(n for d, n in enumerate(out) if d not in dims)
+
+  def memory(self, site: Site, k: int) -> tuple[int, int]:
+    """Under the rule: the site's records and the gradient formed from them (or that gradient
+    alone, formed in the backward pass); instantiated: as the base rule counts it."""
+    reps, rows = levels(site, k)
+    data = [v.aval for v, r in zip(site.eqn.invars, site.roles, strict=True) if r == DATA]
+    records = reps * rows * size([*data, *site.out_avals])
+    param = reps * rows * math.prod(site.param_avals()[k].shape)
+    ghost = self.work(site, k) if self.accumulates(site, k) else records + self.work(site, k)
+    return ghost, param if param <= records else records + param
+
+  def accumulates(self, site: Site, k: int) -> bool:
+    """Where the per-example gradient (float32 or wider) is smaller than the output gradient:
+    it is then formed in the backward pass, as the ``dot`` rule's is."""
+    return formed_in_backward(site, k, True)
+
+
+SCALE = ScaleRule()
