@@ -250,16 +250,67 @@ def test_nonfinite_leaf_in_per_leaf_clip_is_nan_only_there():
   np.testing.assert_allclose(float(ops.global_norm(out["b"])), 1.0, rtol=1e-6)
 
 
-@pytest.mark.xfail(
-  jax.__version_info__ < (0, 10, 1),
-  reason="jax 0.10.0's own jnp.frexp fails under vmap with spmd_axis_name on an Explicit mesh "
-  "(a select inside it joins a sharded predicate with an unsharded case); measured on 0.10.0",
-  strict=True,
-)
+# ---------------------------------------------------------------- scale exponent
+
+
+def _frexp_exponent(m: np.ndarray) -> np.ndarray:
+  """``np.frexp``'s exponent where ``m`` is positive and finite, 0 elsewhere."""
+  ok = (m > 0) & np.isfinite(m)
+  return np.where(ok, np.frexp(np.where(ok, m, 1))[1], 0).astype(np.int32)
+
+
+def _exponent_sweep(dtype) -> np.ndarray:
+  """Values of ``dtype``, both signs: every power of two (the subnormal ones too) and its
+  neighbours (so every subnormal bit length and both sides of each exponent step), the
+  edges (0, the largest finite, the smallest normal and subnormal, inf, NaN) and random
+  bit patterns (NaN payloads among them)."""
+  info = np.finfo(dtype)
+  k = np.arange(info.minexp - info.nmant, info.maxexp, dtype=np.int32)
+  powers = np.ldexp(np.ones(k.shape, dtype), k)
+  assert powers.dtype == dtype and np.all(np.isfinite(powers) & (powers > 0))
+  edges = np.array([0, info.max, info.tiny, info.smallest_subnormal, np.inf, np.nan], dtype)
+  itype = np.dtype(f"u{info.bits // 8}")
+  bits = np.random.default_rng(0).integers(0, np.iinfo(itype).max, 20_000, itype, endpoint=True)
+  parts = [powers, np.nextafter(powers, 0), np.nextafter(powers, np.inf), edges, bits.view(dtype)]
+  values = np.concatenate(parts)
+  return np.concatenate([values, -values])
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_scale_exponent_is_frexps_exponent(dtype):
+  # From the bits: XLA:CPU reads subnormals as zero (m > 0 is false there, jnp.frexp's
+  # exponent is -149 or 0 by jax version), yet each gets np.frexp's exponent.
+  from jaxclip._kernel import _numerics
+
+  m = _exponent_sweep(np.dtype(dtype))
+  expected = _frexp_exponent(m)
+  assert np.any((expected < np.finfo(dtype).minexp) & (expected != 0))  # subnormals there
+  with jax.enable_x64(dtype == "float64"):
+    x = jnp.asarray(m)
+    assert x.dtype == dtype
+    for f in (_numerics.scale_exponent, jax.jit(_numerics.scale_exponent)):
+      e = f(x)
+      assert e.dtype == jnp.int32 and e.shape == m.shape
+      np.testing.assert_array_equal(np.asarray(e), expected)
+    # Under vmap, a 0-d value at a time, as the per-example norms call it.
+    np.testing.assert_array_equal(np.asarray(jax.vmap(_numerics.scale_exponent)(x)), expected)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=["bfloat16", "float16"])
+def test_scale_exponent_of_every_half_precision_value(dtype):
+  from jaxclip._kernel import _numerics
+
+  m = np.arange(2**16, dtype=np.uint16).view(jnp.dtype(dtype))
+  e = jax.jit(_numerics.scale_exponent)(jnp.asarray(m))
+  assert e.dtype == jnp.int32
+  np.testing.assert_array_equal(np.asarray(e), _frexp_exponent(m.astype(np.float32)))
+
+
 def test_scale_exponent_batches_with_spmd_axis_name_on_an_explicit_mesh():
-  # jax 0.12: under vmap, frexp's exponent of a 0-d value has no mesh in its
-  # type, and jnp.where's batching rule then failed with spmd_axis_name
-  # ("Resource axis: data ... not found in mesh: ()"): the ghost engine's
+  # jnp.frexp failed here: on jax 0.12 its exponent of a 0-d value under vmap
+  # has no mesh in its type, and jnp.where's batching rule then failed with
+  # spmd_axis_name ("Resource axis: data ... not found in mesh: ()"); on jax
+  # 0.10.0 a select inside jnp.frexp itself failed. The ghost engine's
   # instantiated norms under an Explicit mesh. One device suffices.
   from jaxclip._kernel import _numerics
 

@@ -45,14 +45,38 @@ def times_pow2(x: jax.Array, k: jax.Array) -> jax.Array:
 
 
 def scale_exponent(m: jax.Array) -> jax.Array:
-  """The int32 ``e`` with ``m / 2**e`` in ``[0.5, 1)``; ``0`` where ``m`` is 0 or not finite."""
-  ok = (m > 0) & jnp.isfinite(m)
-  e = jnp.frexp(jnp.where(ok, m, 1))[1].astype(jnp.int32)
-  # lax.select, not jnp.where (a jit): on jax 0.12 frexp's exponent of a 0-d
-  # input under vmap loses an Explicit mesh, and jnp.where's batching rule then
-  # fails with spmd_axis_name (test_ghost_multi_device's spmd check). On jax
-  # 0.10.0 frexp itself fails there (a select inside it); 0.10.2 and 0.12 pass.
-  return jax.lax.select(ok, e, jnp.zeros_like(m, jnp.int32))
+  """The int32 ``e`` with ``m / 2**e`` in ``[0.5, 1)``; ``0`` where ``m`` is 0 or not finite.
+
+  ``np.frexp``'s exponent, read from the bits of ``m`` (float32 or float64; a
+  half-precision ``m`` is read as float32, exactly), for every positive finite
+  ``m``, subnormal ones included; ``0`` for zero, negative, infinite and NaN
+  ``m`` (``m`` is a largest magnitude: non-negative where it is finite).
+
+  Integer ops on the bits, so that XLA:CPU, which reads subnormal floats as zero (DAZ:
+  a subnormal ``m`` compares ``m > 0`` false there), still gives a subnormal
+  ``m`` its exact exponent. The callers test ``m > 0`` themselves; and a value
+  ``|x| <= m`` scaled by this ``2**-e`` (:func:`times_pow2`) lies in ``[0, 1)``
+  whether or not the platform flushes it: none overflows.
+  """
+  m = jnp.asarray(m)
+  if m.dtype.itemsize < 4:
+    m = m.astype(jnp.float32)
+  info = jnp.finfo(m.dtype)
+  width, nmant, bias = info.bits, info.nmant, info.maxexp - 1
+  itype = jnp.int32 if width == 32 else jnp.int64
+  bits = jax.lax.bitcast_convert_type(m, itype)
+  field = jax.lax.shift_right_logical(bits, itype(nmant))  # the biased exponent where m >= 0
+  mantissa = jax.lax.bitwise_and(bits, itype((1 << nmant) - 1))
+  # The bit length of the integer m / 2**(1 - bias - nmant) (m in smallest subnormals):
+  # field + nmant for a normal m, the mantissa's bit length for a subnormal one (field 0).
+  lead = jax.lax.select(field > 0, field + itype(nmant), itype(width) - jax.lax.clz(mantissa))
+  e = (lead - itype(nmant + bias - 1)).astype(jnp.int32)
+  # Positive and finite: the sign bit clear (bits > 0 as a signed integer), below inf's bits.
+  ok = (bits > 0) & (bits < itype((2 * bias + 1) << nmant))
+  # Every operand derives from m, so that under vmap with spmd_axis_name on an Explicit mesh
+  # each carries the batch's sharding. jnp.frexp's did not: on jax 0.10.0 a select inside it
+  # joins an unsharded case, on 0.12 its exponent of a 0-d value under vmap has no mesh.
+  return jax.lax.select(ok, e, jnp.zeros_like(e))
 
 
 def scaled_down(x: jax.Array, e: jax.Array) -> jax.Array:
@@ -116,8 +140,9 @@ def pow2_pair(m: jax.Array) -> tuple[jax.Array, jax.Array]:
 
   Both are normal (``|k| <= bias - 1``): an ``m`` at the top of the range lands in
   ``[2, 4)``, a zero or subnormal ``m`` is multiplied by ``2**(bias - 1)``, an ``inf`` or
-  NaN stays what it is. A few integer ops, where :func:`scale_exponent` is a ``frexp``:
-  the rescue of :func:`leaf_norm` is traced once per leaf.
+  NaN stays what it is. Fewer integer ops than :func:`scale_exponent` (no exact
+  exponent of a subnormal, no case for 0 or non-finite ``m``): the rescue of
+  :func:`leaf_norm` is traced once per leaf.
   """
   info = jnp.finfo(m.dtype)
   bias, bits = info.maxexp - 1, info.nmant
