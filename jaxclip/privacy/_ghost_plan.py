@@ -226,27 +226,19 @@ def ghost_plan(
     platform = jax.default_backend()
   rules = _ghost.leaf_rules(traced.plan, method, platform)
   chosen = _ghost.plan_for(traced.plan, method, platform)[0]
-  sum_passes = 1
   groups = None if l2_norm_clip is None else _clip_batch.clip_groups(l2_norm_clip, params)
-  if chosen is not None and groups is not None and groups.per_group:
-    mixed = _ghost.mixed_boundaries(chosen, groups.of_leaf)
-    for u, k in mixed:
-      for i in chosen.sites[u].infos[k].deps:
-        rule, reason = rules[i]
-        note = f"its input to `{chosen.sites[u].name}` mixes clip groups: pulled back per group"
-        rules[i] = (rule, note if not reason else f"{reason}; {note}")
-    if chosen.two_pass:
-      sum_passes = len(set(groups.of_leaf))
-    else:
-      inputs = [{groups.of_leaf[i] for i in info.deps} for s in chosen.sites for info in s.infos]
-      sum_passes = len(_ghost.pull_passes(inputs, groups.of_leaf))
+  of_leaf = groups.of_leaf if groups is not None and groups.per_group else None
+  passes, sum_passes, notes = _ghost.report_passes(chosen, of_leaf)
+  for i, note in notes.items():
+    rule, reason = rules[i]
+    rules[i] = (rule, note if not reason else f"{reason}; {note}")
   paths = [jax.tree_util.keystr(k) for k, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
   return GhostPlan(
     tuple(
       GhostLeafPlan(path, rule, reason, int(jnp.size(x)), tuple(jnp.shape(x)))
       for path, (rule, reason), x in zip(paths, rules, traced.leaves, strict=True)
     ),
-    passes=2 if chosen is not None and chosen.two_pass else 1,
+    passes=passes,
     sum_passes=sum_passes,
     method=method,
     platform=platform if method == "auto" else None,

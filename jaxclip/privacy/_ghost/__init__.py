@@ -26,7 +26,7 @@ pass.
 The only way in for the rest of :mod:`jaxclip.privacy`:
 ``per_example_clipped_grad(method="ghost" | "auto")`` (:func:`trace`,
 :func:`plan_for`, :func:`clipped_sum`) and :func:`jaxclip.ghost_plan`'s
-report (:func:`leaf_rules`, :func:`mixed_boundaries`, :func:`pull_passes`).
+report (:func:`leaf_rules`, :func:`report_passes`).
 The tests reach further in; nothing else does.
 
 The layout, one step per module:
@@ -77,9 +77,8 @@ __all__ = [
   "Traced",
   "clipped_sum",
   "leaf_rules",
-  "mixed_boundaries",
   "plan_for",
-  "pull_passes",
+  "report_passes",
   "trace",
 ]
 
@@ -117,6 +116,36 @@ def leaf_rules(plan: Plan, method: str, platform: str | None) -> list[tuple[str,
     return [("instantiate", why)] * plan.num_leaves
   used = {i for s in plan.sites for info in s.infos for i in info.deps}
   return [("instantiate", why) if i in used else ("unused", None) for i in range(plan.num_leaves)]
+
+
+def report_passes(
+  plan: Plan | None, leaf_groups: Sequence[int] | None
+) -> tuple[int, int, dict[int, str]]:
+  """What :func:`jaxclip.ghost_plan` reports of a plan beside each leaf's rule.
+
+  Args:
+    plan: The plan that runs (:func:`plan_for`), or ``None`` for ``vmap``'s program.
+    leaf_groups: The clip group of each leaf with per-layer clip norms, else ``None``.
+
+  Returns:
+    ``(passes, sum_passes, notes)``: the backward passes of the norms (2 where
+    the clipped sum is a second pass), the pull-backs of the clipped sum with
+    clip groups, and, for each leaf whose input to a site mixes clip groups,
+    a note saying so (its cotangent is pulled back once per group).
+  """
+  if plan is None:
+    return 1, 1, {}
+  passes = 2 if plan.two_pass else 1
+  if leaf_groups is None:
+    return passes, 1, {}
+  notes = {}
+  for u, k in mixed_boundaries(plan, leaf_groups):
+    for i in plan.sites[u].infos[k].deps:
+      notes[i] = f"its input to `{plan.sites[u].name}` mixes clip groups: pulled back per group"
+  if plan.two_pass:
+    return passes, len(set(leaf_groups)), notes
+  inputs = [{leaf_groups[i] for i in info.deps} for s in plan.sites for info in s.infos]
+  return passes, len(pull_passes(inputs, leaf_groups)), notes
 
 
 # ----------------------------------------------------------------------------
