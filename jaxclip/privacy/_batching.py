@@ -254,6 +254,15 @@ def unit_loss(
   return group_loss
 
 
+def zero_sums(params: Any) -> Any:
+  """Zeros like ``params``, each in its clipped sum's dtype: float32 for bfloat16 and float16
+  (the noise is added before any rounding to half precision), its own otherwise; with each
+  parameter's sharding (``zeros_like``)."""
+  return jax.tree.map(
+    lambda p: jnp.zeros_like(p, _numerics.compute_dtype(jnp.result_type(p))), params
+  )
+
+
 def empty_batch(
   loss: Callable[..., Any],
   params: Any,
@@ -269,9 +278,7 @@ def empty_batch(
     for i, a in enumerate(units.args)
   ]
   shapes = jax.eval_shape(loss, params, *example)
-  total = jax.tree.map(
-    lambda p: jnp.zeros_like(p, _numerics.compute_dtype(jnp.result_type(p))), params
-  )
+  total = zero_sums(params)
   int_ = jax.dtypes.canonicalize_dtype(jnp.int_)
   num_clipped = jnp.zeros(count_shape, int_), jnp.zeros((), int_)
   norms = jnp.zeros((0,) + count_shape, _numerics.tree_accumulation_dtype(params))

@@ -10,9 +10,9 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jaxclip._kernel import _numerics, _shapes, _sharding
+from jaxclip._kernel import _shapes, _sharding
 from jaxclip._kernel._typing import AxisName
-from jaxclip.privacy._batching import Units, pad_rows, stand_in
+from jaxclip.privacy._batching import Units, pad_rows, stand_in, zero_sums
 
 
 def mesh_axis_size(axis_name: AxisName | None) -> int | None:
@@ -116,9 +116,8 @@ def scan_chunks(
   the counts ``(scaled down, not finite)``."""
   xs = [jax.tree.map(chunks.split, b) for b in batch]
   masks = chunks.split(full_mask) if full_mask is not None else None
-  # zeros_like keeps each parameter's sharding for the running sum.
   init = (
-    jax.tree.map(lambda p: jnp.zeros_like(p, _numerics.compute_dtype(jnp.result_type(p))), params),
+    zero_sums(params),
     (
       jnp.zeros(count_shape, jax.dtypes.canonicalize_dtype(jnp.int_)),
       jnp.zeros((), jax.dtypes.canonicalize_dtype(jnp.int_)),

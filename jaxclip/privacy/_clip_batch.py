@@ -1,5 +1,6 @@
 """A per-example clip bound (a number, or one per group of leaves), its checks, and the
-clipped sum over the batch axis of per-example gradients that the clips share."""
+clipped sum over the batch axis of per-example gradients that the clips share (by a
+:class:`jaxclip.privacy._clip_factors.Clip`)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxclip._kernel import _numerics, _validation
-from jaxclip.privacy._clip_factors import finite_rows, scale_factors
+from jaxclip.privacy._clip_factors import Clip, finite_rows, scale_factors
 
 
 class ClipGroups(NamedTuple):
@@ -31,19 +32,14 @@ class ClipGroups(NamedTuple):
   def per_group(self) -> bool:
     return self.of_leaf is not None
 
-  def bound(self, dtype: Any) -> jax.Array:
-    """The thresholds as one array: a scalar, or ``(groups,)``."""
+  def clip(self, dtype: Any, normalize: Any = None) -> Clip:
+    """The clip of these groups: the thresholds as one array in ``dtype`` (that of the norms),
+    a scalar or ``(groups,)``."""
     if not self.per_group:
-      return jnp.asarray(self.bounds[0], dtype)
-    return jnp.stack([jnp.asarray(c, dtype) for c in self.bounds])
-
-  def unflatten(self, x: jax.Array, axis: int) -> Any:
-    """A per-group array (groups on ``axis``) as a pytree like the bound; as is for a scalar."""
-    if not self.per_group:
-      return x
-    return jax.tree.unflatten(
-      self.treedef, [jnp.take(x, k, axis=axis) for k in range(len(self.bounds))]
-    )
+      bounds = jnp.asarray(self.bounds[0], dtype)
+    else:
+      bounds = jnp.stack([jnp.asarray(c, dtype) for c in self.bounds])
+    return Clip(bounds, self.of_leaf, normalize, self.treedef)
 
 
 def clip_groups(l2_norm_clip: Any, tree: Any, name: str = "l2_norm_clip") -> ClipGroups:
@@ -103,17 +99,17 @@ def check_normalize(normalize: Any, l2_norm_clip: Any, name: str = "l2_norm_clip
     _validation.check_hparam(c, f"{name} (with normalize)", lo=0, finite=True)
 
 
-def _scaled_norms(leaves: list[Any], groups: ClipGroups, acc: Any) -> _numerics.ScaledNorms:
+def _scaled_norms(leaves: list[Any], clip: Clip, acc: Any) -> _numerics.ScaledNorms:
   """Each example's overflow- and underflow-safe norm (:func:`jaxclip._kernel._numerics.
   per_example_scaled_norms`), in scaled form: ``(n,)``, or ``(n, groups)`` per group."""
   if not leaves:  # no parameters: one norm of 0 (the caller knows the batch)
     return _numerics.ScaledNorms(*(jnp.zeros((), d) for d in (jnp.int32, acc, acc)))
-  if not groups.per_group:
+  if not clip.per_group:
     return _numerics.per_example_scaled_norms(leaves, acc)
   n = leaves[0].shape[0]
   per_group = []
-  for j in range(len(groups.bounds)):
-    mine = [g for g, k in zip(leaves, groups.of_leaf, strict=True) if k == j]
+  for j in range(clip.num_groups):
+    mine = [g for g, k in zip(leaves, clip.of_leaf, strict=True) if k == j]
     if mine:
       per_group.append(_numerics.per_example_scaled_norms(mine, acc))
     else:  # a group without leaves: zeros sharded as the others (under an Explicit mesh)
@@ -122,16 +118,17 @@ def _scaled_norms(leaves: list[Any], groups: ClipGroups, acc: Any) -> _numerics.
   return _numerics.ScaledNorms(*(jnp.stack(f, axis=1) for f in zip(*per_group, strict=True)))
 
 
-def _per_example_clip(grads, l2_norm_clip, *, mask=None, accumulate=False, normalize=None):
+def _per_example_clip(grads, clip: Clip, *, mask=None, accumulate=False):
   """Clipped sum over axis 0, the number of clipped examples, the norms and the number of
   non-finite examples.
 
   ``mask`` (bool, one per example) drops padding examples from the sum (even
   non-finite ones) and from the counts; ``accumulate=True`` returns the sums in
   float32 (or wider) instead of casting back to each leaf's dtype.
-  ``l2_norm_clip`` is a number or a :class:`ClipGroups`: per group, the count
-  is one entry of a ``(groups,)`` array and the norms are ``(batch, groups)``.
-  ``normalize`` is automatic clipping's ``gamma`` (:func:`scale_factors`).
+  ``clip``'s bounds are in the norms' dtype (``grads``' accumulation dtype); per
+  group, the count is one entry of a ``(groups,)`` array and the norms are
+  ``(batch, groups)``. With ``clip.normalize``, automatic clipping
+  (:func:`scale_factors`).
 
   An example whose norm is not finite (a NaN or infinite entry, or a square
   that overflows) is *selected* away, not multiplied by 0 (``0 * nan`` is
@@ -142,13 +139,9 @@ def _per_example_clip(grads, l2_norm_clip, *, mask=None, accumulate=False, norma
   """
   leaves = jax.tree.leaves(grads)
   acc = _numerics.tree_accumulation_dtype(grads)
-  groups = (
-    l2_norm_clip if isinstance(l2_norm_clip, ClipGroups) else ClipGroups([l2_norm_clip], None, None)
-  )
-  scaled = _scaled_norms(leaves, groups, acc)
+  scaled = _scaled_norms(leaves, clip, acc)
   norms = scaled.norms
-  bound = groups.bound(acc)
-  multipliers, (num_clipped, num_nonfinite) = scale_factors(scaled, bound, mask, normalize)
+  multipliers, (num_clipped, num_nonfinite) = scale_factors(scaled, clip, mask)
   keep = finite_rows(norms) if jnp.ndim(norms) else None
   if mask is not None:
     keep = mask if keep is None else keep & mask
@@ -168,7 +161,7 @@ def _per_example_clip(grads, l2_norm_clip, *, mask=None, accumulate=False, norma
     return out if accumulate else out.astype(g.dtype)
 
   treedef = jax.tree.structure(grads)
-  of_leaf = groups.of_leaf or (None,) * len(leaves)
+  of_leaf = clip.of_leaf or (None,) * len(leaves)
   summed = jax.tree.unflatten(
     treedef, [weighted_sum(g, k) for g, k in zip(leaves, of_leaf, strict=True)]
   )

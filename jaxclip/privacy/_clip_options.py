@@ -1,5 +1,5 @@
 """The options of one :func:`jaxclip.per_example_clipped_grad` function, checked once when
-it is made, and the clip factors they give each unit of a batch."""
+it is made."""
 
 from __future__ import annotations
 
@@ -8,17 +8,17 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 
 from jaxclip._kernel import _validation
 from jaxclip._kernel._typing import AxisName
-from jaxclip.privacy import _batching, _clip_batch, _clip_factors
-from jaxclip.privacy._batching import rows
+from jaxclip.privacy import _batching, _clip_batch
 
 
 @dataclasses.dataclass(frozen=True)
 class Options:
-  """The checked options of one :func:`per_example_clipped_grad` function."""
+  """The checked options of one :func:`per_example_clipped_grad` function: its arguments,
+  nothing of a call (each call's clip is a value of its own, a
+  :class:`jaxclip.privacy._clip_factors.Clip`, passed down)."""
 
   loss_fn: Callable[..., Any]
   l2_norm_clip: jax.typing.ArrayLike
@@ -33,28 +33,6 @@ class Options:
   group_size: int
   normalize: Any = None
   return_num_nonfinite: bool = False
-  # Per call: the clip bound's groups of parameter leaves (_clip_batch.clip_groups).
-  groups: _clip_batch.ClipGroups | None = None
-
-  @property
-  def per_group(self) -> bool:
-    """Whether ``l2_norm_clip`` is a pytree: counts and norms per group of leaves."""
-    return self.groups is not None and self.groups.per_group
-
-  def group_shape(self) -> tuple[int, ...]:
-    """The trailing shape of per-group counts and norms: ``(groups,)``, or ``()``."""
-    return (len(self.groups.bounds),) if self.per_group else ()
-
-  def factors(
-    self, norms: jax.Array, mask: jax.Array | None, floor: float | None = None
-  ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
-    """Each unit's (and group's) weight, 0 where masked or not finite, and the counts
-    ``(scaled down, not finite)``."""
-    bound = self.groups.bound(norms.dtype)
-    weights, count = _clip_factors.scale_factors(norms, bound, mask, self.normalize, floor)
-    if mask is not None:
-      weights = jnp.where(rows(mask, weights), weights, 0)
-    return weights, count
 
   @classmethod
   def checked(

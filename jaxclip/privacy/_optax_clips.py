@@ -8,7 +8,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxclip._kernel import _validation
+from jaxclip._kernel import _numerics, _validation
 from jaxclip._kernel._typing import ArrayLike
 from jaxclip.privacy._clip_batch import (
   ClipGroups,
@@ -125,13 +125,11 @@ def per_example_global_norm_clip(
   check_normalize(normalize, l2_norm_clip)
   grads = _validation.numeric_leaves(grads, "per_example_global_norm_clip", "grads")
   _check_batch_dim(grads, "per_example_global_norm_clip")
-  groups = clip_groups(l2_norm_clip, grads)
-  clipped_sum, num_clipped, _, num_bad = _per_example_clip(
-    grads, groups if groups.per_group else l2_norm_clip, normalize=normalize, accumulate=True
-  )
+  clip = clip_groups(l2_norm_clip, grads).clip(_numerics.tree_accumulation_dtype(grads), normalize)
+  clipped_sum, num_clipped, _, num_bad = _per_example_clip(grads, clip, accumulate=True)
   if axis_name is not None:
     clipped_sum, num_clipped, num_bad = jax.lax.psum((clipped_sum, num_clipped, num_bad), axis_name)
-  out = clipped_sum, groups.unflatten(num_clipped, 0)
+  out = clipped_sum, clip.unflatten(num_clipped, 0)
   return out + (num_bad,) if return_num_nonfinite else out
 
 
@@ -210,10 +208,9 @@ def per_example_layer_norm_clip(
   groups = ClipGroups(
     [global_l2_norm_clip * share**0.5 for share in shares], tuple(range(len(leaves))), treedef
   )
-  clipped_sum, num_clipped, _, num_bad = _per_example_clip(
-    grads, groups, normalize=normalize, accumulate=True
-  )
-  num_clipped = groups.unflatten(num_clipped, 0)
+  clip = groups.clip(_numerics.tree_accumulation_dtype(grads), normalize)
+  clipped_sum, num_clipped, _, num_bad = _per_example_clip(grads, clip, accumulate=True)
+  num_clipped = clip.unflatten(num_clipped, 0)
   if axis_name is not None:
     clipped_sum, num_clipped, num_bad = jax.lax.psum((clipped_sum, num_clipped, num_bad), axis_name)
   out = clipped_sum, num_clipped

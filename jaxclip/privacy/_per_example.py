@@ -8,22 +8,28 @@ into units (:mod:`jaxclip.privacy._batching`) and chunks
 keeps the parameters local inside ``shard_map``). Here each chunk is clipped by
 :func:`jaxclip.per_example_global_norm_clip`'s kernel (``method="vmap"``) or by
 ghost norms (:mod:`jaxclip.privacy._ghost`).
+
+Each call's clip is one value, a :class:`jaxclip.privacy._clip_factors.Clip`
+(the bounds in the norms' dtype, the group of each leaf, ``normalize``), made
+once from ``l2_norm_clip`` and the parameters and passed down to either
+method, which takes each example's factor from it
+(:func:`jaxclip.privacy._clip_factors.scale_factors`). Each method forms its
+sum in float32 (or wider) where it forms the terms, once; nothing above casts
+it again.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import math
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 
 from jaxclip._kernel import _numerics, _platform
 from jaxclip._kernel._typing import AxisName
 from jaxclip.privacy import _batching, _clip_batch, _clip_chunks, _clip_options, _ghost
+from jaxclip.privacy._clip_factors import Clip
 
 
 def per_example_clipped_grad(
@@ -266,11 +272,12 @@ def per_example_clipped_grad(
   def clipped_grad(params, *args, example_mask=None):
     batch = _batching.batch_of(opts.batch_argnums, params, args, example_mask, warned)
     units = _batching.grouped(batch, opts.group_size, opts.microbatch_size)
-    call = dataclasses.replace(opts, groups=_clip_batch.clip_groups(opts.l2_norm_clip, params))
+    groups = _clip_batch.clip_groups(opts.l2_norm_clip, params)
+    clip = groups.clip(_numerics.tree_accumulation_dtype(params), opts.normalize)
     loss = _batching.unit_loss(
       opts.loss_fn, batch.idx, opts.group_size, opts.has_aux, opts.keep_batch_dim
     )
-    out = _clip_chunks.clipped_units(call, loss, params, units, _clip_chunk)
+    out = _clip_chunks.clipped_units(opts, clip, loss, params, units, _clip_chunk)
     if opts.group_size > 1 and opts.has_aux:  # each example's aux, in the batch's order
       size = batch.size
       out = out[:-1] + (jax.tree.map(lambda a: a.reshape((size,) + a.shape[2:]), out[-1]),)
@@ -286,13 +293,14 @@ def per_example_clipped_grad(
 
 def _clip_chunk(
   opts: _clip_options.Options,
+  clip: Clip,
   loss: Callable[..., Any],
   params: Any,
   args: list[Any],
   idx: Sequence[int],
   mask: jax.Array | None,
-) -> tuple[Any, jax.Array, jax.Array, Any]:
-  """One chunk's clipped sum (float32 or wider), count, norms and aux.
+) -> tuple[Any, tuple[jax.Array, jax.Array], jax.Array, Any]:
+  """One chunk's clipped sum (in each parameter's sum dtype), counts, norms and aux.
 
   Under ``"ghost"`` and ``"auto"`` the plan is chosen when tracing, for each
   platform the program may be lowered for: ``"auto"``'s cost model differs
@@ -300,7 +308,7 @@ def _clip_chunk(
   :func:`jaxclip._kernel._platform.on_cpu` and the lowering keeps one.
   """
   if opts.method == "vmap":
-    return _clip_chunks.vmap_chunk(opts, loss, params, args, idx, mask)
+    return _clip_chunks.vmap_chunk(opts, clip, loss, params, args, idx, mask)
   traced = _ghost.trace(loss, params, args, idx, has_aux=opts.has_aux)
   if traced.plan.unknown:  # not a choice: the engine cannot read the loss
     warnings.warn(
@@ -314,11 +322,8 @@ def _clip_chunk(
 
   def run(plan):
     if plan is None:  # method="vmap"'s program
-      out = _clip_chunks.vmap_chunk(opts, loss, params, args, idx, mask)
-    else:
-      out = _ghost_chunk(opts, dataclasses.replace(traced, plan=plan), mask)
-    acc = lambda t, p: t.astype(_numerics.compute_dtype(jnp.result_type(p)))
-    return (jax.tree.map(acc, out[0], params), *out[1:])
+      return _clip_chunks.vmap_chunk(opts, clip, loss, params, args, idx, mask)
+    return _ghost_chunk(opts, clip, traced, plan, mask)
 
   if cpu == other:
     return run(cpu)
@@ -326,25 +331,17 @@ def _clip_chunk(
 
 
 def _ghost_chunk(
-  opts: _clip_options.Options, traced: _ghost.Traced, mask: jax.Array | None
-) -> tuple[Any, jax.Array, jax.Array, Any]:
-  """The clipped sum from ghost norms and book-keeping, by ``traced.plan``."""
-  floor = None
-  if opts.normalize is not None:
-    # Each scaled part of a ghost norm is exact or, below the normal range, flushed: the
-    # squared norm is under-read by at most tiny per part. Dividing by at least
-    # sqrt(parts * tiny / eps) keeps C / norm from lifting such an example past C.
-    info = jnp.finfo(_numerics.tree_accumulation_dtype(traced.leaves))
-    parts = 2 * (len(traced.plan.sites) + len(traced.leaves)) + 1
-    floor = math.sqrt(parts * float(info.tiny) / float(info.eps))
-  grads, norms, count, aux_leaves = _ghost.clipped_sum(
-    traced,
-    lambda norms: opts.factors(norms, mask, floor),
-    spmd_axis_name=opts.spmd_axis_name,
-    leaf_groups=opts.groups.of_leaf,
-    num_groups=len(opts.groups.bounds),
+  opts: _clip_options.Options,
+  clip: Clip,
+  traced: _ghost.Traced,
+  plan: _ghost.Plan,
+  mask: jax.Array | None,
+) -> tuple[Any, tuple[jax.Array, jax.Array], jax.Array, Any]:
+  """The clipped sum from ghost norms and book-keeping, by ``plan``."""
+  grads, norms, counts, aux_leaves = _ghost.clipped_sum(
+    traced, plan, clip, mask, spmd_axis_name=opts.spmd_axis_name
   )
   aux = None
   if opts.has_aux:
     aux = jax.tree.unflatten(jax.tree.structure(traced.out_shape[1]), aux_leaves)
-  return jax.tree.unflatten(traced.params_tree, grads), count, norms, aux
+  return jax.tree.unflatten(traced.params_tree, grads), counts, norms, aux

@@ -54,6 +54,7 @@ The layout, one step per module:
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -63,6 +64,7 @@ import numpy as np
 
 from jaxclip._kernel import _numerics, _sharding
 from jaxclip.privacy import _batching
+from jaxclip.privacy._clip_factors import Clip, scale_factors
 from jaxclip.privacy._ghost import _book, _capture, _planning, _rules
 from jaxclip.privacy._ghost._book import mixed_boundaries, pull_passes
 from jaxclip.privacy._ghost._capture import Inputs
@@ -252,55 +254,67 @@ def trace(
 
 def clipped_sum(
   traced: Traced,
-  weights_fn: Callable[[jax.Array], tuple[jax.Array, Any]],
+  plan: Plan,
+  clip: Clip,
+  mask: jax.Array | None,
   *,
   spmd_axis_name: Any,
-  leaf_groups: Sequence[int] | None = None,
-  num_groups: int | None = None,
-) -> tuple[list[jax.Array], jax.Array, Any, list[Any]]:
-  """Per-example norms, then the weighted sum of per-example gradients.
+) -> tuple[list[jax.Array], jax.Array, tuple[jax.Array, jax.Array], list[Any]]:
+  """Per-example norms by ``plan``, each example's weight by ``clip``, then the weighted sum
+  of per-example gradients.
 
   Rows that are not real examples are the caller's to neutralise: it
-  replaces them by copies of a real example and ``weights_fn`` gives them
-  weight 0. ``weights_fn`` also gives weight 0 to an example whose norm is
-  not finite; every example at weight 0 (in every group) is then *selected*
-  away, not multiplied by 0 (``0 * nan`` is ``nan``): its output gradients
-  and its data records are replaced before the book-keeping
+  replaces them by copies of a real example and gives them ``mask`` False,
+  so that they get weight 0. So does an example whose norm is not finite;
+  every example at weight 0 (in every group) is then *selected* away, not
+  multiplied by 0 (``0 * nan`` is ``nan``): its output gradients and its data
+  records are replaced before the book-keeping
   (:func:`jaxclip.privacy._ghost._book.book_keep`), and a second backward
   pass runs on a batch where such rows are copies of a kept example.
 
   Args:
     traced: From :func:`trace`, its batched ``arg_leaves`` holding the
       examples on axis 0.
-    weights_fn: Maps the per-example norms to ``(weights, extra)``.
+    plan: The plan to run: ``traced.plan``, or :func:`plan_for`'s choice.
+    clip: The call's clip (:class:`jaxclip.privacy._clip_factors.Clip`). With
+      groups (per-layer clipping, ``clip.of_leaf``), the norms are
+      ``(examples, groups)``, each example's norm over each group's leaves,
+      and so are the weights: leaf ``i`` of example ``b`` is weighted by
+      ``weights[b, clip.of_leaf[i]]`` (:func:`jaxclip.privacy._ghost._book.book_keep`).
+    mask: Which rows are real examples (boolean ``(examples,)``), or ``None``
+      for all.
     spmd_axis_name: Passed to ``vmap``.
-    leaf_groups: The clip group of each parameter leaf (per-layer clipping),
-      or ``None`` for one group. With groups, the norms are ``(examples,
-      groups)``, each example's norm over each group's leaves, and so are the
-      weights: leaf ``i`` of example ``b`` is weighted by
-      ``weights[b, leaf_groups[i]]`` (:func:`jaxclip.privacy._ghost._book.book_keep`).
-    num_groups: How many groups (some may hold no leaf); ``None``: those
-      ``leaf_groups`` names.
 
   Returns:
-    ``(sum_b weights_b * grad_b leaves, norms, extra, aux leaves)``, the sums
-    in float32 (or wider).
+    ``(sum_b weights_b * grad_b leaves, norms, (num_clipped, num_nonfinite),
+    aux leaves)``, the sums in float32 (or wider), formed so by the
+    book-keeping or the second pass (half precision widened as it enters).
   """
-  plan = traced.plan
+  traced = dataclasses.replace(traced, plan=plan)
+  leaf_groups = clip.of_leaf
   cap = _capture.capture(inputs_for(traced, spmd_axis_name), plan.sites)
-  norms = _numerics.safe_sqrt(plan_sumsq(plan, cap, leaf_groups, num_groups))
-  weights, extra = weights_fn(norms)
+  norms = _numerics.safe_sqrt(plan_sumsq(plan, cap, leaf_groups, clip.num_groups))
+  floor = None
+  if clip.normalize is not None:
+    # Each scaled part of a ghost norm is exact or, below the normal range, flushed: the
+    # squared norm is under-read by at most tiny per part. Dividing by at least
+    # sqrt(parts * tiny / eps) keeps C / norm from lifting such an example past C.
+    info = jnp.finfo(_numerics.tree_accumulation_dtype(traced.leaves))
+    parts = 2 * (len(plan.sites) + len(traced.leaves)) + 1
+    floor = math.sqrt(parts * float(info.tiny) / float(info.eps))
+  weights, counts = scale_factors(norms, clip, mask, floor)
+  if mask is not None:
+    weights = jnp.where(_batching.rows(mask, weights), weights, 0)
   keep = weights != 0
   keep = jnp.any(keep, axis=1) if keep.ndim > 1 else keep
-  if plan.two_pass:
+  if plan.two_pass:  # float32 (or wider) as the second pass forms it
     grads = _two_pass_kept(traced, spmd_axis_name, cap, weights, keep, leaf_groups)
-    grads = [_numerics.upcast_for_accumulation(x) for x in grads]
   else:
     grads = _book.book_keep(_book.kept(cap, keep), weights, leaf_groups)
   # With no example kept, a stand-in row may hold anything: nothing is released of any.
   any_kept = jnp.any(keep)
   grads = [jnp.where(any_kept, x, jnp.zeros((), x.dtype)) for x in grads]
-  return grads, norms, extra, cap.aux
+  return grads, norms, counts, cap.aux
 
 
 def _two_pass_kept(
