@@ -20,9 +20,9 @@ per-example gradient from ``a`` and ``g`` (Bu et al., 2023); where it is
 smaller than the output gradient (float32), it is formed in the backward
 pass instead (:meth:`ScaleRule.accumulates`), as the ``dot`` rule's is. A
 weight every iteration of a scan reads sums their terms before squaring.
-The products are taken scaled by exact powers of two, each term by its own
-exponents, so that no finite example's squares overflow or flush (as the
-other rules, Li et al., 2022).
+The gradient is the size of the scale, so it is formed outright (as
+``jax.grad`` forms it) and only its squares are summed scaled, so that no
+finite example's squares overflow (as the other rules, Li et al., 2022).
 
 References:
   Li et al., 2022, `Large Language Models Can Be Strong Differentially
@@ -41,10 +41,9 @@ import jax.numpy as jnp
 
 from jaxclip._kernel import _numerics
 from jaxclip.privacy._ghost._jaxpr import _internals as _jax
+from jaxclip.privacy._ghost._rules import _scaling
 from jaxclip.privacy._ghost._rules._base import Rule, formed_in_backward, levels, size
 from jaxclip.privacy._ghost._types import DATA, PARAM, Site
-
-_LOW = jnp.iinfo(jnp.int32).min // 4  # below any exponent: an element that is 0
 
 
 def summed_dims(site: Site, k: int) -> tuple[int, ...]:
@@ -56,40 +55,18 @@ def summed_dims(site: Site, k: int) -> tuple[int, ...]:
   return tuple(d for d in range(len(out)) if p[d] == 1 and out[d] != 1)
 
 
-def _times_pow2(x: jax.Array, e: jax.Array) -> jax.Array:
-  """``x * 2**e`` for ``|e|`` up to twice the float32 exponent range (three exact steps)."""
-  third = e // 3
-  return _numerics.times_pow2(
-    _numerics.times_pow2(_numerics.times_pow2(x, third), third), e - 2 * third
-  )
-
-
-def _split(x: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """``x = m * 2**e`` elementwise, ``|m|`` in ``[0.5, 1)`` (``e = 0`` where ``x`` is 0 or not
-  finite), in the accumulation dtype."""
-  x = _numerics.upcast_for_accumulation(x)
-  e = _numerics.scale_exponent(jnp.abs(x))
-  return _numerics.times_pow2(x, -e), e
-
-
 def scale_sumsq(a: jax.Array, g: jax.Array, axes: tuple[int, ...]) -> jax.Array:
   """Each example's ``sum (sum over axes of g * a)^2`` (leading batch axis), overflow-safe.
 
-  ``a`` broadcasts against ``g``. Each product is ``m * 2**e`` with ``|m|``
-  in ``[0.25, 1)``; every term is taken relative to the example's largest
-  ``e``, summed, squared and scaled back: a term below the largest by more
-  than the dtype's range is flushed (its square is below the norm's
-  precision), and a norm beyond the range is ``inf``.
+  The per-example gradient is formed as ``jax.grad`` forms it, ``g * a``
+  summed over the repeated axes, in float32 for half-precision records: its
+  entries are finite wherever the gradient's are (no record is squared on
+  its own, unlike a Gram product), and its squares are summed scaled
+  (:func:`~jaxclip.privacy._ghost._rules._scaling.safe_sumsq`): ``inf``
+  beyond the dtype's range, never under-read.
   """
-  (ma, ea), (mg, eg) = _split(a), _split(g)
-  m, e = mg * ma, eg + ea
-  n = m.shape[0]
-  top = jnp.max(jnp.where(m != 0, e, _LOW).reshape(n, -1), axis=1)
-  top = jnp.where(top == _LOW, 0, top)
-  shift = jnp.maximum(e - top.reshape((n,) + (1,) * (e.ndim - 1)), -1024)
-  grad = jnp.sum(_numerics.times_pow2(m, shift), axis=axes)
-  q = jnp.sum((grad * grad).reshape(n, -1), axis=1)
-  return _times_pow2(q, 2 * top)
+  a, g = _numerics.upcast_for_accumulation(a), _numerics.upcast_for_accumulation(g)
+  return _scaling.safe_sumsq(jnp.sum(g * a, axis=axes))
 
 
 class ScaleRule(Rule):
