@@ -106,14 +106,10 @@ class ScaleRule(Rule):
     return levels(site, k)[0] * math.prod(n for d, n in enumerate(out) if d not in dims)
 
   def memory(self, site: Site, k: int) -> tuple[int, int]:
-    """Under the rule: the site's records and the gradient formed from them (or that gradient
-    alone, formed in the backward pass); instantiated: as the base rule counts it."""
-    reps, rows = levels(site, k)
-    data = [v.aval for v, r in zip(site.eqn.invars, site.roles, strict=True) if r == DATA]
-    records = reps * rows * size([*data, *site.out_avals])
-    param = reps * rows * math.prod(site.param_avals()[k].shape)
-    ghost = self.work(site, k) if self.accumulates(site, k) else records + self.work(site, k)
-    return ghost, param if param <= records else records + param
+    """As the base rule counts it, but for the gradient formed in the backward pass: that
+    gradient alone, no records."""
+    ghost, instantiated = super().memory(site, k)
+    return (self.work(site, k) if self.accumulates(site, k) else ghost), instantiated
 
   def accumulates(self, site: Site, k: int) -> bool:
     """Where the per-example gradient (float32 or wider) is smaller than the output gradient:
