@@ -22,8 +22,10 @@ class GhostLeafPlan:
     rule: ``"dot"`` (mixed ghost rule of a ``dot_general``), ``"lookup"``
       (embedding lookup), ``"tied"`` (a table read by a lookup and by an
       output head, with their cross term), ``"conv"`` (ghost rule of a
-      convolution's kernel), ``"instantiate"`` (the per-example gradient is
-      formed exactly) or ``"unused"`` (the loss does not depend on it).
+      convolution's kernel), ``"scale"`` (a layer norm's, RMS norm's or
+      group norm's scale: an elementwise product with data), ``"instantiate"``
+      (the per-example gradient is formed exactly) or ``"unused"`` (the loss
+      does not depend on it).
     reason: Why the leaf is instantiated (no rule, or, under ``"auto"``, the
       costs that chose its per-example gradient), or ``None`` for a ghost
       rule.
