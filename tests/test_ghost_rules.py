@@ -18,6 +18,7 @@ import pytest
 
 import jaxclip
 from jaxclip.privacy import _ghost
+from jaxclip.privacy._ghost._rules import _scaling
 from tests.ghost_helpers import compare as _compare
 from tests.ghost_helpers import plan as _plan
 
@@ -126,3 +127,30 @@ def test_leaves_instantiated_at_one_site_share_one_pass():
   leaves, tree = jax.tree.flatten(params)
   plan = _ghost.trace(loss, params, [xs], [0], has_aux=False).plan
   assert [leaves for leaves, _ in plan.instantiated] == [(0, 1)]  # b and s: one per-example pass
+
+
+def test_two_large_rows_that_cancel_do_not_hide_a_small_one():
+  """An example whose rows' products cancel between two large rows (2**127 - 2**127) and leave
+  a small one (2**60): its per-example gradient is 2**60, not 0. Where the dot rule forms that
+  gradient from scaled rows, the small row's terms were flushed, the norm read as 0 and the
+  example not clipped, in bfloat16 (its sum 1e18 against a clip norm of 1). Now the norm is
+  vmap's, and the clipped sum stays within the bound."""
+  a = np.zeros((1, 1, 3, 1), np.float32)
+  g = np.zeros((1, 1, 3, 1), np.float32)
+  a[0, 0, :, 0] = [2.0**100, 2.0**100, 2.0**30]
+  g[0, 0, :, 0] = [2.0**27, -(2.0**27), 2.0**30]
+  got = float(_scaling.mixed_sumsq(jnp.asarray(a), jnp.asarray(g))[0])
+  assert got == pytest.approx(2.0**120, rel=1e-6)
+
+  def loss(w, x, y):
+    return jnp.sum(((x @ w) * y).astype(jnp.float32))
+
+  x = jnp.asarray(np.concatenate([a[0], np.ones((1, 3, 1), np.float32)]), jnp.bfloat16)
+  y = jnp.asarray(np.concatenate([g[0], np.ones((1, 3, 1), np.float32)]), jnp.bfloat16)
+  w = jnp.ones((1, 1), jnp.bfloat16)
+  out = {
+    m: jax.jit(jaxclip.per_example_clipped_grad(loss, 1.0, method=m, return_norms=True))(w, x, y)
+    for m in ("vmap", "ghost")
+  }
+  np.testing.assert_allclose(np.asarray(out["ghost"][2]), np.asarray(out["vmap"][2]), rtol=1e-6)
+  assert float(jnp.max(jnp.abs(out["ghost"][0].astype(jnp.float32)))) <= 2.0  # two examples

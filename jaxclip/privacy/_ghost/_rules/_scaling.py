@@ -89,6 +89,13 @@ def mixed_sumsq(a: jax.Array, g: jax.Array) -> jax.Array:
     a: ``(examples, n, T, C)``.
     g: ``(examples, n, T, F)``.
   """
+  t, c, f = a.shape[2], a.shape[3], g.shape[3]
+  if t > 1 and not gram_is_cheaper(t, c, f):
+    # The gradient itself costs less: formed as jax.grad forms it, from the records unscaled
+    # (its terms are finite wherever the gradient's are), its squares then summed scaled.
+    # Scaled row by row as below, a small row's terms would be flushed where two large rows
+    # cancel: an example's norm read as 0 while its gradient is not.
+    return safe_sumsq(jnp.einsum("bntc,bntf->bncf", a, g, precision=HIGHEST))
 
   # Row by row (each of the T rows, per example and dot batch index): a_t = 2**ea_t a'_t and
   # g_t = 2**eg_t g'_t, then g'_t weighted by 2**(ea_t + eg_t - top), top the largest such
@@ -111,12 +118,9 @@ def mixed_sumsq(a: jax.Array, g: jax.Array) -> jax.Array:
 
 
 def _mixed_sumsq_scaled(a: jax.Array, g: jax.Array) -> jax.Array:
-  t, c, f = a.shape[2], a.shape[3], g.shape[3]
-  if t == 1:
+  if a.shape[2] == 1:
     return jnp.sum(jnp.sum(a * a, axis=(2, 3)) * jnp.sum(g * g, axis=(2, 3)), axis=1)
-  if gram_is_cheaper(t, c, f):  # ghost: <A A^T, G G^T>
-    aa = jnp.einsum("bntc,bnsc->bnts", a, a, precision=HIGHEST)
-    gg = jnp.einsum("bntf,bnsf->bnts", g, g, precision=HIGHEST)
-    return jnp.sum(aa * gg, axis=(1, 2, 3))
-  grad = jnp.einsum("bntc,bntf->bncf", a, g, precision=HIGHEST)  # instantiated
-  return jnp.sum(grad * grad, axis=(1, 2, 3))
+  # ghost: <A A^T, G G^T>
+  aa = jnp.einsum("bntc,bnsc->bnts", a, a, precision=HIGHEST)
+  gg = jnp.einsum("bntf,bnsf->bnts", g, g, precision=HIGHEST)
+  return jnp.sum(aa * gg, axis=(1, 2, 3))
