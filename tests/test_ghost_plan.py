@@ -106,3 +106,50 @@ def test_ghost_plan_names_each_leaf_rule_reason_and_floats():
     has_aux=True,
   )
   assert plan.rules == {"['v']": "unused", "['w']": "dot"} and plan.fallback_share == 0
+
+
+@pytest.mark.parametrize(("t", "c", "f", "form"), [(2, 64, 64, "dot:gram"), (64, 8, 4, "dot")])
+def test_ghost_plan_reports_each_rules_flops_by_form(t, c, f, form):
+  # The dot rule's Gram form costs T^2 (C + F) flops per example, the gradient formed
+  # from a and g T C F: the cheaper is taken and reported, beside the gradient's T C F.
+  loss = lambda w, x: jnp.sum(jnp.sin(x @ w))
+  plan = jaxclip.ghost_plan(loss, jnp.ones((c, f)), jnp.ones((3, t, c)), batch_argnums=1)
+  (leaf,) = plan.leaves
+  norm = t * t * (c + f) if form == "dot:gram" else t * c * f
+  assert leaf.norm_flops == ((form, norm),) and leaf.grad_flops == (("dot", t * c * f),)
+  assert (leaf.site_calls, leaf.grad_writes) == (1, c * f)
+
+
+@pytest.mark.parametrize("stacked", [False, True])
+def test_ghost_plan_counts_a_scans_site_calls_and_the_gradients_writes(stacked):
+  # A weight every step of a 5-step scan reads is written to 5 times per example
+  # under vmap; one stacked over the steps, once.
+  steps, d = 5, 4
+
+  def loss(w, xs):
+    def step(h, inp):
+      wi, x = inp if stacked else (w, inp)
+      return jnp.tanh(h @ wi + x), None
+
+    return jnp.sum(jax.lax.scan(step, jnp.zeros(d), (w, xs) if stacked else xs)[0])
+
+  w = jnp.full((steps, d, d) if stacked else (d, d), 0.1)
+  (leaf,) = jaxclip.ghost_plan(loss, w, jnp.ones((3, steps, d)), batch_argnums=1).leaves
+  assert leaf.rule == "dot" and leaf.site_calls == steps
+  assert leaf.grad_writes == (w.size if stacked else steps * w.size)
+
+
+def test_auto_says_why_each_leaf_keeps_its_rule():
+  params, tokens = _gpt_params(), _tokens(4)
+  for platform, weighed in (("cpu", "flops per example"), ("gpu", "floats per example")):
+    plan = jaxclip.ghost_plan(
+      gpt_loss, params, tokens, batch_argnums=1, method="auto", platform=platform
+    )
+    ghost = jaxclip.ghost_plan(gpt_loss, params, tokens, batch_argnums=1)
+    for leaf, g in zip(plan.leaves, ghost.leaves, strict=True):
+      assert leaf.reason, leaf  # every leaf says why
+      if leaf.rule != "instantiate":
+        assert leaf.reason.startswith(f"auto on {platform}: its {leaf.rule} rule"), leaf
+        assert weighed in leaf.reason, leaf
+      elif g.rule == "instantiate":  # no rule at all: the reason ghost gives
+        assert leaf.reason == g.reason, leaf

@@ -27,10 +27,23 @@ class GhostLeafPlan:
       (the per-example gradient is formed exactly) or ``"unused"`` (the loss
       does not depend on it).
     reason: Why the leaf is instantiated (no rule, or, under ``"auto"``, the
-      costs that chose its per-example gradient), or ``None`` for a ghost
+      costs that chose its per-example gradient); under ``"auto"``, why it
+      keeps its rule (the costs weighed); otherwise ``None`` for a ghost
       rule.
     floats: The leaf's size.
     shape: The leaf's shape.
+    norm_flops: For a leaf with a ghost rule, per example, the flops of its
+      norms by the rule's form: the rule's name, ``"dot:gram"`` (or
+      ``"conv:gram"``, ``"lookup:gram"``) where it takes the Gram form; a
+      tied table has its lookup's, its head's and their cross term's.
+    grad_flops: For a leaf with a ghost rule, per example, the flops of
+      forming its per-example gradient instead, by rule.
+    site_calls: For a leaf with a ghost rule, how many times per example its
+      sites are evaluated (once per iteration inside a scan).
+    grad_writes: For a leaf with a ghost rule, per example, the floats
+      written forming its per-example gradient: its size, times the
+      iterations of a scan whose every iteration reads it whole (each adds
+      its term to the gradient).
   """
 
   path: str
@@ -38,6 +51,10 @@ class GhostLeafPlan:
   reason: str | None
   floats: int
   shape: tuple[int, ...] = ()
+  norm_flops: tuple[tuple[str, int], ...] = ()
+  grad_flops: tuple[tuple[str, int], ...] = ()
+  site_calls: int = 0
+  grad_writes: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -235,10 +252,25 @@ def ghost_plan(
     rule, reason = rules[i]
     rules[i] = (rule, note if not reason else f"{reason}; {note}")
   paths = [jax.tree_util.keystr(k) for k, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
+  costs = _ghost.leaf_costs(traced.plan)
+
+  def leaf_plan(i, path, rule, reason, x):
+    out = GhostLeafPlan(path, rule, reason, int(jnp.size(x)), tuple(jnp.shape(x)))
+    if i not in costs:
+      return out
+    c = costs[i]
+    return dataclasses.replace(
+      out,
+      norm_flops=c.forms,
+      grad_flops=c.grads,
+      site_calls=c.calls,
+      grad_writes=c.size,
+    )
+
   return GhostPlan(
     tuple(
-      GhostLeafPlan(path, rule, reason, int(jnp.size(x)), tuple(jnp.shape(x)))
-      for path, (rule, reason), x in zip(paths, rules, traced.leaves, strict=True)
+      leaf_plan(i, path, rule, reason, x)
+      for i, (path, (rule, reason), x) in enumerate(zip(paths, rules, traced.leaves, strict=True))
     ),
     passes=passes,
     sum_passes=sum_passes,

@@ -26,7 +26,7 @@ pass.
 The only way in for the rest of :mod:`jaxclip.privacy`:
 ``per_example_clipped_grad(method="ghost" | "auto")`` (:func:`trace`,
 :func:`plan_for`, :func:`clipped_sum`) and :func:`jaxclip.ghost_plan`'s
-report (:func:`leaf_rules`, :func:`report_passes`).
+report (:func:`leaf_rules`, :func:`leaf_costs`, :func:`report_passes`).
 The tests reach further in; nothing else does.
 
 The layout, one step per module:
@@ -70,7 +70,7 @@ from jaxclip.privacy._ghost._book import mixed_boundaries, pull_passes
 from jaxclip.privacy._ghost._capture import Inputs
 from jaxclip.privacy._ghost._jaxpr import _sites, _walk
 from jaxclip.privacy._ghost._jaxpr._walk import input_infos
-from jaxclip.privacy._ghost._planning import make_plan
+from jaxclip.privacy._ghost._planning import leaf_costs, make_plan
 from jaxclip.privacy._ghost._sumsq import early_heads, plan_sumsq, probe_sumsq
 from jaxclip.privacy._ghost._types import Captured, Plan
 
@@ -78,6 +78,7 @@ __all__ = [
   "METHODS",
   "Traced",
   "clipped_sum",
+  "leaf_costs",
   "leaf_rules",
   "plan_for",
   "report_passes",

@@ -24,6 +24,7 @@ from jaxclip.privacy._ghost import _cost_model, _rules
 from jaxclip.privacy._ghost._jaxpr import _internals as _jax
 from jaxclip.privacy._ghost._jaxpr import _sites
 from jaxclip.privacy._ghost._rules import _tied
+from jaxclip.privacy._ghost._rules._base import levels
 from jaxclip.privacy._ghost._rules._dot import DOT
 from jaxclip.privacy._ghost._rules._instantiate import INSTANTIATE
 from jaxclip.privacy._ghost._rules._lookup import LOOKUP
@@ -223,42 +224,65 @@ def _merged(inst: Sequence[Instantiated]) -> tuple[Instantiated, ...]:
   return (Instantiated(tuple(leaves), tuple(bounds)),)
 
 
-class _LeafCost(NamedTuple):
+class LeafCost(NamedTuple):
   """Per example, what a leaf with a ghost rule costs under it and instantiated."""
 
   rule: str  # as ghost_plan names it
-  flops: int  # of its norms under the rule
-  grad_flops: int  # of forming its per-example gradient
+  forms: tuple[tuple[str, int], ...]  # (form, flops) of its norms (the cost model's keys)
+  grads: tuple[tuple[str, int], ...]  # (rule, flops) of forming its per-example gradient
+  calls: int  # evaluations of its sites (once per iteration inside scans)
   floats: int  # held under the rule (site_memory)
   grad_floats: int  # held instantiated
+  size: int  # floats written forming its per-example gradient (per iteration of a shared weight)
+
+  @property
+  def flops(self) -> int:
+    return sum(f for _, f in self.forms)
+
+  @property
+  def grad_flops(self) -> int:
+    return sum(f for _, f in self.grads)
 
 
-def _leaf_costs(plan: Plan) -> dict[int, _LeafCost]:
-  """The cost of each leaf the plan gives a ghost rule (or a tied pair)."""
-  parts: dict[int, list[tuple[str, int, int, int, int]]] = {}
+def _boundary_cost(site: Site, k: int, rule: str) -> LeafCost:
+  r = _rules.get(rule)
+  (flops, grad), (mem, grad_mem) = r.cost(site, k), r.memory(site, k)
+  calls = math.prod(n for _, n in site.stack)
+  size = math.prod(levels(site, k)) * math.prod(site.param_avals()[k].shape)
+  return LeafCost(rule, ((r.form(site, k), flops),), ((rule, grad),), calls, mem, grad_mem, size)
+
+
+def _joined(rule: str, parts: Sequence[LeafCost]) -> LeafCost:
+  forms, grads = (tuple(x for p in parts for x in getattr(p, f)) for f in ("forms", "grads"))
+  return LeafCost(
+    rule, forms, grads, *(sum(getattr(p, f) for p in parts) for f in LeafCost._fields[3:])
+  )
+
+
+def leaf_costs(plan: Plan) -> dict[int, LeafCost]:
+  """The cost of each leaf the plan gives a ghost rule (a tied table: both rules and the cross
+  term, in the ``dot`` rule's Gram form)."""
+  parts: dict[int, list[LeafCost]] = {}
   for u, k, rule in plan.ghost:
-    site = plan.sites[u]
-    flops, grad = _rules.get(rule).cost(site, k)
-    mem, grad_mem = _rules.get(rule).memory(site, k)
-    parts.setdefault(site.infos[k].view, []).append((rule, flops, grad, mem, grad_mem))
+    parts.setdefault(plan.sites[u].infos[k].view, []).append(_boundary_cost(plan.sites[u], k, rule))
   for pair in plan.tied:
     (gu, gk), (du, dk) = pair
-    look, head = plan.sites[gu], plan.sites[du]
-    (f1, g1), (f2, g2) = LOOKUP.cost(look, gk), DOT.cost(head, dk)
-    (m1, h1), (m2, h2) = LOOKUP.memory(look, gk), DOT.memory(head, dk)
-    cross = _tied.tied_cross_cost(plan.sites, pair)
-    parts[look.infos[gk].view] = [("tied", f1 + f2 + cross, g1 + g2, m1 + m2, h1 + h2)]
-  return {
-    leaf: _LeafCost(ps[0][0], *(sum(p[j] for p in ps) for j in range(1, 5)))
-    for leaf, ps in parts.items()
-  }
+    cross = LeafCost(
+      "", ((DOT.name + ":gram", _tied.tied_cross_cost(plan.sites, pair)),), (), 0, 0, 0, 0
+    )
+    look, head = (
+      _boundary_cost(plan.sites[gu], gk, LOOKUP.name),
+      _boundary_cost(plan.sites[du], dk, DOT.name),
+    )
+    parts[plan.sites[gu].infos[gk].view] = [_joined("tied", [look, head, cross])]
+  return {leaf: _joined(ps[0].rule, ps) for leaf, ps in parts.items()}
 
 
 def auto_plan(plan: Plan, platform: str | None) -> tuple[Plan | None, str | None]:
   """The plan ``method="auto"`` takes in a program lowered for ``platform``.
 
   By the platform's cost model
-  (:func:`jaxclip._kernel._cost_model.ghost_cost_model`):
+  (:func:`jaxclip.privacy._ghost._cost_model.ghost_cost_model`):
 
   * on CPU, by flops: per layer, the rules' own switch between the Gram form
     and the layer's per-example gradient formed from its ``a`` and ``g``
@@ -277,18 +301,28 @@ def auto_plan(plan: Plan, platform: str | None) -> tuple[Plan | None, str | None
 
   Returns:
     ``(plan, None)``, or ``(None, reason)`` for ``method="vmap"``'s program.
+    The plan's ``notes`` say why each leaf keeps its rule.
   """
   where = f"auto on {platform or 'a platform other than CPU'}"
+  costs = leaf_costs(plan)
   if _cost_model.ghost_cost_model(platform) == "flops":
     ghost, per_example = plan.cost
     share = _cost_model.GHOST_FLOPS_SHARE_CPU
+    totals = (
+      f"the norms' {ghost:.3g} flops per example against {share:g}x the per-example "
+      f"gradients' {per_example:.3g}"
+    )
     if ghost > share * per_example:
-      return None, (
-        f"{where}: the norms' {ghost:.3g} flops per example exceed {share:g}x the per-example "
-        f"gradients' {per_example:.3g}: the loss runs as method='vmap'"
+      return None, f"{where}: {totals} exceed it: the loss runs as method='vmap'"
+    notes = tuple(
+      (
+        leaf,
+        f"{where}: its {c.rule} rule costs {c.flops:,} flops per example, its per-example "
+        f"gradient {c.grad_flops:,} ({totals}: every rule kept)",
       )
-    return plan, None
-  costs = _leaf_costs(plan)
+      for leaf, c in sorted(costs.items())
+    )
+    return dataclasses.replace(plan, notes=notes), None
   chosen = {
     leaf: (
       f"{where}: its {c.rule} rule holds {c.floats:,} floats per example, its per-example "
@@ -302,18 +336,29 @@ def auto_plan(plan: Plan, platform: str | None) -> tuple[Plan | None, str | None
       f"{where}: no layer keeps a ghost rule (each is cheaper instantiated): "
       "the loss runs as method='vmap'"
     )
-  if not chosen:
-    return plan, None
-  return make_plan(plan.sites, plan.num_leaves, plan.unknown, chosen), None
+  notes = tuple(
+    (
+      leaf,
+      f"{where}: its {c.rule} rule holds {c.floats:,} floats per example, its per-example "
+      f"gradient {c.grad_floats:,} (memory first: costs not measured there)",
+    )
+    for leaf, c in sorted(costs.items())
+    if leaf not in chosen
+  )
+  kept = make_plan(plan.sites, plan.num_leaves, plan.unknown, chosen) if chosen else plan
+  return dataclasses.replace(kept, notes=notes), None
 
 
 def reported_rules(plan: Plan, num_leaves: int) -> list[tuple[str, str | None]]:
   """``(rule, reason)`` of each parameter leaf, as :func:`jaxclip.ghost_plan` reports them."""
   out: list[tuple[str, str | None]] = [("unused", None)] * num_leaves
+  notes = dict(plan.notes)
   for u, k, rule in plan.ghost:
-    out[plan.sites[u].infos[k].view] = (rule, None)
+    leaf = plan.sites[u].infos[k].view
+    out[leaf] = (rule, notes.get(leaf))
   for (gu, gk), _ in plan.tied:
-    out[plan.sites[gu].infos[gk].view] = ("tied", None)
+    leaf = plan.sites[gu].infos[gk].view
+    out[leaf] = ("tied", notes.get(leaf))
   chosen = dict(plan.chosen)
   for leaves, bounds in plan.instantiated:
     for i in leaves:

@@ -245,6 +245,8 @@ class Plan:
     num_leaves: The number of parameter leaves.
     chosen: ``(leaf, reason)`` of each leaf that has a ghost rule but is
       instantiated by choice (``method="auto"``, :func:`auto_plan`).
+    notes: ``(leaf, reason)`` of each leaf that keeps its ghost rule under
+      ``method="auto"``: the costs that kept it.
   """
 
   sites: tuple[Site, ...]
@@ -257,6 +259,7 @@ class Plan:
   unknown: tuple[str, ...] = ()
   num_leaves: int = 0
   chosen: tuple[tuple[int, str], ...] = ()
+  notes: tuple[tuple[int, str], ...] = dataclasses.field(default=(), compare=False)
 
   @property
   def two_pass(self) -> bool:

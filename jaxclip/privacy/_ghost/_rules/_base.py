@@ -78,6 +78,12 @@ class Rule:
     grad = size(site.out_avals) * rows * reps
     return grad, grad
 
+  def form(self, site: Site, k: int) -> str:
+    """The rule's form at a boundary, as the cost model (``_cost_model``) names it: the rule's
+    name, with ``":gram"`` where it takes the Gram form."""
+    del site, k
+    return self.name
+
   def work(self, site: Site, k: int) -> int:
     """Per example, the floats the rule's own arithmetic holds (Gram matrices, sums)."""
     del site, k

@@ -120,6 +120,10 @@ class ConvRule(Rule):
     ghost = groups * positions * positions * (taps + outs) if cheap else grad
     return ghost * reps, grad * reps
 
+  def form(self, site: Site, k: int) -> str:
+    _, positions, taps, outs = conv_dims(site)
+    return "conv:gram" if gram_is_cheaper(positions, taps, outs) else "conv"
+
   def work(self, site: Site, k: int) -> int:
     reps, rows = levels(site, k)
     groups, positions, taps, outs = conv_dims(site)

@@ -117,6 +117,10 @@ class DotRule(Rule):
     ghost = nb * t * t * (c + f) if gram_is_cheaper(t, c, f) else grad
     return ghost * reps, grad * reps
 
+  def form(self, site: Site, k: int) -> str:
+    _, _, t, c, f = self._dims(site, k)
+    return "dot:gram" if gram_is_cheaper(t, c, f) else "dot"
+
   def work(self, site: Site, k: int) -> int:
     reps, nb, t, c, f = self._dims(site, k)
     return reps * nb * (2 * t * t if gram_is_cheaper(t, c, f) else c * f)

@@ -108,6 +108,10 @@ class LookupRule(Rule):
     ghost = t * t * width if lookup_gram_is_cheaper(t, rows) else min(2 * t, rows + t) * width
     return ghost * reps, grad * reps
 
+  def form(self, site: Site, k: int) -> str:
+    rows, _, t = self._dims(site)
+    return "lookup:gram" if lookup_gram_is_cheaper(t, rows) else "lookup"
+
   def work(self, site: Site, k: int) -> int:
     reps, stacked = levels(site, k)
     rows, width, t = self._dims(site)
