@@ -77,7 +77,7 @@ def make_cases(cfg: _model.GPTConfig, clip: float) -> dict[str, tuple[Callable |
 def median_norm(cfg: _model.GPTConfig) -> float:
   """The median L2 norm of the per-example gradients of ``NORM_SAMPLE`` random sequences.
 
-  The params and tokens are drawn as :func:`benchmarks.ghost.run_config` draws them (another
+  The params and tokens are drawn as :func:`benchmarks._ghost_run.run_config` draws them (another
   batch size gives other sequences from the same distribution).
   """
   cfg = dataclasses.replace(cfg, batch=NORM_SAMPLE)

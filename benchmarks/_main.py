@@ -16,7 +16,7 @@ import jaxlib
 import optax
 
 import benchmarks
-from benchmarks import _cases, _compile_table, _model, _report
+from benchmarks import _cases, _compile_cases, _compile_table, _model, _report, _standalone_cases
 from tools.figure_record import package_sources, write_record
 from workloads import trees
 
@@ -138,7 +138,9 @@ def main(argv: list[str] | None = None) -> str:
   if "standalone" in run:
     print("standalone clip ...", flush=True)
     for dtype in (jnp.float32,) if quick else (jnp.float32, jnp.bfloat16):
-      standalone.append(_cases.run_standalone(shapes, dtype, reps, args.peak_gbps, with_torch))
+      standalone.append(
+        _standalone_cases.run_standalone(shapes, dtype, reps, args.peak_gbps, with_torch)
+      )
   if "train" in run:
     print("train steps ...", flush=True)
     train = _cases.run_train_steps(shapes, 2 * reps)
@@ -151,10 +153,12 @@ def main(argv: list[str] | None = None) -> str:
     print("compile sweep ...", flush=True)
     mixed_at = None if quick or not leaves else max(leaves)
     repeats = args.compile_repeats or (1 if quick else 3)
-    compile_rows = _cases.run_compile_sweep(leaves, timeout, mixed_at, repeats)
+    compile_rows = _compile_cases.run_compile_sweep(leaves, timeout, mixed_at, repeats)
     if leaves:
       print("transform compiles ...", flush=True)
-      transform_rows = _cases.run_transform_compiles(max(leaves), timeout, repeats, mixed=not quick)
+      transform_rows = _compile_cases.run_transform_compiles(
+        max(leaves), timeout, repeats, mixed=not quick
+      )
     meta["compiles per impl and leaf count (median kept)"] = str(repeats)
   if "transforms" in run and "compile" not in run:
     # Only the table of every transform's compile time against adam's, chained
@@ -169,7 +173,7 @@ def main(argv: list[str] | None = None) -> str:
   if "sizes" in run:
     print("size sweep ...", flush=True)
     shrinks = [128] if quick else [16, 8, 4, 2, 1]
-    size_rows = _cases.run_size_sweep(shrinks, reps, with_torch)
+    size_rows = _standalone_cases.run_size_sweep(shrinks, reps, with_torch)
   meta["load average (1, 5, 15 min) at end"] = " ".join(f"{x:.2f}" for x in os.getloadavg())
   meta["total benchmark time"] = f"{time.perf_counter() - t_start:.0f} s"
   text = _report.markdown(
@@ -177,7 +181,7 @@ def main(argv: list[str] | None = None) -> str:
     train,
     standalone,
     compile_rows,
-    _cases.COMPILE_IMPLS,
+    _compile_cases.COMPILE_IMPLS,
     size_rows,
     temp_rows,
     transform_rows,
@@ -185,7 +189,7 @@ def main(argv: list[str] | None = None) -> str:
   )
   args.out.mkdir(parents=True, exist_ok=True)
   (args.out / "results.md").write_text(text + "\n")
-  _report.plot(str(args.out / "results.png"), compile_rows, _cases.COMPILE_IMPLS, size_rows)
+  _report.plot(str(args.out / "results.png"), compile_rows, _compile_cases.COMPILE_IMPLS, size_rows)
   command = " ".join(["python -m benchmarks", *(sys.argv[1:] if argv is None else argv)])
   write_record(
     args.out / "results.png", package_sources("benchmarks") + package_sources("workloads"), command

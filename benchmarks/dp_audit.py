@@ -71,210 +71,20 @@ import os
 import platform
 import secrets
 import time
-from collections.abc import Callable
-from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 from jax_privacy import auditing
 
 import benchmarks
 import jaxclip
+from benchmarks import _dpsgd
 
 PUBLIC_SEED = 0  # dp_noise's old default seed: anyone can regenerate its noise
-CANARY_LABEL = 1000.0  # far from any c_j the run reaches, so every canary gradient is clipped
 
 
-@dataclasses.dataclass(frozen=True)
-class Config:
-  """The audit's parameters.
-
-  Attributes:
-    canaries: Canaries of the one-run audit (and runs of the NaN audit).
-    examples: Synthetic data rows of the one-run audit.
-    run_examples: Data rows of each run of the NaN audit.
-    features: Features of the linear model.
-    sampling_rate: Poisson sampling rate ``q``.
-    steps: DP-SGD steps.
-    target_epsilon: The ε the noise is calibrated to (``calibrate_noise``).
-    delta: δ of the guarantee and of the audit.
-    clip: The clip norm ``C``.
-    learning_rate: SGD's learning rate (on the mean gradient).
-    significance: The audit's probability of a false claim (one minus its confidence).
-  """
-
-  canaries: int = 1000
-  examples: int = 1000
-  run_examples: int = 32
-  features: int = 8
-  sampling_rate: float = 0.25
-  steps: int = 20
-  target_epsilon: float = 1.0
-  delta: float = 1e-5
-  clip: float = 1.0
-  learning_rate: float = 0.5
-  significance: float = 0.05
-
-
-QUICK = Config(canaries=100, examples=100, run_examples=8, steps=4)
-
-
-def secret_seed() -> int:
-  """A noise seed from the operating system's entropy (32 bits: ``jax.random.key`` of an int)."""
-  return secrets.randbits(32)
-
-
-def secret_key() -> jax.Array:
-  """A ``jax.random`` key whose 64 bits come from the operating system's entropy."""
-  return jax.random.wrap_key_data(np.frombuffer(secrets.token_bytes(8), np.uint32))
-
-
-def example_loss(params: dict, x: jax.Array, slot: jax.Array, s: jax.Array, y: jax.Array):
-  """One example's squared error; ``s * c[slot]`` is a canary's own coordinate (``s = 0``: data)."""
-  pred = x @ params["w"] + s * params["c"][slot]
-  return 0.5 * (pred - y) ** 2
-
-
-def textbook_clipped_grad(loss_fn: Callable, l2_norm_clip: float) -> Callable:
-  """A hand-written per-example clip, without a guard: BROKEN on purpose.
-
-  ``sum_b g_b * min(1, C / ||g_b||)`` over the rows where ``example_mask`` is
-  True: one example whose gradient is NaN makes its norm, its factor and so
-  the whole sum NaN (``NaN * 0`` is NaN), exactly when it is in the batch.
-  """
-
-  def grad_fn(params, *batch, example_mask):
-    grads = jax.vmap(jax.grad(loss_fn), in_axes=(None, *[0] * len(batch)))(params, *batch)
-    sq = sum(jnp.sum(g.reshape(g.shape[0], -1) ** 2, axis=1) for g in jax.tree.leaves(grads))
-    factor = jnp.minimum(1.0, l2_norm_clip / jnp.sqrt(sq))
-
-    def clipped_sum(g):
-      scaled = g * factor.reshape((-1,) + (1,) * (g.ndim - 1))
-      kept = jnp.where(example_mask.reshape((-1,) + (1,) * (g.ndim - 1)), scaled, 0.0)
-      return jnp.sum(kept, axis=0)
-
-    return jax.tree.map(clipped_sum, grads), None
-
-  return grad_fn
-
-
-def _data(rows: int, features: int, rng: np.random.Generator) -> dict[str, np.ndarray]:
-  """Synthetic linear-regression rows (no canary coordinate: ``s = 0``)."""
-  x = rng.normal(size=(rows, features)).astype(np.float32)
-  w_true = rng.normal(size=features).astype(np.float32)
-  y = x @ w_true + 0.1 * rng.normal(size=rows).astype(np.float32)
-  return {
-    "x": x,
-    "slot": np.zeros(rows, np.int32),
-    "s": np.zeros(rows, np.float32),
-    "y": y.astype(np.float32),
-  }
-
-
-def _canary_rows(slots: np.ndarray, features: int, x_value: float = 0.0) -> dict[str, np.ndarray]:
-  n = len(slots)
-  return {
-    "x": np.full((n, features), x_value, np.float32),
-    "slot": slots.astype(np.int32),
-    "s": np.ones(n, np.float32),
-    "y": np.full(n, CANARY_LABEL, np.float32),
-  }
-
-
-def _concat(a: dict, b: dict) -> dict:
-  return {k: np.concatenate([a[k], b[k]]) for k in a}
-
-
-def _max_rows(cfg: Config, n: int) -> int:
-  """Rows of a Poisson batch of ``n`` examples: mean + 8 standard deviations, at most ``n``."""
-  mean = cfg.sampling_rate * n
-  return min(n, int(np.ceil(mean + 8 * np.sqrt(mean * (1 - cfg.sampling_rate)) + 1)))
-
-
-def train(
-  cfg: Config,
-  data: dict,
-  noise_multiplier: Any,
-  noise_seed: Any,
-  sampling_key: jax.Array,
-  *,
-  canary_slots: int,
-  grad_fn: Callable | None = None,
-  absent: Any = None,
-) -> tuple[dict, jax.Array]:
-  """DP-SGD on ``data``: Poisson batches, clipped sum, ``dp_noise``, SGD; traceable.
-
-  Returns the final params, the number of steps whose batch overflowed its
-  rows (truncated; the audit checks it is 0) and the number of non-finite
-  examples the clip counted (0 for a clip that counts none). ``grad_fn``
-  returns ``(clipped sum, non-finite count or None)``; ``None``: jaxclip's
-  (:func:`jaxclip_clipped_grad`). ``absent`` (an index or None) is a row
-  masked out of every batch: the dataset without it.
-  """
-  n = len(data["y"])
-  rows = _max_rows(cfg, n)
-  expected = cfg.sampling_rate * n
-  if grad_fn is None:
-    grad_fn = jaxclip_clipped_grad(cfg.clip)
-  tx = optax.chain(
-    jaxclip.dp_noise(cfg.clip, noise_multiplier, seed=noise_seed, expected_batch_size=expected),
-    optax.sgd(cfg.learning_rate),
-  )
-  params = {"w": jnp.zeros(cfg.features), "c": jnp.zeros(canary_slots)}
-  data = jax.tree.map(jnp.asarray, data)
-
-  def step(carry, key):
-    params, state = carry
-    batch = jaxclip.poisson_batch(key, n, cfg.sampling_rate, rows)
-    mask = batch.mask if absent is None else batch.mask & (batch.indices != absent)
-    rows_ = {k: v[batch.indices] for k, v in data.items()}
-    total, count = grad_fn(
-      params, rows_["x"], rows_["slot"], rows_["s"], rows_["y"], example_mask=mask
-    )
-    updates, state = tx.update(total, state, params)
-    count = jnp.zeros((), jnp.int32) if count is None else jnp.asarray(count, jnp.int32)
-    return (optax.apply_updates(params, updates), state), (batch.overflow, count)
-
-  keys = jax.random.split(sampling_key, cfg.steps)
-  (params, _), (overflow, count) = jax.lax.scan(step, (params, tx.init(params)), keys)
-  return params, jnp.sum(overflow), jnp.sum(count)
-
-
-def jaxclip_clipped_grad(l2_norm_clip: float) -> Callable:
-  """jaxclip's clip: ``(clipped sum, non-finite examples)``, a non-finite example contributing
-  zero (``per_example_clipped_grad(..., return_num_nonfinite=True)``)."""
-  fn = jaxclip.per_example_clipped_grad(example_loss, l2_norm_clip, return_num_nonfinite=True)
-
-  def grad_fn(params, *batch, example_mask):
-    total, _, num_nonfinite = fn(params, *batch, example_mask=example_mask)
-    return total, num_nonfinite
-
-  return grad_fn
-
-
-def replay_noise(cfg: Config, n: int, noise_multiplier: float, seed: int, canary_slots: int):
-  """The attacker's replay of a public seed: the params that the noise alone moves SGD to."""
-  tx = optax.chain(
-    jaxclip.dp_noise(
-      cfg.clip, noise_multiplier, seed=seed, expected_batch_size=cfg.sampling_rate * n
-    ),
-    optax.sgd(cfg.learning_rate),
-  )
-  params = {"w": jnp.zeros(cfg.features), "c": jnp.zeros(canary_slots)}
-
-  def step(carry, _):
-    params, state = carry
-    zeros = jax.tree.map(jnp.zeros_like, params)
-    updates, state = tx.update(zeros, state, params)
-    return (optax.apply_updates(params, updates), state), None
-
-  (params, _), _ = jax.lax.scan(step, (params, tx.init(params)), None, length=cfg.steps)
-  return params
-
-
-def audit(cfg: Config, in_scores: np.ndarray, out_scores: np.ndarray) -> dict:
+def audit(cfg: _dpsgd.Config, in_scores: np.ndarray, out_scores: np.ndarray) -> dict:
   """The lower bounds on ε that ``jax_privacy.auditing`` draws from the canaries' scores."""
   auditor = auditing.CanaryScoreAuditor(in_scores, out_scores)
   return {
@@ -291,7 +101,7 @@ def _split(scores: np.ndarray, included: np.ndarray) -> tuple[np.ndarray, np.nda
   return scores[included], scores[~included]
 
 
-def one_run_audits(cfg: Config, sigma: float, pipelines: tuple[str, ...]) -> dict[str, dict]:
+def one_run_audits(cfg: _dpsgd.Config, sigma: float, pipelines: tuple[str, ...]) -> dict[str, dict]:
   """One training run per pipeline with ``cfg.canaries`` gradient canaries, each in w.p. 1/2.
 
   The pipelines share the data and the canaries drawn (one compiled
@@ -299,23 +109,25 @@ def one_run_audits(cfg: Config, sigma: float, pipelines: tuple[str, ...]) -> dic
   its own sampling key, and the correct one its own secret seed.
   """
   rng = np.random.default_rng(secrets.randbits(128))
-  data = _data(cfg.examples, cfg.features, rng)
+  data = _dpsgd._data(cfg.examples, cfg.features, rng)
   included = rng.random(cfg.canaries) < 0.5
-  data = _concat(data, _canary_rows(np.flatnonzero(included), cfg.features))
+  data = _dpsgd._concat(data, _dpsgd._canary_rows(np.flatnonzero(included), cfg.features))
   n = len(data["y"])
   program = jax.jit(
-    lambda d, noise, seed, key: train(cfg, d, noise, seed, key, canary_slots=cfg.canaries)
+    lambda d, noise, seed, key: _dpsgd.train(cfg, d, noise, seed, key, canary_slots=cfg.canaries)
   )
   rows = {}
   for pipeline in pipelines:
     start = time.perf_counter()
-    seed = PUBLIC_SEED if pipeline == "public seed" else secret_seed()
+    seed = PUBLIC_SEED if pipeline == "public seed" else _dpsgd.secret_seed()
     noise = 0.0 if pipeline == "no noise" else sigma / UNDER_NOISED.get(pipeline, 1)
-    params, overflow, _ = program(data, jnp.float32(noise), jnp.uint32(seed), secret_key())
+    params, overflow, _ = program(data, jnp.float32(noise), jnp.uint32(seed), _dpsgd.secret_key())
     scores = np.asarray(params["c"])
     if pipeline == "public seed":  # the attacker subtracts the noise it regenerates
-      scores = scores - np.asarray(replay_noise(cfg, n, sigma, PUBLIC_SEED, cfg.canaries)["c"])
-    losses = jax.vmap(example_loss, (None, 0, 0, 0, 0))(
+      scores = scores - np.asarray(
+        _dpsgd.replay_noise(cfg, n, sigma, PUBLIC_SEED, cfg.canaries)["c"]
+      )
+    losses = jax.vmap(_dpsgd.example_loss, (None, 0, 0, 0, 0))(
       params, *(jnp.asarray(data[k][: cfg.examples]) for k in ("x", "slot", "s", "y"))
     )
     rows[pipeline] = {
@@ -327,36 +139,36 @@ def one_run_audits(cfg: Config, sigma: float, pipelines: tuple[str, ...]) -> dic
   return rows
 
 
-def nan_runs_audit(cfg: Config, sigma: float, *, clip: str) -> dict:
+def nan_runs_audit(cfg: _dpsgd.Config, sigma: float, *, clip: str) -> dict:
   """One run per canary (vmapped): run ``j`` holds a NaN example with probability 1/2.
 
-  ``clip="textbook"`` clips by hand (:func:`textbook_clipped_grad`, which
+  ``clip="textbook"`` clips by hand (:func:`_dpsgd.textbook_clipped_grad`, which
   leaks); ``clip="jaxclip"`` through ``per_example_clipped_grad``
-  (:func:`jaxclip_clipped_grad`). ``counted``: the runs that counted a
+  (:func:`_dpsgd.jaxclip_clipped_grad`). ``counted``: the runs that counted a
   non-finite example; ``drawn``: those that held it in some batch.
   """
   rng = np.random.default_rng(secrets.randbits(128))
-  data = _concat(
-    _data(cfg.run_examples, cfg.features, rng),
-    _canary_rows(np.zeros(1), cfg.features, x_value=float("nan")),
+  data = _dpsgd._concat(
+    _dpsgd._data(cfg.run_examples, cfg.features, rng),
+    _dpsgd._canary_rows(np.zeros(1), cfg.features, x_value=float("nan")),
   )
   canary_row = cfg.run_examples
   included = rng.random(cfg.canaries) < 0.5
   grad_fn = (
-    textbook_clipped_grad(example_loss, cfg.clip)
+    _dpsgd.textbook_clipped_grad(_dpsgd.example_loss, cfg.clip)
     if clip == "textbook"
-    else jaxclip_clipped_grad(cfg.clip)
+    else _dpsgd.jaxclip_clipped_grad(cfg.clip)
   )
   seeds = jnp.asarray(np.frombuffer(secrets.token_bytes(4 * cfg.canaries), np.uint32))
-  keys = jax.random.split(secret_key(), cfg.canaries)
+  keys = jax.random.split(_dpsgd.secret_key(), cfg.canaries)
 
   def one(inside, seed, key):
     absent = jnp.where(inside, -1, canary_row)
-    params, overflow, count = train(
+    params, overflow, count = _dpsgd.train(
       cfg, data, sigma, seed, key, canary_slots=1, grad_fn=grad_fn, absent=absent
     )
     poisoned = ~jnp.all(jnp.isfinite(jnp.concatenate([params["w"], params["c"]])))
-    drawn = jnp.any(_drawn(cfg, len(data["y"]), key, canary_row)) & inside
+    drawn = jnp.any(_dpsgd._drawn(cfg, len(data["y"]), key, canary_row)) & inside
     return poisoned.astype(jnp.float32), overflow, count > 0, drawn
 
   scores, overflow, counted, drawn = jax.jit(jax.vmap(one))(jnp.asarray(included), seeds, keys)
@@ -367,14 +179,6 @@ def nan_runs_audit(cfg: Config, sigma: float, *, clip: str) -> dict:
     "drawn": int(jnp.sum(drawn)),
     "counted_when_drawn": bool(jnp.all(counted == drawn)),
   }
-
-
-def _drawn(cfg: Config, n: int, sampling_key: jax.Array, row: int) -> jax.Array:
-  """Whether each step's Poisson batch (as :func:`train` draws them) holds ``row``."""
-  rows = _max_rows(cfg, n)
-  keys = jax.random.split(sampling_key, cfg.steps)
-  batch = jax.vmap(lambda k: jaxclip.poisson_batch(k, n, cfg.sampling_rate, rows))(keys)
-  return jnp.any(batch.mask & (batch.indices == row), axis=1)
 
 
 UNDER_NOISED = {"σ / 2": 2, "σ / 4": 4, "σ / 8": 8}
@@ -392,7 +196,7 @@ PIPELINES: dict[str, str] = {
 BROKEN = ("public seed", "no noise", "NaN example")
 
 
-def run(cfg: Config, pipelines: tuple[str, ...] = tuple(PIPELINES)) -> dict:
+def run(cfg: _dpsgd.Config, pipelines: tuple[str, ...] = tuple(PIPELINES)) -> dict:
   """Calibrates σ, runs the audit of each pipeline; returns the claimed ε and a row each."""
   q = cfg.sampling_rate
   sigma = jaxclip.calibrate_noise(cfg.target_epsilon, cfg.delta, q, cfg.steps)
@@ -446,7 +250,7 @@ def _eps(value: float) -> str:
   return "∞" if math.isinf(value) else f"{value:.3f}"
 
 
-def markdown(cfg: Config, result: dict, meta: dict) -> str:
+def markdown(cfg: _dpsgd.Config, result: dict, meta: dict) -> str:
   """The audit's report: its parameters, the table, the machine."""
   claimed = result["claimed"]
   lines = [
@@ -526,7 +330,7 @@ def main(argv: list[str] | None = None) -> str:
   )
   p.add_argument("--out", default=os.path.join(benchmarks.RESULTS, "dp_audit.md"))
   args = p.parse_args(argv)
-  cfg = QUICK if args.quick else Config()
+  cfg = _dpsgd.QUICK if args.quick else _dpsgd.Config()
   if args.canaries:
     cfg = dataclasses.replace(cfg, canaries=args.canaries)
   load0, start = os.getloadavg()[0], time.perf_counter()

@@ -16,7 +16,21 @@ import jax
 import numpy as np
 
 import jaxclip
-from benchmarks import _cases, _ghost_cases, _ghost_zoo, _main, _model, _peers, ghost, tricks
+from benchmarks import (
+  _cases,
+  _compile_cases,
+  _ghost_cases,
+  _ghost_report,
+  _ghost_zoo,
+  _main,
+  _model,
+  _peers,
+  _peers_cases,
+  _peers_measure,
+  _peers_report,
+  ghost,
+  tricks,
+)
 from jaxclip._kernel import _platform
 
 
@@ -36,7 +50,7 @@ def test_benchmark_quick_run_writes_table_and_plot(tmp_path):
     "x floor",
   ):
     assert section in text
-  for transform in _cases.TRANSFORMS:
+  for transform in _compile_cases.TRANSFORMS:
     assert f"| {transform} | 10 |" in text
   assert "jaxclip.clip_by_global_norm + adam" in text
   png = (tmp_path / "results.png").read_bytes()
@@ -111,7 +125,7 @@ def test_ghost_benchmark_quick_run_writes_table_and_plot(tmp_path):
   text = (tmp_path / "ghost.md").read_text()
   assert "- machine: " in text and f"jax {jax.__version__}" in text
   header, cells = _table(text)
-  assert header == ghost.HEADER
+  assert header == _ghost_report.HEADER
   rows = [dict(zip(header, row, strict=True)) for row in cells]
   assert [(int(r["B"]), int(r["T"])) for r in rows] == [
     (b, t) for t in ghost.QUICK_SEQ_LENS for b in ghost.QUICK_BATCHES
@@ -270,13 +284,15 @@ def _import_without(*missing):
 
 
 def test_peers_availability_names_the_extra_of_a_missing_peer():
-  have = _peers.availability(_import_without("opacus"))
+  have = _peers_cases.availability(_import_without("opacus"))
   assert have["jax_privacy"] == ("jax_privacy 9.9", None)
   version, why = have["Opacus"]
-  assert version is None and "`opacus`" in why and "`peers` extra" in why and _peers.INSTALL in why
-  assert _peers.availability(_import_without("torch"))["Opacus"][1].count("`torch`") == 1
+  assert (
+    version is None and "`opacus`" in why and "`peers` extra" in why and _peers_cases.INSTALL in why
+  )
+  assert _peers_cases.availability(_import_without("torch"))["Opacus"][1].count("`torch`") == 1
   # The install line is the extra's, and the extra is not the test extra.
-  assert 'pip install -e ".[peers]" torch==2.13.0' in _peers.INSTALL
+  assert 'pip install -e ".[peers]" torch==2.13.0' in _peers_cases.INSTALL
   extras = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())[
     "project"
   ]["optional-dependencies"]
@@ -290,15 +306,17 @@ def test_peers_run_without_torch_writes_the_table_and_names_the_extra(
   # `--peers` with Opacus missing: its rows read "not installed" and the note names the extra.
   # The measurement is replaced (a real run compiles for minutes); the rows, the ratios, the
   # notes and the file are the benchmark's own code.
-  have = _peers.availability(_import_without("torch", "opacus"))
-  monkeypatch.setattr(_peers, "availability", lambda: have)
-  monkeypatch.setattr(_peers, "pin_one_thread", lambda with_torch: f"pinned (torch {with_torch})")
+  have = _peers_cases.availability(_import_without("torch", "opacus"))
+  monkeypatch.setattr(_peers_cases, "availability", lambda: have)
+  monkeypatch.setattr(
+    _peers_measure, "pin_one_thread", lambda with_torch: f"pinned (torch {with_torch})"
+  )
   secs = {"jax grad": [0.10, 0.20, 0.30], "jaxclip ghost": [0.12, 0.26, 0.33]}
   cpus = {"jax grad": [0.10, 0.10, 0.10], "jaxclip ghost": [0.11, 0.11, 0.12]}
 
   def run(batches, seq_lens, model, clip, reps, probes):
     assert (batches, seq_lens, reps) == ([3], [5], 3)
-    rows = _peers.new_rows(3, 5, _peers.availability())
+    rows = _peers_cases.new_rows(3, 5, _peers_cases.availability())
     for key, r in rows.items():
       if r["status"] == "ok":
         r.update(secs=secs.get(key, [0.2, 0.4, 0.6]), cpus=cpus.get(key, [0.2, 0.2, 0.2]))
@@ -323,14 +341,14 @@ def test_peers_run_without_torch_writes_the_table_and_names_the_extra(
     elif tables[-1] and not line.startswith("|---"):
       tables.append([])
   cpu_x, wall_x, peak_x, every = tables[:4]
-  assert cpu_x[0][:2] == ["B", "T"] and len(cpu_x[0]) == 2 + len(_peers.SUMMARY)
+  assert cpu_x[0][:2] == ["B", "T"] and len(cpu_x[0]) == 2 + len(_peers_report.SUMMARY)
   cpu, wall = (dict(zip(t[0], t[1], strict=True)) for t in (cpu_x, wall_x))
   # Paired wall ratios 1.2, 1.3, 1.1: the median, not the ratio of the medians (1.3 / 0.2).
   assert wall['jaxclip method="ghost"'] == "1.20" and wall['jaxclip method="vmap"'] == "2.00"
   assert cpu['jaxclip method="ghost"'] == "1.10" and cpu['jaxclip method="vmap"'] == "2.00"
   assert cpu["Opacus ghost"] == wall["Opacus hooks"] == "not installed"
   assert dict(zip(peak_x[0], peak_x[1], strict=True))["jax_privacy clipped_grad"] == "1.00"
-  assert every[0] == _peers.HEADER and len(every) == 1 + len(_peers.CASES)
+  assert every[0] == _peers_report.HEADER and len(every) == 1 + len(_peers_cases.CASES)
   rows = {(r[2], r[3]): dict(zip(every[0], r, strict=True)) for r in every[1:]}
   ghost_row = rows[("jaxclip", 'method="ghost"')]
   assert ghost_row["x own wall (IQR)"] == "1.20 (1.15-1.25)" and ghost_row["x own temp"] == "1.25"
@@ -339,7 +357,7 @@ def test_peers_run_without_torch_writes_the_table_and_names_the_extra(
   opacus = [r for (fw, _), r in rows.items() if fw in ("torch", "Opacus")]
   assert len(opacus) == 4 and all(r["CPU ms"] == "not installed" for r in opacus)
   notes = text.split("## Cases not run")[1]
-  assert notes.count("`peers` extra") == 4 and _peers.INSTALL in notes
+  assert notes.count("`peers` extra") == 4 and _peers_cases.INSTALL in notes
 
 
 def test_gpu_norm_script_quick_run(tmp_path):

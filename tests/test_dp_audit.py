@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxclip
-from benchmarks import dp_audit
+from benchmarks import _dpsgd, dp_audit
 
 
 def _table(text: str) -> dict[str, dict[str, str]]:
@@ -30,7 +30,7 @@ def _table(text: str) -> dict[str, dict[str, str]]:
 
 
 def test_audit_passes_the_correct_pipeline_and_flags_each_broken_one(tmp_path):
-  cfg = dp_audit.Config()
+  cfg = _dpsgd.Config()
   out = tmp_path / "dp_audit.md"
   text = dp_audit.main(["--only", "correct", *dp_audit.BROKEN, "--out", str(out)])
   assert out.read_text() == text
@@ -54,12 +54,12 @@ def test_every_batch_fits_its_rows_and_the_canaries_are_clipped():
   # The audited pipeline is the accounted one: no batch truncated (the Poisson analysis
   # holds), and every canary's gradient is clipped to -C e_j (so a drawn canary moves its
   # coordinate by exactly lr C / B without noise).
-  cfg = dp_audit.QUICK
+  cfg = _dpsgd.QUICK
   rows = dp_audit.one_run_audits(cfg, 1.0, ("correct", "no noise"))
   assert rows["correct"]["overflow"] == rows["no noise"]["overflow"] == 0
-  data = dp_audit._canary_rows(np.arange(3), cfg.features)
+  data = _dpsgd._canary_rows(np.arange(3), cfg.features)
   params = {"w": jnp.zeros(cfg.features), "c": jnp.full(cfg.canaries, 10.0)}
-  total, num_clipped = jaxclip.per_example_clipped_grad(dp_audit.example_loss, cfg.clip)(
+  total, num_clipped = jaxclip.per_example_clipped_grad(_dpsgd.example_loss, cfg.clip)(
     params, *(jnp.asarray(data[k]) for k in ("x", "slot", "s", "y"))
   )
   assert int(num_clipped) == 3
@@ -69,26 +69,26 @@ def test_every_batch_fits_its_rows_and_the_canaries_are_clipped():
 
 def test_textbook_clip_is_the_library_clip_but_for_non_finite_examples():
   # The broken pipeline differs from jaxclip's only in what a NaN example does.
-  cfg = dp_audit.QUICK
+  cfg = _dpsgd.QUICK
   rng = np.random.default_rng(0)
-  data = dp_audit._concat(
-    dp_audit._data(6, cfg.features, rng), dp_audit._canary_rows(np.array([1]), cfg.features)
+  data = _dpsgd._concat(
+    _dpsgd._data(6, cfg.features, rng), _dpsgd._canary_rows(np.array([1]), cfg.features)
   )
   keys = ("x", "slot", "s", "y")
   batch = [jnp.asarray(data[k]) for k in keys]
   params = {"w": jnp.ones(cfg.features), "c": jnp.zeros(4)}
   mask = jnp.array([True, False, True, True, True, True, True])
-  ours = jaxclip.per_example_clipped_grad(dp_audit.example_loss, 0.5)(
+  ours = jaxclip.per_example_clipped_grad(_dpsgd.example_loss, 0.5)(
     params, *batch, example_mask=mask
   )[0]
-  textbook = dp_audit.textbook_clipped_grad(dp_audit.example_loss, 0.5)(
+  textbook = _dpsgd.textbook_clipped_grad(_dpsgd.example_loss, 0.5)(
     params, *batch, example_mask=mask
   )[0]
   close = lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
   jax.tree.map(close, ours, textbook)
-  nan_row = dp_audit._canary_rows(np.array([0]), cfg.features, x_value=float("nan"))
+  nan_row = _dpsgd._canary_rows(np.array([0]), cfg.features, x_value=float("nan"))
   nan_batch = [jnp.concatenate([jnp.asarray(data[k]), nan_row[k]]) for k in keys]
-  leaky = dp_audit.textbook_clipped_grad(dp_audit.example_loss, 0.5)
+  leaky = _dpsgd.textbook_clipped_grad(_dpsgd.example_loss, 0.5)
   present = leaky(params, *nan_batch, example_mask=jnp.append(mask, True))[0]
   absent = leaky(params, *nan_batch, example_mask=jnp.append(mask, False))[0]
   assert np.all(np.isnan(present["w"])) and np.all(np.isnan(present["c"]))
@@ -100,7 +100,7 @@ def test_audit_passes_jaxclips_clip_with_a_nan_example():
   # a non-finite example contributes zero (issue #48, point 1), so the runs with it and without
   # it are the same, and the audit's bound stays at most the claimed ε; every run that drew the
   # example into a batch counted it (return_num_nonfinite=), and no other run did.
-  cfg = dp_audit.Config()
+  cfg = _dpsgd.Config()
   result = dp_audit.run(cfg, ("NaN example, jaxclip's clip",))
   row = result["rows"]["NaN example, jaxclip's clip"]
   assert row["epsilon_lb"] <= result["claimed"] and not row["flagged"]

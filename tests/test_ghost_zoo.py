@@ -1,4 +1,4 @@
-"""Ghost norms on the zoo of library-built models (``workloads/zoo.py``).
+"""Ghost norms on the zoo of library-built models (``workloads/zoo/``).
 
 For each model (flax linen ``nn.scan(nn.remat(Block))`` GPT and Conv +
 GroupNorm ResNet, flax nnx stacked-and-scanned Llama, equinox ViT with a

@@ -3,7 +3,8 @@
 ``workloads/`` (the trees, models and transforms both run on) sits below
 ``tests/`` and ``benchmarks/``; ``benchmarks/`` imports nothing from
 ``tests/`` and its modules import one another without a cycle. Read from
-the sources (every ``import``, at any depth), not by importing them.
+the sources (every ``import``, at any depth), not by importing them. No
+module of ``jaxclip/``, ``benchmarks/`` or ``workloads/`` is over 400 lines.
 """
 
 from __future__ import annotations
@@ -81,6 +82,22 @@ def test_benchmark_modules_import_one_another_without_a_cycle():
   assert "benchmarks._peers" in graph and "benchmarks._ghost_cases" in graph["benchmarks._peers"]
   cycle = helpers.import_cycle(graph)
   assert not cycle, " -> ".join(cycle)
+
+
+MAX_LINES = 400
+
+
+def test_no_module_is_over_400_lines():
+  """A module longer than :data:`MAX_LINES` is split into modules of one purpose each
+  (issue #49): its models, its timing, its report."""
+  long = {
+    f"{path.relative_to(ROOT)}": lines
+    for package in ("jaxclip", "benchmarks", "workloads")
+    for path in _modules(package).values()
+    if (lines := len(path.read_text().splitlines())) > MAX_LINES
+  }
+  assert "jaxclip.privacy._ghost._types" in _modules("jaxclip")  # subpackages are read too
+  assert not long, "\n".join(f"{name}: {lines} lines" for name, lines in sorted(long.items()))
 
 
 def _dotted(node: ast.AST) -> str | None:
