@@ -29,6 +29,7 @@ from benchmarks import (
   _peers_measure,
   _peers_report,
   ghost,
+  ghost_calibrate,
   tricks,
 )
 from jaxclip._kernel import _platform
@@ -372,3 +373,40 @@ def test_gpu_norm_script_quick_run(tmp_path):
   gpu_norm.main(["--part", "copy", "--out", str(tmp_path), "--quick"])
   cases = [r["case"] for r in json.loads((tmp_path / "copy.json").read_text())["rows"]]
   assert len(cases) >= 5 and any("scale pass" in c for c in cases), cases
+
+
+def test_ghost_calibration_quick_run_writes_its_table_and_rows(tmp_path):
+  ghost_calibrate.main(["--quick", "--out", str(tmp_path)])
+  md = tmp_path / f"ghost_calibration-{jax.__version__}.md"
+  assert "| dense T=8 16x16 | 4 |" in md.read_text()
+  rows = json.loads(md.with_suffix(".json").read_text())["rows"]
+  assert {r["case"] for r in rows} == {
+    "dense T=8 16x16",
+    "lookup V=32 d=8 T=4",
+    "scan shared L=4 d=8",
+  }
+  by_case = {r["case"]: r["work"] for r in rows}
+  assert by_case["dense T=8 16x16"]["norm dot:gram"] == 8 * 8 * 32  # T^2 (C + F)
+  assert by_case["scan shared L=4 d=8"]["calls"] == 4 and all(r["ghost"] > 0 for r in rows)
+
+
+def test_ghost_calibration_fit_recovers_the_constants_of_synthetic_times():
+  rng = np.random.default_rng(0)
+  rows = []
+  for _ in range(12):
+    work = {"norm dot": float(rng.integers(1, 10**6)), "calls": float(rng.integers(1, 300))}
+    work["grad dot"] = float(rng.integers(1, 10**6))
+    work["writes"] = float(rng.integers(1, 10**5))
+    b = int(rng.choice([16, 128]))
+    grad = 1e-3
+    ghost = grad + b * 2e-10 * work["norm dot"] + 3e-6 * work["calls"]
+    vmap = grad + b * (1e-10 * work["grad dot"] + 5e-9 * work["writes"])
+    rows.append({"B": b, "grad": grad, "ghost": ghost, "vmap": vmap, "work": work})
+  c = ghost_calibrate.fit(rows)
+  norm_dot, calls = c["ghost"][ghost_calibrate.NORM_FORMS.index("dot")], c["ghost"][-1]
+  grad_dot, writes = c["vmap"][ghost_calibrate.GRAD_RULES.index("dot")], c["vmap"][-1]
+  np.testing.assert_allclose(
+    [norm_dot, calls, grad_dot, writes], [2e-10, 3e-6, 1e-10, 5e-9], rtol=1e-6
+  )
+  for r in rows:
+    assert ghost_calibrate.fitted_pick(c, r) == ("ghost" if r["ghost"] <= r["vmap"] else "vmap")
