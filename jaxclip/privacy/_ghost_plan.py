@@ -255,17 +255,11 @@ def ghost_plan(
   costs = _ghost.leaf_costs(traced.plan)
 
   def leaf_plan(i, path, rule, reason, x):
-    out = GhostLeafPlan(path, rule, reason, int(jnp.size(x)), tuple(jnp.shape(x)))
-    if i not in costs:
-      return out
-    c = costs[i]
-    return dataclasses.replace(
-      out,
-      norm_flops=c.forms,
-      grad_flops=c.grads,
-      site_calls=c.calls,
-      grad_writes=c.size,
-    )
+    c = costs.get(i)
+    work = {} if c is None else {"norm_flops": c.forms, "grad_flops": c.grads}
+    if c is not None:
+      work.update(site_calls=c.calls, grad_writes=c.size)
+    return GhostLeafPlan(path, rule, reason, int(jnp.size(x)), tuple(jnp.shape(x)), **work)
 
   return GhostPlan(
     tuple(
