@@ -120,6 +120,7 @@ SLOW_FILES = (
 SLOW_TESTS = (
   "test_multi_device[",  # the 8-device subprocess of a file's md_* checks
   "test_adversarial_full_product[",  # 384 compiled cases (the inner loop runs a slice)
+  "test_cancelling_rows_full_product[",  # 62 compiled cases of 48 examples (a slice: 12 of 12)
   "test_collectives",
   "test_fsdp_example_runs",
   "test_each_check_reports_on_its_own",  # the md_* runner's own subprocesses

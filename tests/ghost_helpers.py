@@ -4,6 +4,8 @@
 * ``test_ghost_rules.py``: the ``dot`` and lookup rules, and the exact fallback;
 * ``test_ghost_tied.py``: an embedding table tied to an output head;
 * ``test_ghost_conv.py``: the convolution rule and the tap-by-tap kernel gradient;
+* ``test_ghost_cancel.py``: every rule on generated examples whose rows cancel
+  (``tests/ghost_cancel.py``, ``tests/ghost_cancel_cases.py``);
 * ``test_ghost_scan.py``: ``lax.scan`` and rematerialised (two-pass) plans;
 * ``test_ghost_plan.py``: ``ghost_plan``'s report and ``method="auto"``'s choice;
 * ``test_ghost_options.py``: ``per_example_clipped_grad``'s arguments, dtypes and refusals;

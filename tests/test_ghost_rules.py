@@ -11,6 +11,8 @@ against ``method="vmap"`` at the median norm (``tests.ghost_helpers.compare``).
 
 from __future__ import annotations
 
+import itertools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -131,26 +133,41 @@ def test_leaves_instantiated_at_one_site_share_one_pass():
 
 def test_two_large_rows_that_cancel_do_not_hide_a_small_one():
   """An example whose rows' products cancel between two large rows (2**127 - 2**127) and leave
-  a small one (2**60): its per-example gradient is 2**60, not 0. Where the dot rule forms that
+  a small one (2**60): its per-example gradient is 2**60, not 0. Where the dot rule formed that
   gradient from scaled rows, the small row's terms were flushed, the norm read as 0 and the
-  example not clipped, in bfloat16 (its sum 1e18 against a clip norm of 1). Now the norm is
-  vmap's, and the clipped sum stays within the bound."""
-  a = np.zeros((1, 1, 3, 1), np.float32)
-  g = np.zeros((1, 1, 3, 1), np.float32)
-  a[0, 0, :, 0] = [2.0**100, 2.0**100, 2.0**30]
-  g[0, 0, :, 0] = [2.0**27, -(2.0**27), 2.0**30]
-  got = float(_scaling.mixed_sumsq(jnp.asarray(a), jnp.asarray(g))[0])
-  assert got == pytest.approx(2.0**120, rel=1e-6)
+  example not clipped, in bfloat16 (its sum 1e18 against a clip norm of 1); the Gram form (8
+  by 8) read NaN. Now neither is read below the exact norm: here the read's floor, 2**-8 of
+  the rows' triangle bound (``_scaling.Parts``), is past float32's range, so the example is
+  dropped (``vmap`` keeps it, at 2**60); the same rows 2**60 times smaller are read finite,
+  at that floor, above the exact norm. The clipped sum stays within the bound
+  (``tests/test_ghost_cancel.py`` searches such examples)."""
+  for width, scale in itertools.product((1, 8), (1.0, 2.0**-30)):  # formed, Gram form
+    a = np.zeros((1, 1, 3, width), np.float32)
+    g = np.zeros((1, 1, 3, width), np.float32)
+    a[0, 0] = np.array([2.0**100, 2.0**100, 2.0**30])[:, None] * scale
+    g[0, 0] = np.array([2.0**27, -(2.0**27), 2.0**30])[:, None] * scale
+    exact = (2.0**60 * scale * scale * width) ** 2
+    got = float(_scaling.mixed_sumsq(jnp.asarray(a), jnp.asarray(g))[0])
+    assert got >= exact and (np.isfinite(got) or scale == 1.0), (width, scale, got)
 
   def loss(w, x, y):
     return jnp.sum(((x @ w) * y).astype(jnp.float32))
 
-  x = jnp.asarray(np.concatenate([a[0], np.ones((1, 3, 1), np.float32)]), jnp.bfloat16)
-  y = jnp.asarray(np.concatenate([g[0], np.ones((1, 3, 1), np.float32)]), jnp.bfloat16)
-  w = jnp.ones((1, 1), jnp.bfloat16)
-  out = {
-    m: jax.jit(jaxclip.per_example_clipped_grad(loss, 1.0, method=m, return_norms=True))(w, x, y)
-    for m in ("vmap", "ghost")
-  }
-  np.testing.assert_allclose(np.asarray(out["ghost"][2]), np.asarray(out["vmap"][2]), rtol=1e-6)
-  assert float(jnp.max(jnp.abs(out["ghost"][0].astype(jnp.float32)))) <= 2.0  # two examples
+  for width in (1, 8):
+    ones = np.ones((1, 3, width), np.float32)
+    xs, ys = ([2.0**100, 2.0**100, 2.0**30], [2.0**27, -(2.0**27), 2.0**30])
+    x, y = (
+      jnp.asarray(
+        np.concatenate([np.tile(np.float32(v)[:, None], (1, width))[None], ones]), jnp.bfloat16
+      )
+      for v in (xs, ys)
+    )
+    w = jnp.ones((width, width), jnp.bfloat16)
+    out = {
+      m: jax.jit(jaxclip.per_example_clipped_grad(loss, 1.0, method=m, return_norms=True))(w, x, y)
+      for m in ("vmap", "ghost")
+    }
+    ghost, ref = np.asarray(out["ghost"][2]), np.asarray(out["vmap"][2])
+    assert np.all(ghost >= ref * (1 - 1e-6)), (width, ghost, ref)
+    np.testing.assert_allclose(ghost[1], ref[1], rtol=1e-6)  # the ordinary example
+    assert float(jnp.max(jnp.abs(out["ghost"][0].astype(jnp.float32)))) <= 2.0  # two examples

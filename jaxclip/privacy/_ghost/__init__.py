@@ -71,7 +71,7 @@ from jaxclip.privacy._ghost._capture import Inputs
 from jaxclip.privacy._ghost._jaxpr import _sites, _walk
 from jaxclip.privacy._ghost._jaxpr._walk import input_infos
 from jaxclip.privacy._ghost._planning import leaf_costs, make_plan
-from jaxclip.privacy._ghost._sumsq import early_heads, plan_sumsq, probe_sumsq
+from jaxclip.privacy._ghost._sumsq import early_heads, plan_sumsq, probe_sumsq, probe_tied_head
 from jaxclip.privacy._ghost._types import Captured, Plan
 
 __all__ = [
@@ -391,5 +391,5 @@ def inputs_for(traced: Traced, spmd_axis_name: Any) -> Inputs:
     probes,
     _sites.borrowed(plan.sites, own),
     accumulated,
-    {du: probe_sumsq(plan.sites[du], dk, "dot") for du, dk in early_heads(plan)},
+    {du: probe_tied_head(plan.sites[du], dk) for du, dk in early_heads(plan)},
   )

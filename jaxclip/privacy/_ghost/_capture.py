@@ -185,8 +185,8 @@ def _site_gradients(
     tapped = u in inputs.tapped or u in inputs.accumulated
     stack = () if tapped and s.summed else tuple(length for _, length in s.stack)
     avals = [jax.ShapeDtypeStruct((), acc)] if u in inputs.probed else s.zero_avals(tapped)
-    if u in inputs.early:
-      avals = [*avals, jax.ShapeDtypeStruct((), acc)]
+    if u in inputs.early:  # a tied head's own term's parts (_sumsq.probe_tied_head)
+      avals = [*avals, jax.ShapeDtypeStruct((3,), acc)]
     return tuple(_batch_zeros((n, *stack, *a.shape), a.dtype, data[0]) for a in avals)
 
   zs = [zeros(u, s) for u, s in enumerate(sites)]

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from jaxclip._kernel import _numerics
 from jaxclip.privacy._ghost import _rules
 from jaxclip.privacy._ghost._rules import _instantiate, _lookup, _scaling, _tied
-from jaxclip.privacy._ghost._rules._dot import dot_sumsq
+from jaxclip.privacy._ghost._rules._dot import dot_parts
 from jaxclip.privacy._ghost._types import Captured, Plan, Site, Tied
 
 
@@ -120,21 +120,30 @@ def probe_sumsq(site: Site, k: int, rule: str) -> Callable[..., jax.Array]:
   return lambda pv, dv, gs: r.sumsq(site, k, one(pv[k]), one(dv[0]), one(gs[0]))[0]
 
 
+def probe_tied_head(site: Site, k: int) -> Callable[..., jax.Array]:
+  """``(pvals, dvals, gs) ->`` a tied head's own term's parts (stacked: the value, its error
+  bound and its floor; :class:`~jaxclip.privacy._ghost._rules._scaling.Parts`), for one
+  example, taken in the backward pass (:func:`early_heads`): the table's read needs them."""
+  pos, one = site.param_positions()[k], lambda x: x[None]
+  return lambda pv, dv, gs: jnp.stack(dot_parts(site, pos, one(dv[0]), one(gs[0])))[:, 0]
+
+
 def _tied_sumsq(
   cap: Captured, pair: Tied, early: frozenset[int] | set[int] = frozenset()
 ) -> jax.Array:
-  """A tied table's squared norms: its lookup's, its head's and twice their cross term.
+  """A tied table's squared norms: its lookup's, its head's and twice their cross term, read
+  within their rounding's bound (:func:`jaxclip.privacy._ghost._rules._tied.tied_parts`).
 
-  A head in ``early`` took its own term in the backward pass (its last zero's
-  gradient, :func:`early_heads`).
+  A head in ``early`` took its own term's parts in the backward pass (its last zero's
+  gradient, :func:`probe_tied_head`).
   """
   (gu, _), (du, dk) = pair
   lookup, head = cap.sites[gu], cap.sites[du]
   pos = head.param_positions()[dk]
   ids, rows, a, g = cap.drecs[gu][0], cap.gs[gu][0], cap.drecs[du][0], cap.gs[du][0]
-  own = cap.gs[du][-1] if du in early else dot_sumsq(head, pos, a, g)
-  return (
-    _lookup.lookup_sumsq(lookup, ids, rows)
-    + own
-    + 2 * _tied.tied_cross(lookup, ids, rows, head, pos, a, g)
-  )
+  if du in early:
+    own = _scaling.Parts(*jnp.moveaxis(cap.gs[du][-1], -1, 0))
+  else:
+    own = dot_parts(head, pos, a, g)
+  cross = _tied.tied_cross(lookup, ids, rows, head, pos, a, g)
+  return _scaling.read(_tied.tied_parts(_lookup.lookup_parts(lookup, ids, rows), own, cross))

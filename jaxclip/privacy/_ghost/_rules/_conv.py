@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxclip._kernel import _numerics
+from jaxclip.privacy._ghost import _wide
 from jaxclip.privacy._ghost._jaxpr import _internals as _jax
 from jaxclip.privacy._ghost._rules import _scaling
 from jaxclip.privacy._ghost._rules._base import Rule, formed_in_backward, levels
@@ -46,7 +47,9 @@ def conv_sumsq(site: Site, kernel: jax.Array, a: jax.Array, g: jax.Array) -> jax
   patches (one row per output position, one column per kernel tap) and ``G``
   the output gradient: the ``dot_general`` rule over positions, through the
   Gram matrices ``<A A^T, G G^T>`` when the positions are few; otherwise the
-  per-example kernel gradient, formed without the patches.
+  per-example kernel gradient, formed without the patches (in float32), its
+  squares read within its rounding's bound
+  (:func:`~jaxclip.privacy._ghost._rules._scaling.formed_parts`).
 
   Args:
     site: A ``conv_general_dilated`` site whose kernel (operand 1) is the parameter.
@@ -57,16 +60,25 @@ def conv_sumsq(site: Site, kernel: jax.Array, a: jax.Array, g: jax.Array) -> jax
   eqn = site.eqn
   params = _jax.conv_parts(eqn)
   dn = params.dimension_numbers
-  rhs_aval, out_aval = eqn.invars[1].aval, eqn.outvars[0].aval
+  rhs_aval = eqn.invars[1].aval
   groups, positions, taps, outs = conv_dims(site)
   if not gram_is_cheaper(positions, taps, outs):  # the per-example kernel gradient costs less
 
-    def one(k_b, a_b, g_b):
-      _, vjp = jax.vjp(lambda k: _jax.bind(eqn, [a_b, k])[0], k_b)
-      (grad,) = vjp(g_b.astype(out_aval.dtype))
+    def one(k_b, a_b, g_b):  # in float32 (or wider), as the rules sum
+      _, vjp = jax.vjp(lambda k: _wide.wide_bind(eqn, [a_b, k])[0], _wide.widened(k_b))
+      (grad,) = vjp(_wide.widened(g_b))
       return grad
 
-    return _scaling.safe_sumsq(jax.vmap(one)(kernel, a, g))
+    # Each entry sums a product per output position, each input entry is in at most
+    # `window` of the patches, so the terms in absolute value are at most sqrt(window)
+    # ||a|| ||g|| (_scaling.formed_parts), from the records as they are.
+    window = math.prod(rhs_aval.shape[d] for d in dn.rhs_spec[2:])
+    (qa, ka), (qg, kg) = _scaling.frobenius(a), _scaling.frobenius(g)
+    k, m = ka + kg, window * qa * qg
+    s = _numerics.times_pow2(_scaling.safe_sumsq(jax.vmap(one)(kernel, a, g)), -2 * k)
+    e = positions * jnp.finfo(s.dtype).eps * jnp.sqrt(m)
+    return _scaling.read(_scaling.up_parts(_scaling.formed_parts(s, e, m), 2 * k))
+
   filt = [rhs_aval.shape[d] for d in dn.rhs_spec[2:]]
 
   def patches(a_b):  # (positions, C * K), columns channel-major

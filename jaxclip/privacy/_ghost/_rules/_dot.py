@@ -71,7 +71,8 @@ def dot_operands(site: Site, pos: int, a: jax.Array, g: jax.Array) -> tuple[jax.
 
 
 def dot_sumsq(site: Site, pos: int, a: jax.Array, g: jax.Array, shared: int = 0) -> jax.Array:
-  """Each example's ``||grad of the dot_general's param operand||^2``.
+  """Each example's ``||grad of the dot_general's param operand||^2``, as
+  :func:`~jaxclip.privacy._ghost._rules._scaling.read` reads it.
 
   Args as :func:`_dot_operands`, but for ``shared``: the number of scan axes
   (after the batch axis of ``a`` and ``g``) over whose iterations the
@@ -79,12 +80,17 @@ def dot_sumsq(site: Site, pos: int, a: jax.Array, g: jax.Array, shared: int = 0)
   iterations, ``[A_1; A_2; ...]^T [G_1; G_2; ...]``: one ``dot_general`` whose
   rows are every iteration's rows.
   """
+  return _scaling.read(dot_parts(site, pos, a, g, shared))
+
+
+def dot_parts(site: Site, pos: int, a: jax.Array, g: jax.Array, shared: int = 0) -> _scaling.Parts:
+  """The :class:`~jaxclip.privacy._ghost._rules._scaling.Parts` of :func:`dot_sumsq`."""
   operands = lambda a, g: dot_operands(site, pos, a, g)
   for _ in range(shared):
     operands = jax.vmap(operands, in_axes=1, out_axes=2)
   a, g = operands(a, g)  # (examples, n, iterations..., T, C or F)
   n, nb = a.shape[0], a.shape[1]
-  return _scaling.mixed_sumsq(a.reshape(n, nb, -1, a.shape[-1]), g.reshape(n, nb, -1, g.shape[-1]))
+  return _scaling.mixed_parts(a.reshape(n, nb, -1, a.shape[-1]), g.reshape(n, nb, -1, g.shape[-1]))
 
 
 class DotRule(Rule):

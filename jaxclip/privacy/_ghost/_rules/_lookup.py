@@ -46,23 +46,45 @@ def lookup_operands(site: Site, ids: jax.Array, g: jax.Array) -> tuple[jax.Array
 
 
 def lookup_sumsq(site: Site, ids: jax.Array, g: jax.Array) -> jax.Array:
-  """Each example's ``||grad of the looked-up table||^2``, repeated rows included."""
+  """Each example's ``||grad of the looked-up table||^2``, repeated rows included, as
+  :func:`~jaxclip.privacy._ghost._rules._scaling.read` reads it."""
+  return _scaling.read(lookup_parts(site, ids, g))
+
+
+def lookup_parts(site: Site, ids: jax.Array, g: jax.Array) -> _scaling.Parts:
+  """The :class:`~jaxclip.privacy._ghost._rules._scaling.Parts` of :func:`lookup_sumsq`."""
   rows = site.eqn.invars[0].aval.shape[0]
   ids, g = lookup_operands(site, ids, g)
   e = _scaling.exponent(g)
-  return _scaling.up(_lookup_sumsq_scaled(ids, _scaling.down(g, e), rows), 2 * e)
+  return _scaling.up_parts(_lookup_parts_scaled(ids, _scaling.down(g, e), rows), 2 * e)
 
 
-def _lookup_sumsq_scaled(ids: jax.Array, g: jax.Array, rows: int) -> jax.Array:
-  t = ids.shape[1]
+def _lookup_parts_scaled(ids: jax.Array, g: jax.Array, rows: int) -> _scaling.Parts:
+  """Rows whose largest entry is in ``[0.5, 1)``. A row's ``||g_t||`` bounds its terms; the
+  rows at one id add up (``M`` of the parts) and, in the Gram form, their dot products are off
+  by ``R eps ||g_t|| ||g_s||``, their sum (``T^2`` terms) by ``T^2 eps``; the sums per id (at
+  most ``n`` rows each) by ``n eps`` of their rows' norms."""
+  t, eps, floor = ids.shape[1], jnp.finfo(g.dtype).eps, _scaling.floor_factor(g.dtype)
+  norms = jnp.sqrt(jnp.sum(g * g, axis=2))
   if lookup_gram_is_cheaper(t, rows):  # t^2 R flops against about 2 t R for the sums
-    gg = jnp.einsum("btr,bsr->bts", g, g, precision=_scaling.HIGHEST)
-    return jnp.sum(jnp.where(ids[:, :, None] == ids[:, None, :], gg, 0), axis=(1, 2))
+    same = ids[:, :, None] == ids[:, None, :]
+    gg = jnp.where(same, jnp.einsum("btr,bsr->bts", g, g, precision=_scaling.HIGHEST), 0)
+    s = jnp.sum(gg, axis=(1, 2))
+    m = jnp.sum(jnp.where(same, norms[:, :, None] * norms[:, None, :], 0), axis=(1, 2))
+    err = eps * (g.shape[2] * m + t * t * jnp.sum(jnp.abs(gg), axis=(1, 2)))
+    return _scaling.Parts(s, err, floor * m)
+  # Per id: the sum of its rows, and of their norms and of ones (how many there are).
   if t < rows:  # the sums of the rows read, one per distinct id: the size of g
-    sums = jax.vmap(lambda i, x: _rows_by_id(i, x, t))(ids, g)
+    by_id = lambda x: jax.vmap(lambda i, x: _rows_by_id(i, x, t))(ids, x)
   else:  # the per-example gradient of the table: smaller than g
-    sums = jax.vmap(lambda i, x: jnp.zeros((rows, x.shape[1]), x.dtype).at[i].add(x))(ids, g)
-  return jnp.sum(sums * sums, axis=(1, 2))
+    by_id = lambda x: jax.vmap(lambda i, x: jnp.zeros((rows, x.shape[1]), x.dtype).at[i].add(x))(
+      ids, x
+    )
+  s = jnp.sum(by_id(g) ** 2, axis=(1, 2))
+  sums = by_id(jnp.stack([norms, jnp.ones_like(norms)], axis=2))
+  m = jnp.sum(sums[..., 0] ** 2, axis=1)
+  err = eps * jnp.sqrt(jnp.sum((sums[..., 1] * sums[..., 0]) ** 2, axis=1))
+  return _scaling.formed_parts(s, err, m)
 
 
 def _rows_by_id(ids: jax.Array, g: jax.Array, t: int) -> jax.Array:

@@ -61,12 +61,17 @@ def scale_sumsq(a: jax.Array, g: jax.Array, axes: tuple[int, ...]) -> jax.Array:
   The per-example gradient is formed as ``jax.grad`` forms it, ``g * a``
   summed over the repeated axes, in float32 for half-precision records: its
   entries are finite wherever the gradient's are (no record is squared on
-  its own, unlike a Gram product), and its squares are summed scaled
-  (:func:`~jaxclip.privacy._ghost._rules._scaling.safe_sumsq`): ``inf``
-  beyond the dtype's range, never under-read.
+  its own, unlike a Gram product), and its squares are summed scaled: ``inf``
+  beyond the dtype's range. Each entry sums signed products, which may
+  cancel: it is read within its rounding's bound, the same sum of the
+  products' absolute values bounding it
+  (:func:`~jaxclip.privacy._ghost._rules._scaling.formed_of`), never under-read.
   """
   a, g = _numerics.upcast_for_accumulation(a), _numerics.upcast_for_accumulation(g)
-  return _scaling.safe_sumsq(jnp.sum(g * a, axis=axes))
+  terms = math.prod(g.shape[d] for d in axes)
+  products = g * a
+  magnitude = jnp.sum(jnp.abs(products), axis=axes)
+  return _scaling.read(_scaling.formed_of(jnp.sum(products, axis=axes), magnitude, terms))
 
 
 class ScaleRule(Rule):

@@ -1,16 +1,25 @@
-"""Ghost rules' arithmetic: squared norms neither flushed nor overflowed on the way.
+"""Ghost rules' arithmetic: squared norms neither flushed, overflowed nor under-read.
 
 Every rule works on per-example inputs scaled to a largest entry in
 ``[0.5, 1)`` by exact powers of two (:func:`exponent`, :func:`down`,
 :func:`up`); :func:`safe_sumsq` is a per-example sum of squares,
-:func:`mixed_sumsq` the ``sum ||A^T G||^2`` of a ``dot_general`` (the Gram form
+:func:`mixed_parts` the ``sum ||A^T G||^2`` of a ``dot_general`` (the Gram form
 or the gradient, whichever costs less), and :func:`per_iteration` maps a rule
 over a site's scan iterations.
+
+A rule's squared norm is read from sums of signed products over rows. Where
+large rows cancel and leave a small residual, rounding can leave the result
+below the true squared norm (or negative): the example would pass its clip.
+So each rule gives :class:`Parts`: the computed value, a bound on its
+rounding error, and a floor; :func:`read` takes the value where it lies
+well above its error bound, else the value plus the bound, and never less
+than the floor (see :class:`Parts`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -19,6 +28,10 @@ from jaxclip._kernel import _numerics
 from jaxclip.privacy._ghost._types import Site
 
 HIGHEST = jax.lax.Precision.HIGHEST
+
+# A computed squared norm is read as is where it is at least MARGIN times its rounding error's
+# bound (it is then at least 1 - 1 / MARGIN of the true one), else plus that bound.
+MARGIN = 2**8
 
 
 def gram_is_cheaper(t: int, c: int, f: int) -> bool:
@@ -82,8 +95,98 @@ def per_iteration(
   return jnp.sum(out.reshape(out.shape[0], -1), axis=1)
 
 
+# ----------------------------------------------------------------------------
+# Reading a squared norm computed from signed products: its rounding error bounded
+# ----------------------------------------------------------------------------
+#
+# In the standard model of floating-point arithmetic (each operation rounded with relative
+# error at most u = eps / 2, in any order), a sum of n terms is off by at most
+# (n - 1) u sum |terms|, a dot product of length n by n u |x|.|y| (Higham, 2002, Lemma 3.1
+# and (3.5)). The bounds below take eps per operation (twice u: room for the rounding of the
+# bound's own sums and of the norms it uses). An attacker can come close to them: large rows
+# that cancel, with small rows between them that each round away.
+
+
+class Parts(NamedTuple):
+  """A computed squared norm ``s``, ``err`` (a bound on ``|s - S|``, ``S`` the true squared norm)
+  and ``floor`` (the least it is read as), per example; :func:`read` reads them.
+
+  The floor is ``FLOOR**2 * M``, ``M`` the squared norm of the gradient's terms in absolute
+  value (``||sum_t |a_t| |g_t|^T||^2`` at most): the released sum adds each example's terms
+  weighted by its clip factor, ``C / sqrt(read)`` at most, and a read below ``FLOOR * sqrt(M)``
+  would let them round the other examples' terms away (they are then up to ``C / FLOOR``
+  each, the rounding ``eps * C / FLOOR``) or overflow. That holds even where the read is
+  exact: an example whose large rows cancel exactly, read as the small rest, moved the
+  released sum by more than its clip. ``FLOOR`` is ``2**-8`` in float32 (``2**-18`` in
+  float64): the rounding is then at most ``2**-15 C``; an example's norm is that far below
+  ``sqrt(M)`` only where its rows cancel (``1 / sqrt(T)`` of it for rows of random signs).
+  """
+
+  s: jax.Array
+  err: jax.Array
+  floor: jax.Array
+
+
+def floor_factor(dtype) -> float:
+  """``FLOOR**2`` of :class:`Parts` for sums in ``dtype``: ``2**-2 (nmant // 3 + 1)``."""
+  return 2.0 ** (-2 * (jnp.finfo(dtype).nmant // 3 + 1))
+
+
+def read(p: Parts) -> jax.Array:
+  """``s`` where it is at least ``MARGIN`` times its error bound, else ``max(s, 0) + err`` (at
+  least the true squared norm, ``inf`` where ``err`` is), and at least ``floor``; NaN stays
+  NaN."""
+  upper = jnp.maximum(p.s, 0) + p.err
+  return jnp.maximum(jnp.where(p.s >= MARGIN * p.err, p.s, upper), p.floor)
+
+
+def up_parts(p: Parts, e: jax.Array) -> Parts:
+  return Parts(*(up(x, e) for x in p))
+
+
+def formed_parts(s: jax.Array, e: jax.Array, m: jax.Array) -> Parts:
+  """The parts of ``s = ||W'||^2``, ``W'`` a formed gradient within ``e`` of the true one (in
+  norm), ``m`` the squared norm of its terms in absolute value (``M`` of :class:`Parts`).
+
+  ``sqrt(S) <= sqrt(s) + e``, so ``s`` is off by at most ``e (2 sqrt(s) + e)``.
+  """
+  return Parts(s, e * (2 * jnp.sqrt(jnp.maximum(s, 0)) + e), floor_factor(s.dtype) * m)
+
+
+def scaled_sumsq(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """``(q, k)`` per example (leading axis): ``sum |x|^2 = q * 4**k``, ``x`` scaled by ``2**-k``
+  to a largest entry in ``[0.5, 1)``."""
+  k = exponent(x)
+  return jnp.sum(_numerics.abs_sq(down(x, k)).reshape(x.shape[0], -1), axis=1), k
+
+
+def formed_of(grad: jax.Array, magnitude: jax.Array, terms: int) -> Parts:
+  """The parts of a per-example gradient formed unscaled (as ``jax.grad`` forms it), each of
+  its entries a sum of at most ``terms`` products, ``magnitude`` that gradient formed from
+  the absolute values (so each entry's error is at most ``terms * eps`` of its own).
+
+  Both scaled by ``magnitude``'s exponent: ``|grad| <= magnitude``, so none overflows. A
+  non-finite ``magnitude`` (products past the dtype's range) reads as ``inf``.
+  """
+  m, k = scaled_sumsq(_numerics.upcast_for_accumulation(magnitude))
+  grad = down(_numerics.upcast_for_accumulation(grad), k)
+  s = jnp.sum(_numerics.abs_sq(grad).reshape(grad.shape[0], -1), axis=1)
+  e = terms * jnp.finfo(s.dtype).eps * jnp.sqrt(m)
+  return up_parts(formed_parts(s, e, m), 2 * k)
+
+
 def mixed_sumsq(a: jax.Array, g: jax.Array) -> jax.Array:
-  """``sum_i ||A[b, i].T @ G[b, i]||^2`` for each ``b``, the cheaper way.
+  """``sum_i ||A[b, i].T @ G[b, i]||^2`` for each ``b``, as :func:`read` reads it."""
+  return read(mixed_parts(a, g))
+
+
+def frobenius(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """:func:`scaled_sumsq` of ``x`` in its accumulation dtype."""
+  return scaled_sumsq(_numerics.upcast_for_accumulation(x))
+
+
+def mixed_parts(a: jax.Array, g: jax.Array) -> Parts:
+  """The :class:`Parts` of ``sum_i ||A[b, i].T @ G[b, i]||^2`` for each ``b``, the cheaper way.
 
   Args:
     a: ``(examples, n, T, C)``.
@@ -93,9 +196,18 @@ def mixed_sumsq(a: jax.Array, g: jax.Array) -> jax.Array:
   if t > 1 and not gram_is_cheaper(t, c, f):
     # The gradient itself costs less: formed as jax.grad forms it, from the records unscaled
     # (its terms are finite wherever the gradient's are), its squares then summed scaled.
-    # Scaled row by row as below, a small row's terms would be flushed where two large rows
-    # cancel: an example's norm read as 0 while its gradient is not.
-    return safe_sumsq(jnp.einsum("bntc,bntf->bncf", a, g, precision=HIGHEST))
+    # Scaled row by row, a small row's terms would be flushed where two large rows cancel:
+    # an example's norm read as 0 while its gradient is not. Each entry sums t products, so
+    # it is within t eps of ||A|| ||G|| (||sum_t |a_t| |g_t|^T|| <= sum_t ||a_t|| ||g_t||
+    # <= ||A|| ||G||): two sums over the records, where the rows' norms would hold a copy of
+    # them rearranged (a scan's shared weight).
+    (qa, ka), (qg, kg) = frobenius(a), frobenius(g)
+    k = ka + kg
+    s = _numerics.times_pow2(
+      safe_sumsq(jnp.einsum("bntc,bntf->bncf", a, g, precision=HIGHEST)), -2 * k
+    )
+    m = qa * qg
+    return up_parts(formed_parts(s, t * jnp.finfo(s.dtype).eps * jnp.sqrt(m), m), 2 * k)
 
   # Row by row (each of the T rows, per example and dot batch index): a_t = 2**ea_t a'_t and
   # g_t = 2**eg_t g'_t, then g'_t weighted by 2**(ea_t + eg_t - top), top the largest such
@@ -111,16 +223,36 @@ def mixed_sumsq(a: jax.Array, g: jax.Array) -> jax.Array:
   r = jnp.where(live, ea + eg, low)
   top = jnp.max(r.reshape(r.shape[0], -1), axis=1)
   top = jnp.where(top == low, 0, top)
-  shift = r - top.reshape((-1,) + (1,) * (r.ndim - 1))
-  a = _numerics.times_pow2(a, -ea)
-  g = _numerics.times_pow2(_numerics.times_pow2(g, -eg), jnp.maximum(shift, low // 2))
-  return up(_mixed_sumsq_scaled(a, g), 2 * top)
+  shift = jnp.maximum(r - top.reshape((-1,) + (1,) * (r.ndim - 1)), low // 2)
+  return up_parts(_gram_parts(a, g, ea, eg - shift), 2 * top)
 
 
-def _mixed_sumsq_scaled(a: jax.Array, g: jax.Array) -> jax.Array:
-  if a.shape[2] == 1:
-    return jnp.sum(jnp.sum(a * a, axis=(2, 3)) * jnp.sum(g * g, axis=(2, 3)), axis=1)
-  # ghost: <A A^T, G G^T>
-  aa = jnp.einsum("bntc,bnsc->bnts", a, a, precision=HIGHEST)
-  gg = jnp.einsum("bntf,bnsf->bnts", g, g, precision=HIGHEST)
-  return jnp.sum(aa * gg, axis=(1, 2, 3))
+def _gram_parts(a: jax.Array, g: jax.Array, ea: jax.Array, eg: jax.Array) -> Parts:
+  """``<A A^T, G G^T>`` of the rows ``a_t 2**-ea_t`` and ``g_t 2**-eg_t`` (the largest row's
+  ``||a|| ||g||`` at least 1/4: flushed products, at most ``tiny`` each, lie far below the
+  bound), and a bound on its rounding error.
+
+  ``K = A A^T`` is off by ``c eps ||a_t|| ||a_s||`` per entry, so ``<K, L>`` by ``c eps sum_ts
+  ||a_t|| ||a_s|| |L_ts|``, at most ``c eps ||A||^2 ||L||`` (Cauchy-Schwarz); ``L = G G^T``
+  likewise. The products' sum (``n T^2`` of them, in any order: XLA sums them as one
+  reduction) is off by ``(n T^2 + 1) eps`` of their absolute values' sum, at most
+  ``||K|| ||L||``. Each of ``<K, L>``, ``||K||^2`` and ``||L||^2`` is one product of Gram
+  matrices and one sum, from rows scaled apart (by powers of two, exactly): XLA:CPU fuses
+  each whole, where a Gram matrix or scaled rows used twice would be held in memory. For rows
+  of random signs the bound is about ``(n T^2 + (c + f) sqrt(T)) eps`` of the squared norm.
+  """
+  nb, t, c, f = a.shape[1], a.shape[2], a.shape[3], g.shape[3]
+  scaled = lambda x, e, k: _numerics.times_pow2(x, k - e)  # x / 2**e, times 2**k
+  gram = lambda x: jnp.einsum("bntc,bnsc->bnts", x, x, precision=HIGHEST)
+  s = jnp.sum(gram(scaled(a, ea, 0)) * gram(scaled(g, eg, 0)), axis=(1, 2, 3))
+  eps = jnp.finfo(s.dtype).eps
+  sq = lambda x, e: 16 * jnp.sum(jnp.square(scaled(x, e, -2)), axis=3)  # rows' ||.||^2
+  na, ng = sq(a, ea), sq(g, eg)
+  m = jnp.sum(jnp.square(jnp.sum(jnp.sqrt(na) * jnp.sqrt(ng), axis=2)), axis=1)
+  if t == 1:  # one row: a sum of positive terms, off by a relative error
+    return Parts(s, (c + f + nb + 2) * eps * s, floor_factor(s.dtype) * m)
+  frob = lambda x, e: 4 * jnp.sqrt(jnp.sum(jnp.square(gram(scaled(x, e, -1))), axis=(2, 3)))
+  fk, fl = frob(a, ea), frob(g, eg)  # (examples, n)
+  bound = c * jnp.sum(na, axis=2) * fl + f * jnp.sum(ng, axis=2) * fk + (nb * t * t + 1) * fk * fl
+  err = eps * jnp.sum(bound, axis=1) + 3 * (c * eps) * (f * eps) * m
+  return Parts(s, err, floor_factor(s.dtype) * m)
