@@ -135,9 +135,11 @@ def floor_factor(dtype) -> float:
 def read(p: Parts) -> jax.Array:
   """``s`` where it is at least ``MARGIN`` times its error bound, else ``max(s, 0) + err`` (at
   least the true squared norm, ``inf`` where ``err`` is), and at least ``floor``; NaN stays
-  NaN."""
-  upper = jnp.maximum(p.s, 0) + p.err
-  return jnp.maximum(jnp.where(p.s >= MARGIN * p.err, p.s, upper), p.floor)
+  NaN. The bound and the floor are guards, not values: no gradient flows into them (their
+  square roots' at 0 would make a zero example's gradient NaN)."""
+  err, floor = jax.lax.stop_gradient((p.err, p.floor))
+  upper = jnp.maximum(p.s, 0) + err
+  return jnp.maximum(jnp.where(p.s >= MARGIN * err, p.s, upper), floor)
 
 
 def up_parts(p: Parts, e: jax.Array) -> Parts:
