@@ -344,6 +344,19 @@ def bias(t, d):
   )
 
 
+def twice(t, c, f):
+  """``x @ w`` twice, once through ``w * 1`` (a weight used twice: no rule, instantiated and
+  pulled back to ``w``): ``grad = 2 x^T y``."""
+  rows = lambda gen: lambda rng, dt: tuple(gen(rng, t, c, f, dt)[:2])
+  return Model(
+    lambda w, x, y: _f32((x @ w) * y) + _f32((x @ (w * 1)) * y),
+    _zeros(c, f),
+    rows(ordinary_rows),
+    rows(adversarial_rows),
+    lambda x, y: 2 * outer_sum(x, y),
+  )
+
+
 # ----------------------------------------------------------------------------
 # The configurations: each rule in each of its forms
 # ----------------------------------------------------------------------------
@@ -375,4 +388,6 @@ CONFIGS = {
   "tied sums formed": lambda: tied(8, 12, 16, 8),
   "scale": lambda: scale(6, 4),
   "bias": lambda: bias(6, 4),
+  "twice": lambda: twice(4, 8, 8),
+  "twice untapped": lambda: twice(3, 16, 16),
 }

@@ -71,7 +71,8 @@ from jaxclip.privacy._ghost._capture import Inputs
 from jaxclip.privacy._ghost._jaxpr import _sites, _walk
 from jaxclip.privacy._ghost._jaxpr._walk import input_infos
 from jaxclip.privacy._ghost._planning import leaf_costs, make_plan
-from jaxclip.privacy._ghost._sumsq import early_heads, plan_sumsq, probe_sumsq, probe_tied_head
+from jaxclip.privacy._ghost._rules import _instantiate
+from jaxclip.privacy._ghost._sumsq import early_heads, plan_terms, probe_sumsq, probe_tied_head
 from jaxclip.privacy._ghost._types import Captured, Plan
 
 __all__ = [
@@ -294,7 +295,8 @@ def clipped_sum(
   traced = dataclasses.replace(traced, plan=plan)
   leaf_groups = clip.of_leaf
   cap = _capture.capture(inputs_for(traced, spmd_axis_name), plan.sites)
-  norms = _numerics.safe_sqrt(plan_sumsq(plan, cap, leaf_groups, clip.num_groups))
+  sumsq, formed = plan_terms(plan, cap, leaf_groups, clip.num_groups)
+  norms = _numerics.safe_sqrt(sumsq)
   floor = None
   if clip.normalize is not None:
     # Each scaled part of a ghost norm is exact or, below the normal range, flushed: the
@@ -312,6 +314,7 @@ def clipped_sum(
     grads = _two_pass_kept(traced, spmd_axis_name, cap, weights, keep, leaf_groups)
   else:
     grads = _book.book_keep(_book.kept(cap, keep), weights, leaf_groups)
+  grads = _instantiate.with_released(grads, formed, weights, keep, leaf_groups)
   # With no example kept, a stand-in row may hold anything: nothing is released of any.
   any_kept = jnp.any(keep)
   grads = [jnp.where(any_kept, x, jnp.zeros((), x.dtype)) for x in grads]

@@ -1,6 +1,6 @@
 """Ghost norms: each example's squared gradient norm, by a plan's rules.
 
-:func:`plan_sumsq` adds up, per example (and per clip group), the terms of a
+:func:`plan_terms` adds up, per example (and per clip group), the terms of a
 plan: each ghost boundary's rule (:mod:`jaxclip.privacy._ghost._rules`) from
 its captured ``a`` and ``g``, or the term taken in the backward pass (a
 probed site, :func:`probe_sumsq`; an accumulated one, its per-example
@@ -37,18 +37,19 @@ def early_heads(plan: Plan) -> list[tuple[int, int]]:
   return [(du, dk) for _, (du, dk) in plan.tied if not plan.sites[du].stack]
 
 
-def plan_sumsq(
+def plan_terms(
   plan: Plan,
   cap: Captured,
   leaf_groups: Sequence[int] | None = None,
   num_groups: int | None = None,
-) -> jax.Array:
-  """Each example's squared gradient norm, by the plan's rules.
+) -> tuple[jax.Array, dict[int, jax.Array]]:
+  """Each example's squared gradient norm, by the plan's rules, and the instantiated leaves'
+  per-example gradients (``{leaf: gradients}``: the clipped sum releases them weighted).
 
   With ``leaf_groups`` (the clip group of each leaf), ``(examples, groups)``:
   each example's squared norm over each group's leaves. A ghost rule's or a
   tied table's term belongs to its one leaf's group; the instantiated leaves
-  are summed per group (:func:`jaxclip.privacy._ghost._rules._instantiate.instantiated_sumsq`).
+  are summed per group (:func:`jaxclip.privacy._ghost._rules._instantiate.instantiated_grads`).
   """
   acc = _numerics.tree_accumulation_dtype(cap.leaves)  # as method="vmap" sums squares
   num = 1 if leaf_groups is None else num_groups or max(leaf_groups, default=-1) + 1
@@ -70,23 +71,26 @@ def plan_sumsq(
     (gu, gk), _ = pair
     g = group(plan.sites[gu].infos[gk].view)
     parts[g] = parts[g] + _tied_sumsq(cap, pair, early).astype(acc)
+  formed: dict[int, jax.Array] = {}
   for inst in plan.instantiated:
+    sq, grads = _instantiate.instantiated_grads(inst, cap, leaf_groups, num)
+    formed.update(zip(inst.leaves, grads, strict=True))
     if leaf_groups is None:
-      parts[0] = parts[0] + _instantiate.instantiated_sumsq(inst, cap).astype(acc)
-      continue
-    per_group = _instantiate.instantiated_sumsq(inst, cap, leaf_groups, num).astype(acc)
-    parts = [p + per_group[:, j] for j, p in enumerate(parts)]
+      parts[0] = parts[0] + sq.astype(acc)
+    else:
+      parts = [p + sq[:, j].astype(acc) for j, p in enumerate(parts)]
   if leaf_groups is None:
-    return parts[0]
+    return parts[0], formed
   # A group no term reached: zeros sharded as the others (under an Explicit mesh).
   reached = [p for p, z in zip(parts, zeros, strict=True) if p is not z]
-  return jnp.stack(
+  stacked = jnp.stack(
     [
       jnp.zeros_like(reached[0]) if p is z and reached else p
       for p, z in zip(parts, zeros, strict=True)
     ],
     axis=1,
   )
+  return stacked, formed
 
 
 def _rule_sumsq(cap: Captured, u: int, k: int, rule: str) -> jax.Array:

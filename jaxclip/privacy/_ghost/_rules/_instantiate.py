@@ -3,17 +3,17 @@
 Leaves no rule covers (layer-norm scales, biases, a weight used twice) are
 instantiated together (:class:`~jaxclip.privacy._ghost._types.Instantiated`): each
 example's gradient of their boundaries (the sites' param inputs) is
-formed through those sites only, from their recorded ``a`` and ``g``, in chunks
-of examples, and pulled back to the leaves. A leaf used only through views of
-disjoint parts of it (a bias, a slice per scan iteration) needs no pull-back:
-its squared norm is that of its uses' gradients summed.
+formed through those sites only, from their recorded ``a`` and ``g`` (or
+taken in the backward pass, a tapped site), in chunks of examples, and
+pulled back to the leaves. The norms are read from these gradients, and the
+clipped sum adds these same gradients, weighted (:func:`released`).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -28,61 +28,6 @@ from jaxclip.privacy._ghost._types import Boundary, Captured, Instantiated, Site
 _CHUNK_ELEMENTS = 1 << 24
 
 
-def disjoint_views(
-  sites: Sequence[Site], leaf: int, bounds: Sequence[Boundary], summed: frozenset[int] = frozenset()
-) -> bool:
-  """Whether every use of the leaf is a view of its own part of it, in the same scans.
-
-  A use shared by a scan's iterations counts as one where its site is in
-  ``summed`` (its gradient summed over them in the backward pass).
-  """
-  infos = [sites[u].infos[k] for u, k in bounds]
-  return (
-    bool(infos)
-    and all(
-      i.view == leaf and i.deps == {leaf} and (not i.shared or u in summed)
-      for i, (u, _) in zip(infos, bounds, strict=True)
-    )
-    and len({sites[u].stack for u, _ in bounds}) == 1
-    and all(_sites.disjoint(a, b) for j, a in enumerate(infos) for b in infos[j + 1 :])
-  )
-
-
-class _Layout(NamedTuple):
-  """How the instantiated leaves' per-example gradients are formed.
-
-  Attributes:
-    by_site: The boundary positions at each of its sites.
-    direct: Leaves used only through views of disjoint parts of them (a bias,
-      a scale, a slice per scan iteration): their squared norm is that of
-      their uses' gradients summed, with no pull-back to the leaf.
-    pulled: The other leaves, pulled back from their boundaries.
-    order: The boundaries pulled back, in the order of ``by_site``.
-  """
-
-  by_site: dict[int, list[int]]
-  direct: frozenset[int]
-  pulled: list[int]
-  order: list[Boundary]
-
-
-def _layout(sites: Sequence[Site], inst: Instantiated, tapped: frozenset[int]) -> _Layout:
-  by_site: dict[int, list[int]] = {}
-  for u, k in inst.bounds:
-    by_site.setdefault(u, []).append(k)
-  summed = frozenset(u for u in tapped if sites[u].summed)
-  direct = frozenset(
-    i
-    for i in inst.leaves
-    if disjoint_views(
-      sites, i, [(u, k) for u, k in inst.bounds if i in sites[u].infos[k].deps], summed
-    )
-  )
-  pulled = [i for i in inst.leaves if i not in direct]
-  order = [(u, k) for u in by_site for k in by_site[u] if not sites[u].infos[k].deps <= direct]
-  return _Layout(by_site, direct, pulled, order)
-
-
 def _sq(x: jax.Array) -> jax.Array:
   """One example's ``sum |x|^2``, scaled on the way (neither flushed nor overflowed)."""
   x = _numerics.upcast_for_accumulation(x)
@@ -90,53 +35,57 @@ def _sq(x: jax.Array) -> jax.Array:
   return _numerics.times_pow2(jnp.sum(_numerics.abs_sq(_numerics.times_pow2(x, -e))), 2 * e)
 
 
-def instantiated_sumsq(
+def instantiated_grads(
   inst: Instantiated, cap: Captured, leaf_groups: Sequence[int] | None = None, num_groups: int = 1
-) -> jax.Array:
-  """Per-example squared norms of the instantiated leaves' gradients, formed in chunks of examples.
+) -> tuple[jax.Array, list[jax.Array]]:
+  """Per-example squared norms of the instantiated leaves' gradients, and those gradients.
 
-  With ``leaf_groups`` (the clip group of each parameter leaf), ``(examples,
-  num_groups)``: each leaf's squared norm goes to its clip group's column
-  (a leaf used directly belongs to its boundaries, whose one dependency it
-  is; a pulled-back leaf's gradient is its own).
+  Each example's gradient of every leaf in ``inst.leaves`` is formed (in
+  chunks of examples) and its squared norm read from it; the clipped sum
+  releases these very gradients, weighted (:func:`released`), so an example
+  adds at most its clip to it whatever rounding formed them. (Released
+  otherwise, pulled back from the batch's weighted sum, an example whose
+  rows cancel could be read as its small formed rest while the sum's own
+  rounding of its large rows moved the release by far more than the clip.)
+
+  With ``leaf_groups`` (the clip group of each parameter leaf), the norms
+  are ``(examples, num_groups)``: each leaf's squared norm goes to its clip
+  group's column.
+
+  Returns:
+    ``(sumsq, grads)``: the squared norms, and each leaf's per-example
+    gradients (leading batch axis) in the order of ``inst.leaves``.
   """
   sites = cap.sites
-  lay = _layout(sites, inst, cap.tapped)
-  pull = _boundary_pull(cap, lay) if lay.pulled else None
+  by_site: dict[int, list[int]] = {}
+  for u, k in inst.bounds:
+    by_site.setdefault(u, []).append(k)
+  pull = _boundary_pull(cap, inst.leaves, [(u, k) for u, ks in by_site.items() for k in ks])
 
   def per_example(xs):
     ds, gg = xs
-    cts, total = [], jnp.zeros((), jnp.float32)
-    if leaf_groups is not None:  # one-hot columns: under an Explicit mesh, one sharding
-      total = jnp.zeros((num_groups,), jnp.float32)
-      column = lambda i, x: jnp.where(np.arange(num_groups) == leaf_groups[i], x, 0)
-    for u, ks in lay.by_site.items():
+    cts = []
+    for u, ks in by_site.items():
       if u in cap.tapped:  # taken in the backward pass
         grads = [gg[u][k] for k in ks]
       else:
         grads = _site_param_grads(sites[u], ks, cap.pvals[u], cap.cvals[u], ds[u], gg[u])
       for k, ct in zip(ks, grads, strict=True):
-        deps = sites[u].infos[k].deps
-        if deps <= lay.direct and leaf_groups is None:
-          total = total + _sq(ct)
-        elif deps <= lay.direct:
-          total = total + column(min(deps), _sq(ct))
-        elif u in cap.tapped and sites[u].summed:  # summed over the iterations
-          cts.append(spread(ct, cap.pvals[u][k]))
-        else:
-          cts.append(ct)
-    if pull is not None:
-      (grads,) = pull(cts)
-      if leaf_groups is None:
-        total = total + sum(_sq(x) for x in grads)
-      else:
-        for i, x in zip(lay.pulled, grads, strict=True):
-          total = total + column(i, _sq(x))
-    return total
+        summed = u in cap.tapped and sites[u].summed  # summed over the iterations
+        cts.append(spread(ct, cap.pvals[u][k]) if summed else ct)
+    (grads,) = pull(cts)
+    if leaf_groups is None:
+      return sum((_sq(x) for x in grads), jnp.zeros((), jnp.float32)), grads
+    # One-hot columns: under an Explicit mesh, one sharding.
+    column = lambda i, x: jnp.where(np.arange(num_groups) == leaf_groups[i], x, 0)
+    total = jnp.zeros((num_groups,), jnp.float32)
+    for i, x in zip(inst.leaves, grads, strict=True):
+      total = total + column(i, _sq(x))
+    return total, grads
 
-  xs = ({u: cap.drecs[u] for u in lay.by_site}, {u: cap.gs[u] for u in lay.by_site})
+  xs = ({u: cap.drecs[u] for u in by_site}, {u: cap.gs[u] for u in by_site})
   size = sum(math.prod(jnp.shape(cap.leaves[i])) for i in inst.leaves) + sum(
-    math.prod(jnp.shape(cap.pvals[u][k])) for u, k in lay.order
+    math.prod(jnp.shape(cap.pvals[u][k])) for u, k in inst.bounds
   )
   limit = max(1, _CHUNK_ELEMENTS // max(size, 1))
   if cap.spmd_axis_name is None and _shapes.is_symbolic(cap.n):
@@ -147,6 +96,33 @@ def instantiated_sumsq(
     # in another layout, many times slower for convolutions on XLA:CPU).
     return jax.vmap(per_example, spmd_axis_name=cap.spmd_axis_name)(xs)
   return jax.lax.map(per_example, xs, batch_size=chunk)
+
+
+def with_released(
+  grads: list[Any],
+  formed: dict[int, jax.Array],
+  weights: jax.Array,
+  keep: jax.Array,
+  leaf_groups: Sequence[int] | None,
+) -> list[Any]:
+  """``grads`` (the clipped sum's leaves) with each instantiated leaf's taken from ``formed``
+  (its per-example gradients, :func:`instantiated_grads`): the very gradients its norms were
+  read from, weighted by its clip group's ``weights`` (:func:`released`)."""
+  out = list(grads)
+  for i, per_example in formed.items():
+    w = weights if leaf_groups is None else weights[:, leaf_groups[i]]
+    out[i] = released(per_example, w, keep)
+  return out
+
+
+def released(grads: jax.Array, weights: jax.Array, keep: jax.Array) -> jax.Array:
+  """``sum_b weights_b grads_b`` over the kept examples, in float32 (or wider): an example not
+  kept is selected away (its gradient may be NaN, and ``0 * nan`` is NaN)."""
+  acc = _numerics.accumulation_dtype(grads.dtype)
+  rows = lambda x: x.reshape((-1,) + (1,) * (grads.ndim - 1))
+  terms = rows(weights.astype(acc)) * grads.astype(acc)
+  # A sum, not a dot: under an Explicit mesh the batch axis may be sharded.
+  return jnp.sum(jnp.where(rows(keep), terms, jnp.zeros((), acc)), axis=0)
 
 
 def spread(x: jax.Array, like: jax.Array) -> jax.Array:
@@ -160,7 +136,7 @@ def spread(x: jax.Array, like: jax.Array) -> jax.Array:
   return jnp.zeros_like(like).at[(0,) * lead].set(x.astype(jnp.result_type(like)))
 
 
-def _symbolic_chunks(fn: Callable[[Any], jax.Array], xs: Any, n: Any, limit: int) -> jax.Array:
+def _symbolic_chunks(fn: Callable[[Any], Any], xs: Any, n: Any, limit: int) -> Any:
   """``vmap(fn)(xs)`` for a symbolic number of examples ``n``, at most ``limit`` at once.
 
   Under ``jax.export`` with a symbolic batch the number of chunks is not
@@ -173,20 +149,22 @@ def _symbolic_chunks(fn: Callable[[Any], jax.Array], xs: Any, n: Any, limit: int
   rows = jnp.minimum(jnp.arange(num * chunk), n - 1)
   split = lambda x: jnp.take(x, rows, axis=0).reshape((num, chunk) + x.shape[1:])
   out = jax.lax.map(jax.vmap(fn), jax.tree.map(split, xs))
-  return out.reshape((num * chunk,) + out.shape[2:])[:n]
+  return jax.tree.map(lambda x: x.reshape((num * chunk,) + x.shape[2:])[:n], out)
 
 
-def _boundary_pull(cap: Captured, lay: _Layout) -> Callable[[list[Any]], Any]:
-  """The pull-back of the ``lay.order`` boundaries' values to the ``lay.pulled`` leaves."""
+def _boundary_pull(
+  cap: Captured, leaves: Sequence[int], order: Sequence[Boundary]
+) -> Callable[[list[Any]], Any]:
+  """The pull-back of the ``order`` boundaries' values to the ``leaves``."""
 
   def boundary_values(sub):
     full = list(cap.leaves)
-    for i, x in zip(lay.pulled, sub, strict=True):
+    for i, x in zip(leaves, sub, strict=True):
       full[i] = x
     ps, _ = cap.params_pass(full)
-    return [ps[u][k] for u, k in lay.order]
+    return [ps[u][k] for u, k in order]
 
-  return jax.vjp(boundary_values, [cap.leaves[i] for i in lay.pulled])[1]
+  return jax.vjp(boundary_values, [cap.leaves[i] for i in leaves])[1]
 
 
 def _site_param_grads(
