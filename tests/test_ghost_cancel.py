@@ -19,7 +19,7 @@ the full product's 2,784 reads of the other forms were below the exact norm
 (303 of them 0) and 568 sums moved beyond the clip (134 to ``inf`` or NaN):
 this file failed 68 of its 79 tests (10 of the slice's 12). Before the
 instantiated leaves released the gradients their norms were read from
-(``_rules/_instantiate.released``), a bias in bfloat16 moved the sum by up to
+(``_rules/_instantiate.with_released``), a bias in bfloat16 moved the sum by up to
 6.6e20 C and a weight used twice by up to 28 C (float32: 1.4 C where the
 site is not tapped). The last three tests show the check failing on a read
 left unguarded, on one 2**-10 low, and on the instantiated leaves released
@@ -136,7 +136,7 @@ def test_the_check_flags_a_read_a_little_low(monkeypatch):
 
 def test_the_check_flags_instantiated_leaves_released_from_the_pull_back(monkeypatch):
   """The instantiated leaves' sum pulled back from the batch's weighted output gradients (as
-  before ``_instantiate.released``): a bias in bfloat16 moves it beyond the clip."""
+  before ``_instantiate.with_released``): a bias in bfloat16 moves it beyond the clip."""
   terms = _ghost.plan_terms
   monkeypatch.setattr(_ghost, "plan_terms", lambda *args: (terms(*args)[0], {}))
   bad = _check("bias", "bfloat16", 12)

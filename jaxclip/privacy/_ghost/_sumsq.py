@@ -73,8 +73,8 @@ def plan_terms(
     parts[g] = parts[g] + _tied_sumsq(cap, pair, early).astype(acc)
   formed: dict[int, jax.Array] = {}
   for inst in plan.instantiated:
-    sq, grads = _instantiate.instantiated_grads(inst, cap, leaf_groups, num)
-    formed.update(zip(inst.leaves, grads, strict=True))
+    sq, leaves, grads = _instantiate.instantiated_grads(inst, cap, leaf_groups, num)
+    formed.update(zip(leaves, grads, strict=True))
     if leaf_groups is None:
       parts[0] = parts[0] + sq.astype(acc)
     else:

@@ -6,7 +6,7 @@ example's gradient of their boundaries (the sites' param inputs) is
 formed through those sites only, from their recorded ``a`` and ``g`` (or
 taken in the backward pass, a tapped site), in chunks of examples, and
 pulled back to the leaves. The norms are read from these gradients, and the
-clipped sum adds these same gradients, weighted (:func:`released`).
+clipped sum adds these same gradients, weighted (:func:`with_released`).
 """
 
 from __future__ import annotations
@@ -35,67 +35,118 @@ def _sq(x: jax.Array) -> jax.Array:
   return _numerics.times_pow2(jnp.sum(_numerics.abs_sq(_numerics.times_pow2(x, -e))), 2 * e)
 
 
+def disjoint_views(
+  sites: Sequence[Site], leaf: int, bounds: Sequence[Boundary], summed: frozenset[int] = frozenset()
+) -> bool:
+  """Whether every use of the leaf is a view of its own part of it, in the same scans.
+
+  A use shared by a scan's iterations counts as one where its site is in
+  ``summed`` (its gradient summed over them in the backward pass).
+  """
+  infos = [sites[u].infos[k] for u, k in bounds]
+  return (
+    bool(infos)
+    and all(
+      i.view == leaf and i.deps == {leaf} and (not i.shared or u in summed)
+      for i, (u, _) in zip(infos, bounds, strict=True)
+    )
+    and len({sites[u].stack for u, _ in bounds}) == 1
+    and all(_sites.disjoint(a, b) for j, a in enumerate(infos) for b in infos[j + 1 :])
+  )
+
+
+def _booked(cap: Captured, inst: Instantiated) -> frozenset[int]:
+  """The leaves whose clipped sum the book-keeping already adds from the gradients their norms
+  are read from: used only through views of disjoint parts of them (a bias, a scale, a slice
+  per scan iteration), each at a tapped site (its per-example gradients taken in the backward
+  pass, weighted and summed as they are), in a one-pass plan. Their norms are those of their
+  uses' gradients summed; the others' gradients are pulled back to them per example."""
+  if cap.weighted is not None:  # two passes: the clipped sum is a second backward pass
+    return frozenset()
+  sites = cap.sites
+  summed = frozenset(u for u in cap.tapped if sites[u].summed)
+  out = set()
+  for i in inst.leaves:
+    bounds = [(u, k) for u, k in inst.bounds if i in sites[u].infos[k].deps]
+    if all(u in cap.tapped for u, _ in bounds) and disjoint_views(sites, i, bounds, summed):
+      out.add(i)
+  return frozenset(out)
+
+
 def instantiated_grads(
   inst: Instantiated, cap: Captured, leaf_groups: Sequence[int] | None = None, num_groups: int = 1
-) -> tuple[jax.Array, list[jax.Array]]:
+) -> tuple[jax.Array, list[int], list[jax.Array]]:
   """Per-example squared norms of the instantiated leaves' gradients, and those gradients.
 
-  Each example's gradient of every leaf in ``inst.leaves`` is formed (in
-  chunks of examples) and its squared norm read from it; the clipped sum
-  releases these very gradients, weighted (:func:`released`), so an example
-  adds at most its clip to it whatever rounding formed them. (Released
-  otherwise, pulled back from the batch's weighted sum, an example whose
-  rows cancel could be read as its small formed rest while the sum's own
-  rounding of its large rows moved the release by far more than the clip.)
+  Each example's gradient of the instantiated leaves is formed (in chunks
+  of examples) and its squared norm read from it; the clipped sum releases
+  these very gradients, weighted (:func:`with_released`), so an example adds
+  at most its clip to it whatever rounding formed them. (Released otherwise,
+  pulled back from the batch's weighted output gradients, an example whose
+  rows cancel could be read as their small formed rest while the sum's own
+  rounding of its large rows moved it by far more than the clip.) A leaf the
+  book-keeping already releases so (:func:`_booked`) keeps its uses'
+  gradients, with no pull-back to it.
 
   With ``leaf_groups`` (the clip group of each parameter leaf), the norms
   are ``(examples, num_groups)``: each leaf's squared norm goes to its clip
   group's column.
 
   Returns:
-    ``(sumsq, grads)``: the squared norms, and each leaf's per-example
-    gradients (leading batch axis) in the order of ``inst.leaves``.
+    ``(sumsq, leaves, grads)``: the squared norms, and the leaves whose
+    per-example gradients (leading batch axis) ``grads`` holds, in order.
   """
   sites = cap.sites
+  booked = _booked(cap, inst)
+  pulled = [i for i in inst.leaves if i not in booked]
   by_site: dict[int, list[int]] = {}
   for u, k in inst.bounds:
     by_site.setdefault(u, []).append(k)
-  pull = _boundary_pull(cap, inst.leaves, [(u, k) for u, ks in by_site.items() for k in ks])
+  order = [(u, k) for u, ks in by_site.items() for k in ks if not sites[u].infos[k].deps <= booked]
+  pull = _boundary_pull(cap, pulled, order) if pulled else None
 
   def per_example(xs):
     ds, gg = xs
-    cts = []
+    cts, total = [], jnp.zeros((), jnp.float32)
+    if leaf_groups is not None:  # one-hot columns: under an Explicit mesh, one sharding
+      total = jnp.zeros((num_groups,), jnp.float32)
+    column = lambda i, x: (
+      x if leaf_groups is None else jnp.where(np.arange(num_groups) == leaf_groups[i], x, 0)
+    )
     for u, ks in by_site.items():
       if u in cap.tapped:  # taken in the backward pass
         grads = [gg[u][k] for k in ks]
       else:
         grads = _site_param_grads(sites[u], ks, cap.pvals[u], cap.cvals[u], ds[u], gg[u])
       for k, ct in zip(ks, grads, strict=True):
-        summed = u in cap.tapped and sites[u].summed  # summed over the iterations
-        cts.append(spread(ct, cap.pvals[u][k]) if summed else ct)
+        deps = sites[u].infos[k].deps
+        if deps <= booked:
+          total = total + column(min(deps), _sq(ct))
+        elif u in cap.tapped and sites[u].summed:  # summed over the iterations
+          cts.append(spread(ct, cap.pvals[u][k]))
+        else:
+          cts.append(ct)
+    if pull is None:
+      return total, []
     (grads,) = pull(cts)
-    if leaf_groups is None:
-      return sum((_sq(x) for x in grads), jnp.zeros((), jnp.float32)), grads
-    # One-hot columns: under an Explicit mesh, one sharding.
-    column = lambda i, x: jnp.where(np.arange(num_groups) == leaf_groups[i], x, 0)
-    total = jnp.zeros((num_groups,), jnp.float32)
-    for i, x in zip(inst.leaves, grads, strict=True):
+    for i, x in zip(pulled, grads, strict=True):
       total = total + column(i, _sq(x))
     return total, grads
 
   xs = ({u: cap.drecs[u] for u in by_site}, {u: cap.gs[u] for u in by_site})
-  size = sum(math.prod(jnp.shape(cap.leaves[i])) for i in inst.leaves) + sum(
-    math.prod(jnp.shape(cap.pvals[u][k])) for u, k in inst.bounds
+  size = sum(math.prod(jnp.shape(cap.leaves[i])) for i in pulled) + sum(
+    math.prod(jnp.shape(cap.pvals[u][k])) for u, k in order
   )
   limit = max(1, _CHUNK_ELEMENTS // max(size, 1))
   if cap.spmd_axis_name is None and _shapes.is_symbolic(cap.n):
-    return _symbolic_chunks(per_example, xs, cap.n, limit)
-  chunk = min(cap.n, limit)
-  if cap.spmd_axis_name is not None or chunk >= cap.n:
+    sumsq, grads = _symbolic_chunks(per_example, xs, cap.n, limit)
+  elif cap.spmd_axis_name is not None or min(cap.n, limit) >= cap.n:
     # One chunk: a plain vmap (lax.map would compile the per-example gradient
     # in another layout, many times slower for convolutions on XLA:CPU).
-    return jax.vmap(per_example, spmd_axis_name=cap.spmd_axis_name)(xs)
-  return jax.lax.map(per_example, xs, batch_size=chunk)
+    sumsq, grads = jax.vmap(per_example, spmd_axis_name=cap.spmd_axis_name)(xs)
+  else:
+    sumsq, grads = jax.lax.map(per_example, xs, batch_size=min(cap.n, limit))
+  return sumsq, pulled, grads
 
 
 def with_released(
