@@ -252,13 +252,15 @@ def free_bound(nb: int, t: int, c: int, f: int, dtype) -> float:
   """The factor of :func:`_gram_parts`'s bound from its rows' norms alone: its error is at most
   this times ``M = sum_n (sum_t ||a_t|| ||g_t||)^2`` (``inf`` where the shape is too large)."""
   u = float(jnp.finfo(dtype).eps) / 2
-  low = 1 - _gamma(2 * (c + f + t) + nb + 8, u) - 2.0**-40  # M computed: at least low * M
+  low = 1 - _gamma(2 * (c + f + t) + nb + 8, u) - 2.0**-36  # M computed: at least low * M
   return _gamma(c + f + (nb + 1) * t, u) / low * (1 + 4 * u) if low > 0.5 else math.inf
 
 
 def free_bound_suffices(nb: int, t: int, c: int, f: int, dtype) -> bool:
   """Whether :func:`free_bound` leaves rows of random signs read as computed: their ``M`` is
-  about ``T S``, so it is ``T`` times the factor of ``S``, kept below ``1 / (2 MARGIN)``."""
+  about ``T S`` (at most, for rows of equal norms: Cauchy-Schwarz), so the bound is about ``T``
+  times the factor of ``S``; kept below ``1 / (2 MARGIN)`` of it. For ``n = 1`` in float32:
+  ``T (c + f + 2T)`` below ``2**15`` (``T = 32``: ``c + f`` below 960)."""
   return 2 * MARGIN * t * free_bound(nb, t, c, f, dtype) <= 1
 
 
@@ -291,14 +293,16 @@ def _gram_parts(
             <= gamma_{c + f + (n+1)T} M,   M = sum_ts w_ts = sum_n (sum_t ||a_t|| ||g_t||)^2,
 
   for any input: ``M`` is what the floor already reads (:class:`Parts`), so this bound costs no
-  pass of its own. ``M`` is computed from each row scaled to its own largest entry (its squares
-  flushed only below ``2**-120`` of the row's, then scaled by ``2**shift_t`` exactly): at least
-  ``(1 - gamma_{2(c+f+T)+n+8} - 2**-40) M`` (sums of ``c``, ``f``, ``T`` and ``n`` positive terms,
-  square roots, products and a square, each rounded, and the flushes); :func:`free_bound`
-  divides by that and adds ``4u`` for its own rounding to the dtype and the product's. Flushed
-  products (``|x| < tiny``: ``2 c`` of them at most per Gram entry, ``2 (n + 1) T^2`` in the
-  products and sums) add at most ``8 n T^2 (c + 1) (f + 1) tiny`` (``|L^_ts| <= (1 + gamma_f)
-  f``), twice that added as is.
+  pass of its own. ``M`` is computed from the rows' norms (:func:`row_norms`: from sums of
+  squares taken in the pass that finds each row's largest entry, each within ``gamma_c`` and a
+  flush of ``2**-40`` of it, or above it) times ``2**shift_t`` (exactly, or at least ``tiny``:
+  above it): at least ``(1 - gamma_{2(c+f+T)+n+8} - 2**-36) M`` (sums of ``c``, ``f``, ``T``
+  and ``n`` positive terms, square roots, products and a square, each rounded, and the flushes,
+  each row's below ``sqrt(c f) tiny``, far below ``M >= 1/16``); :func:`free_bound` divides by
+  that and adds ``4u`` for its own rounding to the dtype and the product's. Flushed products
+  (``|x| < tiny``: ``2 c`` of them at most per Gram entry, ``2 (n + 1) T^2`` in the products and
+  sums) add at most ``8 n T^2 (c + 1) (f + 1) tiny`` (``|L^_ts| <= (1 + gamma_f) f``), twice
+  that added as is.
 
   For rows of random signs ``M`` is about ``T S``, ``S`` being ``sum_t ||a_t||^2 ||g_t||^2``, so
   this bound is about ``(c + f + (n+1)T) u T`` of ``S``; where that is not below ``1 / (2 MARGIN)``
