@@ -352,7 +352,7 @@ def row_norms(q: tuple[jax.Array, ...], e: jax.Array, width: int) -> jax.Array:
   bits = max(width - 1, 1).bit_length()  # width <= 2**bits
   lo, hi = -(-(bits + info.minexp + 42) // 2), (info.maxexp - 1 - bits) // 2
   p, e = 3 * info.maxexp // 4, e[..., 0]
-  out = jnp.full(e.shape, math.sqrt(width) * (1 + 2.0**-20), q[0].dtype)
+  out = jnp.zeros_like(q[0]) + math.sqrt(width) * (1 + 2.0**-20)  # sharded as the sums
   for qk, k in zip(q[::-1], (p, -p, 0), strict=True):  # unscaled last: it wins where it holds
     ek = e + k
     out = jnp.where(
