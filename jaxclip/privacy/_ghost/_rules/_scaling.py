@@ -18,6 +18,7 @@ than the floor (see :class:`Parts`).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -25,6 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxclip._kernel import _numerics
+from jaxclip._kernel._numerics._powers import _pow2
 from jaxclip.privacy._ghost._types import Site
 
 HIGHEST = jax.lax.Precision.HIGHEST
@@ -215,46 +217,150 @@ def mixed_parts(a: jax.Array, g: jax.Array) -> Parts:
   # g_t = 2**eg_t g'_t, then g'_t weighted by 2**(ea_t + eg_t - top), top the largest such
   # exponent of the example. A row whose a is huge while its g is 0 (so its term is 0) cannot
   # set the scale and flush every other row's squares.
-  def rows(x):
-    m = jnp.max(jnp.abs(x), axis=-1, keepdims=True)
-    return m, _numerics.scale_exponent(m)
-
-  (ma, ea), (mg, eg) = rows(a), rows(g)
+  (ma, ea, qa), (mg, eg, qg) = _rows(a), _rows(g)
   live = (ma > 0) & (mg > 0) & jnp.isfinite(ma) & jnp.isfinite(mg)
   low = jnp.iinfo(jnp.int32).min // 4
   r = jnp.where(live, ea + eg, low)
   top = jnp.max(r.reshape(r.shape[0], -1), axis=1)
   top = jnp.where(top == low, 0, top)
   shift = jnp.maximum(r - top.reshape((-1,) + (1,) * (r.ndim - 1)), low // 2)
-  return up_parts(_gram_parts(a, g, ea, eg - shift), 2 * top)
+  return up_parts(_gram_parts(a, g, (ea, qa), (eg, qg), shift), 2 * top)
 
 
-def _gram_parts(a: jax.Array, g: jax.Array, ea: jax.Array, eg: jax.Array) -> Parts:
-  """``<A A^T, G G^T>`` of the rows ``a_t 2**-ea_t`` and ``g_t 2**-eg_t`` (the largest row's
-  ``||a|| ||g||`` at least 1/4: flushed products, at most ``tiny`` each, lie far below the
-  bound), and a bound on its rounding error.
+def _rows(x: jax.Array) -> tuple[jax.Array, jax.Array, tuple[jax.Array, ...]]:
+  """Each row's largest entry in absolute value and its exponent (:func:`exponent`), and its
+  sums of squares times ``1``, ``2**-2p`` and ``2**2p`` (``p = 3 maxexp / 4``: 96 in float32),
+  in one pass, for :func:`row_norms`; no gradient (guards only)."""
+  x = jax.lax.stop_gradient(x)
+  z, p = jnp.zeros((), x.dtype), 3 * jnp.finfo(x.dtype).maxexp // 4
+  parts = (jnp.square(x), jnp.square(x * 2.0**-p), jnp.square(x * 2.0**p))
+  out = jax.lax.reduce(
+    (jnp.abs(x), *parts),
+    (z,) * 4,
+    lambda u, v: (jnp.maximum(u[0], v[0]), *(i + j for i, j in zip(u[1:], v[1:], strict=True))),
+    (x.ndim - 1,),
+  )
+  return out[0][..., None], _numerics.scale_exponent(out[0][..., None]), out[1:]
 
-  ``K = A A^T`` is off by ``c eps ||a_t|| ||a_s||`` per entry, so ``<K, L>`` by ``c eps sum_ts
-  ||a_t|| ||a_s|| |L_ts|``, at most ``c eps ||A||^2 ||L||`` (Cauchy-Schwarz); ``L = G G^T``
-  likewise. The products' sum (``n T^2`` of them, in any order: XLA sums them as one
-  reduction) is off by ``(n T^2 + 1) eps`` of their absolute values' sum, at most
-  ``||K|| ||L||``. Each of ``<K, L>``, ``||K||^2`` and ``||L||^2`` is one product of Gram
-  matrices and one sum, from rows scaled apart (by powers of two, exactly): XLA:CPU fuses
-  each whole, where a Gram matrix or scaled rows used twice would be held in memory. For rows
-  of random signs the bound is about ``(n T^2 + (c + f) sqrt(T)) eps`` of the squared norm.
+
+def _gamma(k: int, u: float) -> float:
+  """Higham's ``gamma_k = k u / (1 - k u)`` (2002, Lemma 3.1), ``inf`` where ``k u >= 1``."""
+  return k * u / (1 - k * u) if k * u < 1 else math.inf
+
+
+def free_bound(nb: int, t: int, c: int, f: int, dtype) -> float:
+  """The factor of :func:`_gram_parts`'s bound from its rows' norms alone: its error is at most
+  this times ``M = sum_n (sum_t ||a_t|| ||g_t||)^2`` (``inf`` where the shape is too large)."""
+  u = float(jnp.finfo(dtype).eps) / 2
+  low = 1 - _gamma(2 * (c + f + t) + nb + 8, u) - 2.0**-36  # M computed: at least low * M
+  return _gamma(c + f + (nb + 1) * t, u) / low * (1 + 4 * u) if low > 0.5 else math.inf
+
+
+def free_bound_suffices(nb: int, t: int, c: int, f: int, dtype) -> bool:
+  """Whether :func:`free_bound` leaves rows of random signs read as computed: their ``M`` is
+  about ``T S`` (at most, for rows of equal norms: Cauchy-Schwarz), so the bound is about ``T``
+  times the factor of ``S``; kept below ``1 / (2 MARGIN)`` of it. For ``n = 1`` in float32:
+  ``T (c + f + 2T)`` below ``2**15`` (``T = 32``: ``c + f`` below 960)."""
+  return 2 * MARGIN * t * free_bound(nb, t, c, f, dtype) <= 1
+
+
+def _gram_parts(
+  a: jax.Array,
+  g: jax.Array,
+  rows_a: tuple[jax.Array, jax.Array],
+  rows_g: tuple[jax.Array, jax.Array],
+  shift: jax.Array,
+) -> Parts:
+  """``<A A^T, G G^T>`` of the rows ``a_t 2**-ea_t`` and ``g_t 2**(shift_t - eg_t)`` (the
+  largest row's ``||a|| ||g||`` at least 1/4: flushed products, at most ``tiny`` each, lie far
+  below the bound), and a bound on its rounding error.
+
+  The products ``K_ts L_ts`` (``K = A A^T``, ``L = G G^T``) are summed in two stages, an
+  optimization barrier between them so that XLA cannot merge them into one reduction: each
+  row's ``T`` products, then the ``n T`` rows' sums, each in any order (XLA:CPU fuses the Gram
+  products into the first). Each of the ``nT^2`` products then goes through at most
+  ``(n + 1) T`` roundings, where one reduction of them all allows ``n T^2``.
+
+  Standard model (Higham, 2002, Lemma 3.1 and (3.5), ``u = eps / 2``): ``K`` is computed within
+  ``gamma_c |a_t|.|a_s| <= gamma_c ||a_t|| ||a_s||`` per entry, so ``|K^_ts| <= (1 + gamma_c)
+  ||a_t|| ||a_s||`` (Cauchy-Schwarz); ``L`` likewise with ``f``; the sum is within
+  ``gamma_{(n+1)T} sum |K^_ts L^_ts|`` of the exact sum of the computed products. With
+  ``w_ts = ||a_t|| ||a_s|| ||g_t|| ||g_s||``, ``|K^ L^ - K L| <= |K^ - K| |L^| + |K| |L^ - L|``
+  and Lemma 3.3 (``gamma_i + gamma_j + gamma_i gamma_j <= gamma_{i+j}``)::
+
+    |s - S| <= (gamma_c + gamma_f + gamma_c gamma_f) sum w
+               + gamma_{(n+1)T} (1 + gamma_c) (1 + gamma_f) sum w
+            <= gamma_{c + f + (n+1)T} M,   M = sum_ts w_ts = sum_n (sum_t ||a_t|| ||g_t||)^2,
+
+  for any input: ``M`` is what the floor already reads (:class:`Parts`), so this bound costs no
+  pass of its own. ``M`` is computed from the rows' norms (:func:`row_norms`: from sums of
+  squares taken in the pass that finds each row's largest entry, each within ``gamma_c`` and a
+  flush of ``2**-40`` of it, or above it) times ``2**shift_t`` (exactly, or at least ``tiny``:
+  above it): at least ``(1 - gamma_{2(c+f+T)+n+8} - 2**-36) M`` (sums of ``c``, ``f``, ``T``
+  and ``n`` positive terms, square roots, products and a square, each rounded, and the flushes,
+  each row's below ``sqrt(c f) tiny``, far below ``M >= 1/16``); :func:`free_bound` divides by
+  that and adds ``4u`` for its own rounding to the dtype and the product's. Flushed products
+  (``|x| < tiny``: ``2 c`` of them at most per Gram entry, ``2 (n + 1) T^2`` in the products and
+  sums) add at most ``8 n T^2 (c + 1) (f + 1) tiny`` (``|L^_ts| <= (1 + gamma_f) f``), twice
+  that added as is.
+
+  For rows of random signs ``M`` is about ``T S``, ``S`` being ``sum_t ||a_t||^2 ||g_t||^2``, so
+  this bound is about ``(c + f + (n+1)T) u T`` of ``S``; where that is not below ``1 / (2 MARGIN)``
+  (:func:`free_bound_suffices`) the bound is taken through the Gram matrices' Frobenius norms
+  instead, from two more Gram products (about ``(c + f) sqrt(T) + (n+1)T`` eps of ``S`` for such
+  rows): ``<K, L>`` is off by ``c eps ||A||^2 ||L|| + f eps ||G||^2 ||K||`` (Cauchy-Schwarz)
+  and the sum by ``(n+1) T eps ||K|| ||L||`` (eps for ``u``: room for the rounding of the
+  bound's own sums and norms), each Frobenius norm one product of Gram matrices and one sum
+  from rows scaled apart (by powers of two, exactly), which XLA:CPU fuses whole.
   """
   nb, t, c, f = a.shape[1], a.shape[2], a.shape[3], g.shape[3]
-  scaled = lambda x, e, k: _numerics.times_pow2(x, k - e)  # x / 2**e, times 2**k
+  (ea, qa), (eg, qg) = rows_a, rows_g
   gram = lambda x: jnp.einsum("bntc,bnsc->bnts", x, x, precision=HIGHEST)
-  s = jnp.sum(gram(scaled(a, ea, 0)) * gram(scaled(g, eg, 0)), axis=(1, 2, 3))
-  eps = jnp.finfo(s.dtype).eps
-  sq = lambda x, e: 16 * jnp.sum(jnp.square(scaled(x, e, -2)), axis=3)  # rows' ||.||^2
-  na, ng = sq(a, ea), sq(g, eg)
-  m = jnp.sum(jnp.square(jnp.sum(jnp.sqrt(na) * jnp.sqrt(ng), axis=2)), axis=1)
+  rows = jnp.sum(gram(down_rows(a, ea)) * gram(down_rows(g, eg - shift)), axis=3)
+  s = jnp.sum(jax.lax.optimization_barrier(rows), axis=(1, 2))
+  info = jnp.finfo(s.dtype)
+  # (examples, n, T); 2**shift at least tiny: above it where it flushes
+  na, ng = row_norms(qa, ea, c), row_norms(qg, eg, f) * _pow2(shift[..., 0], s.dtype)
+  m = jnp.sum(jnp.square(jnp.sum(na * ng, axis=2)), axis=1)
+  floor = floor_factor(s.dtype) * m
   if t == 1:  # one row: a sum of positive terms, off by a relative error
-    return Parts(s, (c + f + nb + 2) * eps * s, floor_factor(s.dtype) * m)
-  frob = lambda x, e: 4 * jnp.sqrt(jnp.sum(jnp.square(gram(scaled(x, e, -1))), axis=(2, 3)))
-  fk, fl = frob(a, ea), frob(g, eg)  # (examples, n)
-  bound = c * jnp.sum(na, axis=2) * fl + f * jnp.sum(ng, axis=2) * fk + (nb * t * t + 1) * fk * fl
-  err = eps * jnp.sum(bound, axis=1) + 3 * (c * eps) * (f * eps) * m
-  return Parts(s, err, floor_factor(s.dtype) * m)
+    return Parts(s, (c + f + nb + 2) * info.eps * s, floor)
+  if free_bound_suffices(nb, t, c, f, s.dtype):
+    flushed = 16 * nb * t * t * (c + 1) * (f + 1) * float(info.tiny)
+    return Parts(s, free_bound(nb, t, c, f, s.dtype) * m + flushed, floor)
+  frob = lambda x, e: 4 * jnp.sqrt(jnp.sum(jnp.square(gram(down_rows(x, e + 1))), axis=(2, 3)))
+  fk, fl = frob(a, ea), frob(g, eg - shift)  # (examples, n)
+  sa, sg = jnp.sum(na * na, axis=2), jnp.sum(ng * ng, axis=2)
+  bound = c * sa * fl + f * sg * fk + (nb + 1) * t * fk * fl
+  err = info.eps * jnp.sum(bound, axis=1) + 3 * (c * info.eps) * (f * info.eps) * m
+  return Parts(s, err, floor)
+
+
+def row_norms(q: tuple[jax.Array, ...], e: jax.Array, width: int) -> jax.Array:
+  """Each row's ``||x_t 2**-e_t||`` (``e_t`` its exponent: its largest entry ``2**-e_t`` of it
+  in ``[0.5, 1)``), at least as computed from the row scaled, from its sums of squares
+  :func:`_rows` took unscaled, times ``2**-2p`` and times ``2**2p``; ``sqrt(width)`` (above it:
+  each entry is below 1) for a row past all three (largest entry below ``2**-135`` in float32).
+
+  Scaled first, the rows would cost a pass of their own; these sums share the largest entry's.
+  Each is read where its row's largest entry, times ``2**k`` (``k`` 0, ``-p`` or ``p``), lies
+  in ``[2**(e'-1), 2**e')`` with ``e' = e + k`` in ``[lo, hi]``: its squares then sum below
+  ``width 2**(2e')`` (no overflow) and lose at most ``width tiny`` to flushing, ``2**-40`` of
+  the sum at least ``2**(2e'-2)``; its root is scaled by ``2**-e'``, exactly.
+  """
+  info = jnp.finfo(q[0].dtype)
+  bits = max(width - 1, 1).bit_length()  # width <= 2**bits
+  lo, hi = -(-(bits + info.minexp + 42) // 2), (info.maxexp - 1 - bits) // 2
+  p, e = 3 * info.maxexp // 4, e[..., 0]
+  out = jnp.zeros_like(q[0]) + math.sqrt(width) * (1 + 2.0**-20)  # sharded as the sums
+  for qk, k in zip(q[::-1], (p, -p, 0), strict=True):  # unscaled last: it wins where it holds
+    ek = e + k
+    out = jnp.where(
+      (ek >= lo) & (ek <= hi), jnp.sqrt(qk) * _pow2(-jnp.clip(ek, lo, hi), qk.dtype), out
+    )
+  return out
+
+
+def down_rows(x: jax.Array, e: jax.Array) -> jax.Array:
+  """``x 2**-e``, ``e`` one exponent per row (its last axis of size 1)."""
+  return _numerics.times_pow2(x, -e)
