@@ -19,7 +19,7 @@ import pytest
 import jaxclip
 from jaxclip.privacy import _ghost
 from jaxclip.privacy._ghost._jaxpr import _internals as _jax
-from jaxclip.privacy._ghost._rules import _conv_taps
+from jaxclip.privacy._ghost._rules import _conv_taps, _scaling
 from tests.ghost_helpers import compare as _compare
 
 
@@ -160,9 +160,11 @@ def test_strided_conv_whose_kernel_gradient_is_taken_tap_by_tap_matches_vmap():
 
 @pytest.mark.hlo
 @pytest.mark.parametrize("platform", ["cuda", "tpu"])
-def test_tap_by_tap_conv_gradient_lowers_for_gpu_and_tpu(platform):
+def test_tap_by_tap_conv_gradient_lowers_for_gpu_and_tpu(platform, monkeypatch):
   # The zero that orders the taps (a custom_vmap) lowers for every platform, and the
-  # program carries none of the kernel's XLA:CPU workarounds.
+  # program carries none of the kernel's XLA:CPU workarounds. The Gram form's two-stage sum
+  # keeps its barrier on every platform (its rounding bound counts the stages): left out here.
+  monkeypatch.setattr(_scaling, "staged", lambda x: x)
   params, x, y = _strided_conv_problem()
   fn = jaxclip.per_example_clipped_grad(
     _strided_conv_loss, 1.0, batch_argnums=(1, 2), method="ghost"

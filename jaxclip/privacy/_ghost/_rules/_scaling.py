@@ -317,7 +317,7 @@ def _gram_parts(
   (ea, qa), (eg, qg) = rows_a, rows_g
   gram = lambda x: jnp.einsum("bntc,bnsc->bnts", x, x, precision=HIGHEST)
   rows = jnp.sum(gram(down_rows(a, ea)) * gram(down_rows(g, eg - shift)), axis=3)
-  s = jnp.sum(jax.lax.optimization_barrier(rows), axis=(1, 2))
+  s = jnp.sum(staged(rows), axis=(1, 2))
   info = jnp.finfo(s.dtype)
   # (examples, n, T); 2**shift at least tiny: above it where it flushes
   na, ng = row_norms(qa, ea, c), row_norms(qg, eg, f) * _pow2(shift[..., 0], s.dtype)
@@ -334,6 +334,12 @@ def _gram_parts(
   bound = c * sa * fl + f * sg * fk + (nb + 1) * t * fk * fl
   err = info.eps * jnp.sum(bound, axis=1) + 3 * (c * info.eps) * (f * info.eps) * m
   return Parts(s, err, floor)
+
+
+def staged(x: jax.Array) -> jax.Array:
+  """``x``, behind an optimization barrier: a sum of it is not merged with the sum that formed
+  it. On every platform: the bound of :func:`_gram_parts` counts the two stages' roundings."""
+  return jax.lax.optimization_barrier(x)
 
 
 def row_norms(q: tuple[jax.Array, ...], e: jax.Array, width: int) -> jax.Array:
