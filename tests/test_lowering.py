@@ -385,6 +385,10 @@ def test_entries_reads_every_entry_of_a_vector_at_opaque_indices(k, b):
   np.testing.assert_array_equal(read(v), v)
   # Differentiable at the cost of the plain math: the tangent is the identity.
   np.testing.assert_array_equal(jax.grad(lambda v: jnp.sum(read(v) * v))(v), 2 * v)
+  # Every value read as it is, in a vector of rows (k > b) too: NaN, infinities, -0.0.
+  odd = v.at[0].set(jnp.nan).at[k - 1].set(-jnp.inf).at[k // 2].set(-0.0)
+  np.testing.assert_array_equal(read(odd), odd)
+  assert np.signbit(read(odd)[k // 2])
 
 
 @pytest.mark.parametrize("op", ["sum", "max"])
