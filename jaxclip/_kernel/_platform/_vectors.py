@@ -16,7 +16,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxclip._kernel._platform._stacks import _each_max, opaque_indices, rows
+from jaxclip._kernel._platform._stacks import opaque_indices, rows
 
 # At most this many opaque indices read a vector's entries (entry_indices): a
 # reduction with thousands of outputs compiles in time quadratic in their
@@ -33,14 +33,9 @@ def map_leaves(fn: Callable[..., Any], columns: Sequence[Any], shared: tuple, *,
   With ``vectors=False`` (what other platforms run) ``fn`` is one jitted
   function called on each leaf's scalars, which XLA fuses into that leaf's
   kernels. With ``vectors=True`` (XLA:CPU) ``fn`` is vmapped once over
-  vectors of every leaf's scalars; the result vectors of one dtype are the
-  columns of one matrix, computed by one kernel (:func:`materialized`), and
-  each leaf's row is read at an opaque index (:func:`entries`) by one kernel
-  that writes all its scalars (:func:`_each_scalar`), so all the leaves share
-  one kernel and each leaf's kernels read its scalars as one buffer each.
-  Why buffers: XLA:CPU orders its kernels by comparing each one's buffers
-  with every earlier one's, in time quadratic in the buffer uses of the
-  program (``benchmarks/results/compile.md``, 28 November 2026).
+  vectors of every leaf's scalars; each result vector is computed by one
+  kernel (:func:`materialized`) and each leaf reads its entries at opaque
+  indices (:func:`entries`), so all the leaves share one kernel.
   """
   if not vectors:
     step = jax.jit(fn)
@@ -50,46 +45,8 @@ def map_leaves(fn: Callable[..., Any], columns: Sequence[Any], shared: tuple, *,
   k = columns[0].shape[0]
   flat, treedef = jax.tree.flatten(outs)
   index = entry_indices(k, columns[0])
-  read = [None] * len(flat)
-  by_dtype: dict[Any, list[int]] = {}
-  for f, v in enumerate(flat):
-    by_dtype.setdefault(jnp.dtype(v.dtype), []).append(f)
-  for members in by_dtype.values():
-    # One matrix per dtype, a row per leaf; one kernel per leaf writes its row's scalars.
-    matrix = materialized(jnp.stack([flat[f] for f in members], axis=1))
-    scalars = [_each_scalar(row) for row in entries(matrix, index)]
-    for n, f in enumerate(members):
-      read[f] = [s[n] for s in scalars]
+  read = [entries(materialized(v), index) for v in flat]
   return [jax.tree.unflatten(treedef, [r[j] for r in read]) for j in range(k)]
-
-
-@jax.custom_jvp
-def _each_scalar(row: jax.Array) -> tuple[jax.Array, ...]:
-  """The entries of the vector ``row``, written by one kernel (a multi-output reduction).
-
-  Each entry is the maximum of two copies of itself and the dtype's lowest
-  value: exact, NaN and ``-0.0`` included. XLA fuses no reduction into its
-  consumers, so a leaf's scalars (its coefficients and new statistics) are
-  one kernel's outputs, which its other kernels read as they read adam's
-  scalars: one buffer each, where reading a vector at an index is two.
-  """
-  dtype = row.dtype
-  if jnp.issubdtype(dtype, jnp.floating):
-    lowest = -jnp.inf
-  elif jnp.issubdtype(dtype, jnp.integer):
-    lowest = jnp.iinfo(dtype).min
-  else:
-    lowest = False
-  n = row.shape[0]
-  operands = tuple(jax.lax.broadcast_in_dim(row[f], (2,), ()) for f in range(n))
-  inits = tuple(jnp.asarray(lowest, dtype) for _ in range(n))
-  return tuple(jax.lax.reduce(operands, inits, _each_max, (0,)))
-
-
-@_each_scalar.defjvp
-def _each_scalar_jvp(primals, tangents):
-  (row,), (t,) = primals, tangents
-  return _each_scalar(row), tuple(t[f] for f in range(row.shape[0]))
 
 
 def materialized(v: jax.Array) -> jax.Array:
@@ -111,8 +68,7 @@ def entry_indices(k: int, like: jax.Array) -> tuple[jax.Array, ...]:
 def entries(v: jax.Array, index: tuple[jax.Array, ...]) -> list[jax.Array]:
   """The entries of the vector ``v``, each read at opaque indices: one kernel for all.
 
-  ``v`` may have trailing axes: entry ``j`` is then ``v[j]``. A vector
-  longer than ``index`` is read as a matrix of rows of
+  A vector longer than ``index`` is read as a matrix of rows of
   ``len(index)``: a row at an opaque index, computed once by a kernel of its
   own (:func:`materialized`), then its entry at another. XLA:CPU orders its
   kernels by comparing each one's buffers with every earlier one's (time
@@ -124,8 +80,7 @@ def entries(v: jax.Array, index: tuple[jax.Array, ...]) -> list[jax.Array]:
   if k <= b:
     return rows(v, 0, index[:k])
   blocks = -(-k // b)
-  padding = ((0, blocks * b - k),) + ((0, 0),) * (v.ndim - 1)
-  matrix = jnp.reshape(jnp.pad(v, padding), (blocks, b) + v.shape[1:])
+  matrix = jnp.reshape(jnp.pad(v, (0, blocks * b - k)), (blocks, b))
   # Each row is computed once (materialized): a leaf's kernel then reads its
   # row and one index, not the matrix and two.
   read = rows(matrix, 0, index[:blocks])
