@@ -385,6 +385,35 @@ def test_entries_reads_every_entry_of_a_vector_at_opaque_indices(k, b):
   np.testing.assert_array_equal(read(v), v)
   # Differentiable at the cost of the plain math: the tangent is the identity.
   np.testing.assert_array_equal(jax.grad(lambda v: jnp.sum(read(v) * v))(v), 2 * v)
+  # Every value read as it is, in a vector of rows (k > b) too: NaN, infinities, -0.0.
+  odd = v.at[0].set(jnp.nan).at[k - 1].set(-jnp.inf).at[k // 2].set(-0.0)
+  np.testing.assert_array_equal(read(odd), odd)
+  assert np.signbit(read(odd)[k // 2])
+
+
+def test_map_leaves_on_vectors_gives_each_leaf_its_own_scalars():
+  """The vector path (one multi-output kernel per leaf) returns the per-leaf values as they are."""
+  k = 520  # past one block of opaque indices
+  a = (jnp.arange(k, dtype=jnp.float32) - 300.0).at[3].set(jnp.nan).at[4].set(-0.0)
+  a = a.at[5].set(jnp.inf).at[6].set(-jnp.inf)
+  b = jnp.arange(k, dtype=jnp.int32) - 7
+
+  def fn(x, y, s):
+    return x * s, (y + 1, -x)
+
+  @jax.jit
+  def run(a, b):
+    return _vectors.map_leaves(fn, [a, b], (jnp.float32(2.0),), vectors=True)
+
+  out = run(a, b)
+  assert len(out) == k
+  for j, (c, (i, n)) in enumerate(out):
+    want_c, (want_i, want_n) = fn(a[j], b[j], jnp.float32(2.0))
+    assert c.dtype == jnp.float32 and i.dtype == jnp.int32 and n.dtype == jnp.float32
+    np.testing.assert_array_equal(c, want_c)
+    np.testing.assert_array_equal(i, want_i)
+    np.testing.assert_array_equal(n, want_n)
+    assert np.signbit(n) == np.signbit(want_n)
 
 
 @pytest.mark.parametrize("op", ["sum", "max"])

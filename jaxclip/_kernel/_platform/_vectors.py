@@ -69,11 +69,19 @@ def entries(v: jax.Array, index: tuple[jax.Array, ...]) -> list[jax.Array]:
   """The entries of the vector ``v``, each read at opaque indices: one kernel for all.
 
   A vector longer than ``index`` is read as a matrix of rows of
-  ``len(index)``: a row at an opaque index, then its entry at another.
+  ``len(index)``: a row at an opaque index, computed once by a kernel of its
+  own (:func:`materialized`), then its entry at another. XLA:CPU orders its
+  kernels by comparing each one's buffers with every earlier one's (time
+  quadratic in the buffers a program's kernels read and write): a leaf's
+  kernel that reads its row and one index, not the matrix and two, is one
+  buffer fewer per read (``benchmarks/results/compile.md``).
   """
   k, b = v.shape[0], len(index)
   if k <= b:
     return rows(v, 0, index[:k])
   blocks = -(-k // b)
   matrix = jnp.reshape(jnp.pad(v, (0, blocks * b - k)), (blocks, b))
-  return [x for row in rows(matrix, 0, index[:blocks]) for x in rows(row, 0, index)][:k]
+  # Each row is computed once (materialized): a leaf's kernel then reads its
+  # row and one index, not the matrix and two.
+  read = rows(matrix, 0, index[:blocks])
+  return [x for row in read for x in rows(materialized(row), 0, index)][:k]
