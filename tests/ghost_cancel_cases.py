@@ -357,6 +357,23 @@ def twice(t, c, f):
   )
 
 
+def remat_bias(t, c, f):
+  """``checkpoint(x @ w) + b`` (a two-pass plan: its clipped sum a second backward pass), the
+  adversarial rows in ``b``'s output gradients, ``x`` zero: ``grad = (x^T y, sum_t y_t)``."""
+  mm = jax.checkpoint(lambda w, x: x @ w)
+
+  def adversarial(rng, dt):
+    return np.zeros((t, c)), adversarial_sums(rng, t, f, dt)[0]
+
+  return Model(
+    lambda p, x, y: _f32((mm(p[0], x) + p[1]) * y),
+    lambda dtype: (jnp.zeros((c, f), jnp.dtype(dtype)), jnp.zeros((f,), jnp.dtype(dtype))),
+    lambda rng, dt: ordinary_rows(rng, t, c, f, dt),
+    adversarial,
+    lambda x, y: np.concatenate([outer_sum(x, y).ravel(), exact_sum(y)]),
+  )
+
+
 # ----------------------------------------------------------------------------
 # The configurations: each rule in each of its forms
 # ----------------------------------------------------------------------------
@@ -390,4 +407,5 @@ CONFIGS = {
   "bias": lambda: bias(6, 4),
   "twice": lambda: twice(4, 8, 8),
   "twice untapped": lambda: twice(3, 16, 16),
+  "remat bias": lambda: remat_bias(6, 4, 4),
 }

@@ -310,11 +310,12 @@ def clipped_sum(
     weights = jnp.where(_batching.rows(mask, weights), weights, 0)
   keep = weights != 0
   keep = jnp.any(keep, axis=1) if keep.ndim > 1 else keep
+  sums = _instantiate.released_sums(cap, plan.instantiated, formed, weights, keep, leaf_groups)
   if plan.two_pass:  # float32 (or wider) as the second pass forms it
     grads = _two_pass_kept(traced, spmd_axis_name, cap, weights, keep, leaf_groups)
   else:
     grads = _book.book_keep(_book.kept(cap, keep), weights, leaf_groups)
-  grads = _instantiate.with_released(grads, formed, weights, keep, leaf_groups)
+  grads = [sums.get(i, x) for i, x in enumerate(grads)]
   # With no example kept, a stand-in row may hold anything: nothing is released of any.
   any_kept = jnp.any(keep)
   grads = [jnp.where(any_kept, x, jnp.zeros((), x.dtype)) for x in grads]

@@ -6,7 +6,7 @@ example's gradient of their boundaries (the sites' param inputs) is
 formed through those sites only, from their recorded ``a`` and ``g`` (or
 taken in the backward pass, a tapped site), in chunks of examples, and
 pulled back to the leaves. The norms are read from these gradients, and the
-clipped sum adds these same gradients, weighted (:func:`with_released`).
+clipped sum adds these same gradients, weighted (:func:`released_sums`).
 """
 
 from __future__ import annotations
@@ -56,13 +56,12 @@ def disjoint_views(
 
 
 def _booked(cap: Captured, inst: Instantiated) -> frozenset[int]:
-  """The leaves whose clipped sum the book-keeping already adds from the gradients their norms
-  are read from: used only through views of disjoint parts of them (a bias, a scale, a slice
-  per scan iteration), each at a tapped site (its per-example gradients taken in the backward
-  pass, weighted and summed as they are), in a one-pass plan. Their norms are those of their
-  uses' gradients summed; the others' gradients are pulled back to them per example."""
-  if cap.weighted is not None:  # two passes: the clipped sum is a second backward pass
-    return frozenset()
+  """The leaves whose uses' per-example gradients are taken in the backward pass (tapped) and
+  placed in them by views of disjoint parts (a bias, a scale, a slice per scan iteration):
+  their norms are those of their uses' gradients summed, and their clipped sum is those same
+  gradients weighted and summed, placed by the views (exactly): by the book-keeping, or by
+  :func:`released_sums` in a two-pass plan. The others' gradients are pulled back to them per
+  example."""
   sites = cap.sites
   summed = frozenset(u for u in cap.tapped if sites[u].summed)
   out = set()
@@ -80,7 +79,7 @@ def instantiated_grads(
 
   Each example's gradient of the instantiated leaves is formed (in chunks
   of examples) and its squared norm read from it; the clipped sum releases
-  these very gradients, weighted (:func:`with_released`), so an example adds
+  these very gradients, weighted (:func:`released_sums`), so an example adds
   at most its clip to it whatever rounding formed them. (Released otherwise,
   pulled back from the batch's weighted output gradients, an example whose
   rows cancel could be read as their small formed rest while the sum's own
@@ -149,20 +148,32 @@ def instantiated_grads(
   return sumsq, pulled, grads
 
 
-def with_released(
-  grads: list[Any],
+def released_sums(
+  cap: Captured,
+  insts: Sequence[Instantiated],
   formed: dict[int, jax.Array],
   weights: jax.Array,
   keep: jax.Array,
   leaf_groups: Sequence[int] | None,
-) -> list[Any]:
-  """``grads`` (the clipped sum's leaves) with each instantiated leaf's taken from ``formed``
-  (its per-example gradients, :func:`instantiated_grads`): the very gradients its norms were
-  read from, weighted by its clip group's ``weights`` (:func:`released`)."""
-  out = list(grads)
-  for i, per_example in formed.items():
-    w = weights if leaf_groups is None else weights[:, leaf_groups[i]]
-    out[i] = released(per_example, w, keep)
+) -> dict[int, jax.Array]:
+  """The clipped sum of each instantiated leaf in ``formed`` (its per-example gradients,
+  :func:`instantiated_grads`): the very gradients its norms were read from, weighted by its
+  clip group's ``weights`` (:func:`released`); in a two-pass plan, also of each leaf
+  :func:`_booked` (its uses' tapped gradients weighted and summed, then placed by its views).
+  """
+  column = lambda i: weights if leaf_groups is None else weights[:, leaf_groups[i]]
+  out = {i: released(x, column(i), keep) for i, x in formed.items()}
+  for inst in insts if cap.weighted is not None else ():
+    leaves = sorted(_booked(cap, inst))
+    order = [(u, k) for u, k in inst.bounds if cap.sites[u].infos[k].deps <= set(leaves)]
+    if not leaves:
+      continue
+    cts = []
+    for u, k in order:
+      ct = released(cap.gs[u][k], column(min(cap.sites[u].infos[k].deps)), keep)
+      cts.append(spread(ct, cap.pvals[u][k]) if cap.sites[u].summed else ct)
+    (sums,) = _boundary_pull(cap, leaves, order)(cts)
+    out.update(zip(leaves, sums, strict=True))
   return out
 
 
