@@ -165,9 +165,9 @@ def released_sums(
   out = {i: released(x, column(i), keep) for i, x in formed.items()}
   for inst in insts if cap.weighted is not None else ():
     leaves = sorted(_booked(cap, inst))
-    order = [(u, k) for u, k in inst.bounds if cap.sites[u].infos[k].deps <= set(leaves)]
     if not leaves:
       continue
+    order = [(u, k) for u, k in inst.bounds if cap.sites[u].infos[k].deps <= set(leaves)]
     cts = []
     for u, k in order:
       ct = released(cap.gs[u][k], column(min(cap.sites[u].infos[k].deps)), keep)
