@@ -217,30 +217,21 @@ def mixed_parts(a: jax.Array, g: jax.Array) -> Parts:
   # g_t = 2**eg_t g'_t, then g'_t weighted by 2**(ea_t + eg_t - top), top the largest such
   # exponent of the example. A row whose a is huge while its g is 0 (so its term is 0) cannot
   # set the scale and flush every other row's squares.
-  (ma, ea, qa), (mg, eg, qg) = _rows(a), _rows(g)
+  (ma, ea), (mg, eg) = _row_max(a), _row_max(g)
   live = (ma > 0) & (mg > 0) & jnp.isfinite(ma) & jnp.isfinite(mg)
   low = jnp.iinfo(jnp.int32).min // 4
   r = jnp.where(live, ea + eg, low)
   top = jnp.max(r.reshape(r.shape[0], -1), axis=1)
   top = jnp.where(top == low, 0, top)
   shift = jnp.maximum(r - top.reshape((-1,) + (1,) * (r.ndim - 1)), low // 2)
-  return up_parts(_gram_parts(a, g, (ea, qa), (eg, qg), shift), 2 * top)
+  return up_parts(_gram_parts(a, g, ea, eg, shift), 2 * top)
 
 
-def _rows(x: jax.Array) -> tuple[jax.Array, jax.Array, tuple[jax.Array, ...]]:
-  """Each row's largest entry in absolute value and its exponent (:func:`exponent`), and its
-  sums of squares times ``1``, ``2**-2p`` and ``2**2p`` (``p = 3 maxexp / 4``: 96 in float32),
-  in one pass, for :func:`row_norms`; no gradient (guards only)."""
-  x = jax.lax.stop_gradient(x)
-  z, p = jnp.zeros((), x.dtype), 3 * jnp.finfo(x.dtype).maxexp // 4
-  parts = (jnp.square(x), jnp.square(x * 2.0**-p), jnp.square(x * 2.0**p))
-  out = jax.lax.reduce(
-    (jnp.abs(x), *parts),
-    (z,) * 4,
-    lambda u, v: (jnp.maximum(u[0], v[0]), *(i + j for i, j in zip(u[1:], v[1:], strict=True))),
-    (x.ndim - 1,),
-  )
-  return out[0][..., None], _numerics.scale_exponent(out[0][..., None]), out[1:]
+def _row_max(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """Each row's largest entry in absolute value and its exponent (:func:`exponent`), the last
+  axis kept (size 1); no gradient (guards only)."""
+  m = jnp.max(jnp.abs(jax.lax.stop_gradient(x)), axis=-1, keepdims=True)
+  return m, _numerics.scale_exponent(m)
 
 
 def _gamma(k: int, u: float) -> float:
@@ -265,11 +256,7 @@ def free_bound_suffices(nb: int, t: int, c: int, f: int, dtype) -> bool:
 
 
 def _gram_parts(
-  a: jax.Array,
-  g: jax.Array,
-  rows_a: tuple[jax.Array, jax.Array],
-  rows_g: tuple[jax.Array, jax.Array],
-  shift: jax.Array,
+  a: jax.Array, g: jax.Array, ea: jax.Array, eg: jax.Array, shift: jax.Array
 ) -> Parts:
   """``<A A^T, G G^T>`` of the rows ``a_t 2**-ea_t`` and ``g_t 2**(shift_t - eg_t)`` (the
   largest row's ``||a|| ||g||`` at least 1/4: flushed products, at most ``tiny`` each, lie far
@@ -293,16 +280,15 @@ def _gram_parts(
             <= gamma_{c + f + (n+1)T} M,   M = sum_ts w_ts = sum_n (sum_t ||a_t|| ||g_t||)^2,
 
   for any input: ``M`` is what the floor already reads (:class:`Parts`), so this bound costs no
-  pass of its own. ``M`` is computed from the rows' norms (:func:`row_norms`: from sums of
-  squares taken in the pass that finds each row's largest entry, each within ``gamma_c`` and a
-  flush of ``2**-40`` of it, or above it) times ``2**shift_t`` (exactly, or at least ``tiny``:
-  above it): at least ``(1 - gamma_{2(c+f+T)+n+8} - 2**-36) M`` (sums of ``c``, ``f``, ``T``
-  and ``n`` positive terms, square roots, products and a square, each rounded, and the flushes,
-  each row's below ``sqrt(c f) tiny``, far below ``M >= 1/16``); :func:`free_bound` divides by
-  that and adds ``4u`` for its own rounding to the dtype and the product's. Flushed products
-  (``|x| < tiny``: ``2 c`` of them at most per Gram entry, ``2 (n + 1) T^2`` in the products and
-  sums) add at most ``8 n T^2 (c + 1) (f + 1) tiny`` (``|L^_ts| <= (1 + gamma_f) f``), twice
-  that added as is.
+  pass of its own. ``M`` is computed from the rows' norms (:func:`row_norms`: from the sums of
+  squares of the rows scaled, each within ``gamma_c`` and a flush of ``2**-40`` of it) times
+  ``2**shift_t`` (exactly, or at least ``tiny``: above it): at least ``(1 - gamma_{2(c+f+T)+n+8}
+  - 2**-36) M`` (sums of ``c``, ``f``, ``T`` and ``n`` positive terms, square roots, products
+  and a square, each rounded, and the flushes, each row's below ``sqrt(c f) tiny``, far below
+  ``M >= 1/16``); :func:`free_bound` divides by that and adds ``4u`` for its own rounding to
+  the dtype and the product's. Flushed products (``|x| < tiny``: ``2 c`` of them at most per
+  Gram entry, ``2 (n + 1) T^2`` in the products and sums) add at most ``8 n T^2 (c + 1) (f + 1)
+  tiny`` (``|L^_ts| <= (1 + gamma_f) f``), twice that added as is.
 
   For rows of random signs ``M`` is about ``T S``, ``S`` being ``sum_t ||a_t||^2 ||g_t||^2``, so
   this bound is about ``(c + f + (n+1)T) u T`` of ``S``; where that is not below ``1 / (2 MARGIN)``
@@ -314,13 +300,12 @@ def _gram_parts(
   from rows scaled apart (by powers of two, exactly), which XLA:CPU fuses whole.
   """
   nb, t, c, f = a.shape[1], a.shape[2], a.shape[3], g.shape[3]
-  (ea, qa), (eg, qg) = rows_a, rows_g
   gram = lambda x: jnp.einsum("bntc,bnsc->bnts", x, x, precision=HIGHEST)
   rows = jnp.sum(gram(down_rows(a, ea)) * gram(down_rows(g, eg - shift)), axis=3)
   s = jnp.sum(staged(rows), axis=(1, 2))
   info = jnp.finfo(s.dtype)
   # (examples, n, T); 2**shift at least tiny: above it where it flushes
-  na, ng = row_norms(qa, ea, c), row_norms(qg, eg, f) * _pow2(shift[..., 0], s.dtype)
+  na, ng = row_norms(a, ea), row_norms(g, eg) * _pow2(shift[..., 0], s.dtype)
   m = jnp.sum(jnp.square(jnp.sum(na * ng, axis=2)), axis=1)
   floor = floor_factor(s.dtype) * m
   if t == 1:  # one row: a sum of positive terms, off by a relative error
@@ -342,29 +327,18 @@ def staged(x: jax.Array) -> jax.Array:
   return jax.lax.optimization_barrier(x)
 
 
-def row_norms(q: tuple[jax.Array, ...], e: jax.Array, width: int) -> jax.Array:
-  """Each row's ``||x_t 2**-e_t||`` (``e_t`` its exponent: its largest entry ``2**-e_t`` of it
-  in ``[0.5, 1)``), at least as computed from the row scaled, from its sums of squares
-  :func:`_rows` took unscaled, times ``2**-2p`` and times ``2**2p``; ``sqrt(width)`` (above it:
-  each entry is below 1) for a row past all three (largest entry below ``2**-135`` in float32).
+def row_norms(x: jax.Array, e: jax.Array) -> jax.Array:
+  """Each row's ``||x_t 2**-e_t||`` (``e_t`` its exponent, :func:`_row_max`: its largest entry
+  ``2**-e_t`` of it in ``[0.5, 1)``), from the squares of the row so scaled: no overflow, each
+  within ``gamma_width`` of its sum (positive terms), and flushed squares lose at most
+  ``width tiny``, far below ``2**-40`` of a sum of at least ``1/4``; no gradient (a guard).
 
-  Scaled first, the rows would cost a pass of their own; these sums share the largest entry's.
-  Each is read where its row's largest entry, times ``2**k`` (``k`` 0, ``-p`` or ``p``), lies
-  in ``[2**(e'-1), 2**e')`` with ``e' = e + k`` in ``[lo, hi]``: its squares then sum below
-  ``width 2**(2e')`` (no overflow) and lose at most ``width tiny`` to flushing, ``2**-40`` of
-  the sum at least ``2**(2e'-2)``; its root is scaled by ``2**-e'``, exactly.
+  A pass over the rows of its own, after :func:`_row_max`'s: one reduction computing the largest
+  entry and several sums of squares at once is a variadic reduction, which XLA:CPU runs as scalar
+  code, 7-9 times the time of these two (28 November 2026).
   """
-  info = jnp.finfo(q[0].dtype)
-  bits = max(width - 1, 1).bit_length()  # width <= 2**bits
-  lo, hi = -(-(bits + info.minexp + 42) // 2), (info.maxexp - 1 - bits) // 2
-  p, e = 3 * info.maxexp // 4, e[..., 0]
-  out = jnp.zeros_like(q[0]) + math.sqrt(width) * (1 + 2.0**-20)  # sharded as the sums
-  for qk, k in zip(q[::-1], (p, -p, 0), strict=True):  # unscaled last: it wins where it holds
-    ek = e + k
-    out = jnp.where(
-      (ek >= lo) & (ek <= hi), jnp.sqrt(qk) * _pow2(-jnp.clip(ek, lo, hi), qk.dtype), out
-    )
-  return out
+  x = jax.lax.stop_gradient(x)
+  return jnp.sqrt(jnp.sum(_numerics.abs_sq(down_rows(x, e)), axis=-1))
 
 
 def down_rows(x: jax.Array, e: jax.Array) -> jax.Array:
