@@ -171,3 +171,26 @@ def test_two_large_rows_that_cancel_do_not_hide_a_small_one():
     assert np.all(ghost >= ref * (1 - 1e-6)), (width, ghost, ref)
     np.testing.assert_allclose(ghost[1], ref[1], rtol=1e-6)  # the ordinary example
     assert float(jnp.max(jnp.abs(out["ghost"][0].astype(jnp.float32)))) <= 2.0  # two examples
+
+
+def test_the_gram_forms_row_norms_read_the_triangle_bound_of_rows_far_apart():
+  """The Gram form reads its bound's ``M = (sum_t ||a_t|| ||g_t||)^2`` from the diagonals of its
+  Gram matrices (``_scaling.row_norms``), each row scaled to its own largest entry and by
+  ``2**shift`` below the largest row: rows whose products lie 2**0 to 2**-90 below it read
+  ``M`` within float32's rounding of float64's (above it), where a row read from a flushed
+  diagonal would lower it and one read from the guard ``sqrt(width) 2**shift`` raise it."""
+  rng = np.random.default_rng(0)
+  t, c, f = 12, 24, 24  # the Gram form: t (c + f) <= c f
+  a = rng.standard_normal((2, 1, t, c)) * 2.0 ** rng.integers(-20, 20, (2, 1, t, 1))
+  g = rng.standard_normal((2, 1, t, f)) * 2.0 ** rng.integers(-20, 20, (2, 1, t, 1))
+  g[:, :, 1:] *= 2.0 ** -np.arange(0, 90, 8)[None, None, : t - 1, None]  # far below
+  a, g = a.astype(np.float32), g.astype(np.float32)
+  rows = np.linalg.norm(a.astype(np.float64), axis=3) * np.linalg.norm(g.astype(np.float64), axis=3)
+  m = np.sum(np.sum(rows, axis=2) ** 2, axis=1)
+  parts = _scaling.mixed_parts(jnp.asarray(a), jnp.asarray(g))
+  got = np.asarray(parts.floor, np.float64) / _scaling.floor_factor(np.float32)
+  np.testing.assert_allclose(got, m, rtol=2e-5)
+  exact = np.sum(
+    np.einsum("bntc,bntf->bncf", a.astype(np.float64), g.astype(np.float64)) ** 2, (1, 2, 3)
+  )
+  assert np.all(np.asarray(_scaling.read(parts), np.float64) >= exact * (1 - 1e-6))
