@@ -174,11 +174,11 @@ def test_two_large_rows_that_cancel_do_not_hide_a_small_one():
 
 
 def test_the_gram_forms_row_norms_read_the_triangle_bound_of_rows_far_apart():
-  """The Gram form reads its bound's ``M = (sum_t ||a_t|| ||g_t||)^2`` from the diagonals of its
-  Gram matrices (``_scaling.row_norms``), each row scaled to its own largest entry and by
-  ``2**shift`` below the largest row: rows whose products lie 2**0 to 2**-90 below it read
-  ``M`` within float32's rounding of float64's (above it), where a row read from a flushed
-  diagonal would lower it and one read from the guard ``sqrt(width) 2**shift`` raise it."""
+  """The Gram form reads its bound's ``M = (sum_t ||a_t|| ||g_t||)^2`` from its rows' norms
+  (``_scaling.row_norms``), each row scaled to its own largest entry, ``g``'s then by ``2**shift``
+  below the largest row: rows whose products lie 2**0 to 2**-90 below it read ``M`` within
+  float32's rounding of float64's, neither lowered (the bound would be) nor raised, and the
+  read is at least the exact squared norm."""
   rng = np.random.default_rng(0)
   t, c, f = 12, 24, 24  # the Gram form: t (c + f) <= c f
   a = rng.standard_normal((2, 1, t, c)) * 2.0 ** rng.integers(-20, 20, (2, 1, t, 1))

@@ -280,9 +280,9 @@ def _gram_parts(
             <= gamma_{c + f + (n+1)T} M,   M = sum_ts w_ts = sum_n (sum_t ||a_t|| ||g_t||)^2,
 
   for any input: ``M`` is what the floor already reads (:class:`Parts`), so this bound costs no
-  pass of its own. ``M`` is computed from the rows' norms (:func:`row_norms`: the square roots
-  of ``K``'s and ``L``'s diagonals, sums of squares each within ``gamma_c`` (``gamma_f``) and a
-  flush of ``2**-40`` of it, or above it where ``2**shift_t`` could flush ``L``'s): at least
+  pass of its own. ``M`` is computed from the rows' norms (:func:`row_norms`: sums of squares of
+  the rows scaled, each within ``gamma_c`` (``gamma_f``) and a flush of ``2**-40`` of it) times
+  ``2**shift_t`` (exactly, or at least ``tiny``: above it): at least
   ``(1 - gamma_{2(c+f+T)+n+8} - 2**-36) M`` (sums of ``c``, ``f``, ``T`` and ``n`` positive
   terms, square roots, products and a square, each rounded, and the flushes, each row's below
   ``sqrt(c f) tiny``, far below ``M >= 1/16``); :func:`free_bound` divides by that and adds
@@ -301,10 +301,11 @@ def _gram_parts(
   """
   nb, t, c, f = a.shape[1], a.shape[2], a.shape[3], g.shape[3]
   gram = lambda x: jnp.einsum("bntc,bnsc->bnts", x, x, precision=HIGHEST)
-  ka, kg = gram(down_rows(a, ea)), gram(down_rows(g, eg - shift))
-  s = jnp.sum(staged(jnp.sum(ka * kg, axis=3)), axis=(1, 2))
+  rows = jnp.sum(gram(down_rows(a, ea)) * gram(down_rows(g, eg - shift)), axis=3)
+  s = jnp.sum(staged(rows), axis=(1, 2))
   info = jnp.finfo(s.dtype)
-  na, ng = row_norms(ka), row_norms(kg, shift[..., 0], f)  # (examples, n, T)
+  # (examples, n, T); 2**shift at least tiny: above it where it flushes
+  na, ng = row_norms(a, ea), row_norms(g, eg) * _pow2(shift[..., 0], s.dtype)
   m = jnp.sum(jnp.square(jnp.sum(na * ng, axis=2)), axis=1)
   floor = floor_factor(s.dtype) * m
   if t == 1:  # one row: a sum of positive terms, off by a relative error
@@ -326,26 +327,20 @@ def staged(x: jax.Array) -> jax.Array:
   return jax.lax.optimization_barrier(x)
 
 
-def row_norms(gram: jax.Array, shift: jax.Array | None = None, width: int = 1) -> jax.Array:
-  """Each row's norm, from the diagonal of its Gram matrix (rows scaled to a largest entry in
-  ``[0.5, 1)``, then by ``2**shift``): each diagonal entry is a sum of the row's squares, within
-  ``gamma_width`` of it (positive terms), its flushed squares (``width tiny`` at most) far below
-  ``2**-40`` of it where ``shift`` is above ``lo``; below, ``sqrt(width) 2**shift`` (above the
-  norm, ``2**shift`` at least ``tiny``). No gradient (a guard).
+def row_norms(x: jax.Array, e: jax.Array) -> jax.Array:
+  """Each row's ``||x_t 2**-e_t||`` (``e_t`` its exponent, :func:`_row_max`: its largest entry
+  ``2**-e_t`` of it in ``[0.5, 1)``), from the squares of the row scaled: no overflow, each
+  within ``gamma_width`` of its sum (positive terms), flushed squares (``width tiny`` at most)
+  far below ``2**-40`` of a sum of at least ``1/16``. No gradient (a guard).
 
-  Read from the Gram matrices the norm already forms: a pass over the rows of their own would
-  make XLA hold a scaled copy of each site's records for both (``jax_loop_mlp`` at B = 128:
-  86.3 -> 102 MiB, 28 November 2026), and one reduction finding the largest entry and several
-  sums of squares at once is a variadic reduction, which XLA:CPU runs as scalar code.
+  The rows are scaled by ``2**-(e_t + 1)`` (exactly), not by the Gram form's ``2**-e_t``: XLA
+  would merge the two scaled copies into one and hold it for both the Gram product and this sum
+  (``jax_loop_mlp`` at B = 128: 86.3 -> 102 MiB, 28 November 2026). Nor as the Gram matrices'
+  diagonals: they would then be held (+10 MiB on ``nnx_llama`` and ``jax_scan_mlp``); nor in
+  one reduction with the largest entry: a variadic reduction, which XLA:CPU runs as scalar code.
   """
-  gram = jax.lax.stop_gradient(gram)
-  norms = jnp.sqrt(jnp.diagonal(gram, axis1=-2, axis2=-1))
-  if shift is None:
-    return norms
-  info = jnp.finfo(gram.dtype)
-  lo = -(-(max(width - 1, 1).bit_length() + info.minexp + 42) // 2)  # flushes 4 width tiny 4**-shift
-  above = math.sqrt(width) * (1 + 2.0**-20) * _pow2(shift, gram.dtype)
-  return jnp.where(shift >= lo, norms, above)
+  x = jax.lax.stop_gradient(x)
+  return 2 * jnp.sqrt(jnp.sum(_numerics.abs_sq(down_rows(x, e + 1)), axis=-1))
 
 
 def down_rows(x: jax.Array, e: jax.Array) -> jax.Array:
