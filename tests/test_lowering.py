@@ -391,23 +391,9 @@ def test_entries_reads_every_entry_of_a_vector_at_opaque_indices(k, b):
   assert np.signbit(read(odd)[k // 2])
 
 
-@pytest.mark.parametrize("k", [1, 64, 130])
-def test_scalars_splits_a_vector_into_its_entries_as_they_are(k):
-  """Blocks of one multi-output kernel each: every value as it is, and the plain derivatives."""
-  v = jnp.arange(k, dtype=jnp.float32) * 1.5 - 7.0
-  odd = v.at[0].set(jnp.nan).at[k - 1].set(-jnp.inf).at[k // 2].set(-0.0)
-  read = jax.jit(lambda v: jnp.stack(_vectors.scalars(v)))
-  np.testing.assert_array_equal(read(odd), odd)
-  assert np.signbit(read(odd)[k // 2])
-  np.testing.assert_array_equal(jax.grad(lambda v: jnp.sum(read(v) * v))(v), 2 * v)
-  np.testing.assert_array_equal(jax.vmap(read)(jnp.stack([v, -v])), jnp.stack([v, -v]))
-  ints = jnp.arange(k, dtype=jnp.int32) - 3
-  np.testing.assert_array_equal(jnp.stack(_vectors.scalars(ints)), ints)
-
-
 def test_map_leaves_on_vectors_gives_each_leaf_its_own_scalars():
-  """The vector path returns the per-leaf values as they are, split into scalars past 512."""
-  k = 520  # past one block of opaque indices: the entries split into scalars
+  """The vector path (one multi-output kernel per leaf) returns the per-leaf values as they are."""
+  k = 520  # past one block of opaque indices
   a = (jnp.arange(k, dtype=jnp.float32) - 300.0).at[3].set(jnp.nan).at[4].set(-0.0)
   a = a.at[5].set(jnp.inf).at[6].set(-jnp.inf)
   b = jnp.arange(k, dtype=jnp.int32) - 7

@@ -290,10 +290,10 @@ def opaque_indices(k: int, like: jax.Array) -> tuple[jax.Array, ...]:
     jax.lax.broadcast_in_dim(jax.lax.add(zero, np.int32(j)), (2,), ()) for j in range(k)
   )
   lowest = tuple(np.int32(np.iinfo(np.int32).min) for _ in range(k))
-  return tuple(jax.lax.reduce(operands, lowest, each_max, (0,)))
+  return tuple(jax.lax.reduce(operands, lowest, _each_max, (0,)))
 
 
-def each_max(a: tuple[jax.Array, ...], b: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
+def _each_max(a: tuple[jax.Array, ...], b: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
   """The maxima of a multi-output reduction, one function for every call: jax caches the
   reduction's jaxpr by this function, so an eager call (no ``jit``) reuses its compiled kernel."""
   return tuple(map(jax.lax.max, a, b))
@@ -311,8 +311,7 @@ def rows(stacked: jax.Array, first: int, indices: tuple[jax.Array, ...] | None) 
   return list(_rows(stacked, first, indices))
 
 
-def split(stacked: jax.Array, first: int, axis: int) -> list[jax.Array]:
-  """The slices ``first, first + 1, ...`` of ``stacked`` along ``axis``, by one static split."""
+def _split(stacked: jax.Array, first: int, axis: int) -> list[jax.Array]:
   shape = stacked.shape[:axis] + stacked.shape[axis + 1 :]
   k = stacked.shape[axis]
   parts = jax.lax.split(stacked, (first,) + (1,) * (k - first) if first else (1,) * k, axis)
@@ -322,14 +321,14 @@ def split(stacked: jax.Array, first: int, axis: int) -> list[jax.Array]:
 @functools.partial(jax.custom_jvp, nondiff_argnums=(1,))
 def _rows(stacked, first, indices):
   if indices is None:
-    return tuple(split(stacked, first, 0))
+    return tuple(_split(stacked, first, 0))
   return tuple(_indexed_rows_from(first)(stacked, indices))
 
 
 @_rows.defjvp
 def _rows_jvp(first, primals, tangents):
   stacked, indices = primals
-  return _rows(stacked, first, indices), tuple(split(tangents[0], first, 0))
+  return _rows(stacked, first, indices), tuple(_split(tangents[0], first, 0))
 
 
 @functools.cache
@@ -355,7 +354,7 @@ def _indexed_rows_from(first: int) -> Callable[..., list[jax.Array]]:
     del axis_size, indices
     batched = bool(in_batched[0])
     # Batched, the stack's batch axis is axis 0 and its rows run along axis 1.
-    out = split(stacked, first, 1 if batched else 0)
+    out = _split(stacked, first, 1 if batched else 0)
     return out, [batched] * len(out)
 
   return indexed_rows

@@ -16,16 +16,12 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxclip._kernel._platform._stacks import each_max, opaque_indices, rows, split
+from jaxclip._kernel._platform._stacks import opaque_indices, rows
 
 # At most this many opaque indices read a vector's entries (entry_indices): a
 # reduction with thousands of outputs compiles in time quadratic in their
 # number, so a longer vector is read in blocks.
 _ENTRY_INDICES = 512
-# Past _ENTRY_INDICES leaves each result vector is split into scalars
-# (scalars), by one multi-output reduction per block of this many entries: a
-# block of 512 compiled 2.5x slower than blocks of 64 (compile.md).
-_SCALAR_BLOCK = 64
 
 
 def map_leaves(fn: Callable[..., Any], columns: Sequence[Any], shared: tuple, *, vectors: bool):
@@ -39,10 +35,7 @@ def map_leaves(fn: Callable[..., Any], columns: Sequence[Any], shared: tuple, *,
   kernels. With ``vectors=True`` (XLA:CPU) ``fn`` is vmapped once over
   vectors of every leaf's scalars; each result vector is computed by one
   kernel (:func:`materialized`) and each leaf reads its entries at opaque
-  indices (:func:`entries`), so all the leaves share one kernel. Past
-  ``_ENTRY_INDICES`` leaves each result vector is split into scalars instead
-  (:func:`scalars`): fewer buffers for XLA:CPU to order, the part of its
-  compile that grows as their square.
+  indices (:func:`entries`), so all the leaves share one kernel.
   """
   if not vectors:
     step = jax.jit(fn)
@@ -51,11 +44,8 @@ def map_leaves(fn: Callable[..., Any], columns: Sequence[Any], shared: tuple, *,
   outs = jax.vmap(fn, in_axes=(0,) * len(columns) + (None,) * len(shared))(*columns, *shared)
   k = columns[0].shape[0]
   flat, treedef = jax.tree.flatten(outs)
-  if k > _ENTRY_INDICES:
-    read = [scalars(v) for v in flat]
-  else:
-    index = entry_indices(k, columns[0])
-    read = [entries(materialized(v), index) for v in flat]
+  index = entry_indices(k, columns[0])
+  read = [entries(materialized(v), index) for v in flat]
   return [jax.tree.unflatten(treedef, [r[j] for r in read]) for j in range(k)]
 
 
@@ -95,42 +85,3 @@ def entries(v: jax.Array, index: tuple[jax.Array, ...]) -> list[jax.Array]:
   # row and one index, not the matrix and two.
   read = rows(matrix, 0, index[:blocks])
   return [x for row in read for x in rows(materialized(row), 0, index)][:k]
-
-
-@jax.custom_jvp
-def scalars(v: jax.Array) -> list[jax.Array]:
-  """The entries of the vector ``v`` as scalars: each an output of one kernel per block.
-
-  Each block of ``_SCALAR_BLOCK`` entries is one multi-output reduction (a
-  maximum over two equal copies of each entry, exact for every value, NaN,
-  infinities and -0.0 included), whose outputs are the scalars themselves: a
-  leaf's kernel reads its scalar (one buffer) where :func:`entries` has it
-  read a row and an index (two), and a statistic written to the state is
-  that output, with no kernel of its own (three buffers with
-  :func:`entries`). XLA:CPU orders its kernels in time quadratic in the
-  buffers they read and write (``benchmarks/results/compile.md``). Under
-  ``jax.jvp`` the tangents are a static split of ``v``'s.
-
-  Args:
-    v: A vector of a float or integer dtype.
-
-  Returns:
-    Its ``len(v)`` entries, as scalars of its dtype.
-  """
-  k = v.shape[0]
-  lowest = jnp.array(
-    -jnp.inf if jnp.issubdtype(v.dtype, jnp.inexact) else jnp.iinfo(v.dtype).min, v.dtype
-  )
-  pair = jax.lax.broadcast_in_dim(v, (2, k), (1,))
-  out = []
-  for start in range(0, k, _SCALAR_BLOCK):
-    n = min(_SCALAR_BLOCK, k - start)
-    block = jax.lax.slice_in_dim(pair, start, start + n, axis=1)
-    parts = jax.lax.split(block, (1,) * n, axis=1)
-    out += jax.lax.reduce(tuple(parts), (lowest,) * n, each_max, (0, 1))
-  return out
-
-
-@scalars.defjvp
-def _scalars_jvp(primals, tangents):
-  return scalars(*primals), split(tangents[0], 0, 0)
