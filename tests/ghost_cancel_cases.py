@@ -43,15 +43,21 @@ def _direction(rng, n):
   return v / np.max(np.abs(v))
 
 
-def _split(rng, e, dtype, near=False):
+def _split(rng, e, dtype, near=False, span=None, extreme=False):
   """``(ea, eg)`` with ``ea + eg = e``, each an exponent of the dtype's normal range (an
-  entry below it is flushed by XLA:CPU's matrix products, exactly or not) and, but ``near``
-  overflow, at most ``2**110``: a row ``|a| ~ 2**123`` against ``|g| ~ 2**-112`` has its
-  weighted ``g`` below float32's normal range in the released sum, flushed there (a
-  limitation of the released sum's arithmetic, not of a norm read)."""
+  entry below it is flushed by XLA:CPU's matrix products, exactly or not), and, with ``span``
+  (but ``near`` overflow), at most ``2**span``. ``extreme``: one of them as large as it can be
+  and the other as small, jittered (a row ``|a| ~ 2**123`` against ``|g| ~ 2**-112``: its
+  weighted ``g`` falls below float32's normal range unless the book-keeping balances them,
+  ``_rules/_dot.balanced``)."""
   hi, lo, _ = LIMITS[dtype]
-  lo, hi = lo + 6, hi if near else min(hi, 110)
-  ea = int(rng.integers(max(e - hi, lo), min(hi, e - lo) + 1))
+  lo, hi = lo + 6, hi if near or span is None else min(hi, span)
+  first, last = max(e - hi, lo), min(hi, e - lo)
+  if extreme and last >= first:
+    jitter = int(rng.integers(0, min(2, last - first) + 1))
+    ea = last - jitter if rng.random() < 0.5 else first + jitter
+  else:
+    ea = int(rng.integers(first, last + 1))
   return ea, e - ea
 
 
@@ -81,11 +87,11 @@ def _group(rng, kind, m, c, f):
 KINDS = ("g", "a", "ratio", "rank2", "null")
 
 
-def adversarial_rows(rng, t, c, f, dtype, kinds=KINDS, e_max=None):
+def adversarial_rows(rng, t, c, f, dtype, kinds=KINDS, e_max=None, span=None):
   """An example's rows ``(a (t, c), g (t, f), group)`` (float64 values the dtype holds): one or
   more groups of large rows whose products cancel, perturbed or not, then small or zero rows
   (``group`` -1) at a level where a norm is finite; products up to ``2**e_max`` (default:
-  near overflow)."""
+  near overflow); ``span``: the rows' ``a`` and ``g`` within ``2**span`` (:func:`_split`)."""
   hi = LIMITS[dtype][0]
   e_max = 2 * hi if e_max is None else e_max
   floor = max(-20, 2 * LIMITS[dtype][1] + 16)
@@ -104,19 +110,22 @@ def adversarial_rows(rng, t, c, f, dtype, kinds=KINDS, e_max=None):
       if m > left:
         kind, m = "g", 2
     a, g = _group(rng, kind, m, c, f)
-    if not near and rng.random() < 0.5:  # a perturbation: the products no longer cancel
-      g[-1] *= 1 + rng.choice([-1, 1]) * 2.0 ** -int(rng.integers(1, 40))
+    # Extreme: a and g at the two ends of the range (_split), the products far from cancelling
+    # (the example clipped hard: its weighted g near the bottom of the range).
+    extreme = not near and rng.random() < 0.4
+    if extreme or (not near and rng.random() < 0.5):  # the products no longer cancel
+      g[-1] *= 1 + rng.choice([-1, 1]) * 2.0 ** -int(rng.integers(1, 4 if extreme else 40))
     # Above the small rows by up to 40 binades (float16: 20), or near overflow.
     top = e_max - 2 - int(rng.integers(0, 4))
     e = top if near else int(rng.integers(low, min(top, low + (40 if hi > 100 else 20)) + 1))
-    ea, eg = _split(rng, e, dtype, near)
+    ea, eg = _split(rng, e, dtype, near, span, extreme)
     rows_a[used : used + m], rows_g[used : used + m] = a * 2.0**ea, g * 2.0**eg
     group[used : used + m] = j
     used += m
   for r in range(used, t):
     if rng.random() < 0.2:
       continue
-    ea, eg = _split(rng, low - int(rng.integers(0, 5)), dtype)
+    ea, eg = _split(rng, low - int(rng.integers(0, 5)), dtype, span=span)
     rows_a[r], rows_g[r] = _direction(rng, c) * 2.0**ea, _direction(rng, f) * 2.0**eg
   order = rng.permutation(t)
   return held(rows_a[order], dtype), held(rows_g[order], dtype), group[order]
@@ -187,13 +196,15 @@ def dense(t, c, f, wrap=None):
     mm = jax.checkpoint(lambda w, x: x @ w) if wrap == "remat" else (lambda w, x: x @ w)
     loss, lead = (lambda w, x, y: _f32(mm(w, x) * y)), ()
   shape = lambda a: a.reshape(lead + (-1, a.shape[-1]))
-  rows = lambda gen: lambda rng, dt: tuple(map(shape, gen(rng, t, c, f, dt)[:2]))
+  rows = lambda gen, **kw: lambda rng, dt: tuple(map(shape, gen(rng, t, c, f, dt, **kw)[:2]))
   flat = lambda x: x.reshape(-1, x.shape[-1])
+  # The second backward pass (remat) weights each example's output gradients inside the
+  # model's own backward pass, where no balancing reaches: rows within 2**110 there.
   return Model(
     loss,
     _zeros(c, f),
     rows(ordinary_rows),
-    rows(adversarial_rows),
+    rows(adversarial_rows, **({"span": 110} if wrap == "remat" else {})),
     lambda x, y: outer_sum(flat(x), flat(y)),
   )
 
@@ -234,9 +245,9 @@ def conv(positions, kernel, cin, cout):
     sizes = [a * k for a, k in zip(positions, kernel, strict=True)]
     return tiles.transpose(order).reshape(*sizes, cin)
 
-  def gen(fn):
+  def gen(fn, **kw):
     def make(rng, dt):
-      a, g = fn(rng, math.prod(positions), taps, cout, dt)[:2]
+      a, g = fn(rng, math.prod(positions), taps, cout, dt, **kw)[:2]
       return image(a), g.reshape(*positions, cout)
 
     return make
@@ -247,7 +258,11 @@ def conv(positions, kernel, cin, cout):
     rows = tiles.transpose(order).reshape(math.prod(positions), taps)
     return outer_sum(rows, y.reshape(-1, cout)).reshape(*kernel, cin, cout)
 
-  return Model(loss, _zeros(*kernel, cin, cout), gen(ordinary_rows), gen(adversarial_rows), truth)
+  # The book-keeping balances a convolution's records example by example only (its patches
+  # share the input's entries): rows of one example farther apart than the range can still
+  # have their weighted output gradients flushed. Rows within 2**110 here.
+  adversarial = gen(adversarial_rows, span=110)
+  return Model(loss, _zeros(*kernel, cin, cout), gen(ordinary_rows), adversarial, truth)
 
 
 def _one_hot(ids, rows):

@@ -21,9 +21,13 @@ this file failed 68 of its 79 tests (10 of the slice's 12). Before the
 instantiated leaves released the gradients their norms were read from
 (``_rules/_instantiate.released_sums``), a bias in bfloat16 moved the sum by up to
 6.6e20 C and a weight used twice by up to 28 C (float32: 1.4 C where the
-site is not tapped). The last three tests show the check failing on a read
-left unguarded, on one 2**-10 low, and on the instantiated leaves released
-from the batch's weighted pull-back. The full product is slow
+site is not tapped). Before the book-keeping balanced each row's ``a`` and
+``g`` (``_book._balance``), rows generated at the two ends of the range
+(``|a|`` near ``2**126``, ``|g|`` near ``2**-112``) had their weighted ``g``
+flushed, which moved a float32 sum by up to 4.6 C. The ``test_the_check_flags_*``
+tests show the check failing on a read left unguarded, on one 2**-10 low, on
+the instantiated leaves released from the batch's weighted pull-back, and on
+the records pulled back unbalanced. The full product is slow
 (``tests/conftest.py``); a slice of it runs in the inner loop.
 """
 
@@ -34,6 +38,7 @@ import itertools
 import pytest
 
 from jaxclip.privacy import _ghost
+from jaxclip.privacy._ghost import _book
 from jaxclip.privacy._ghost._rules import _instantiate, _scaling
 from tests import ghost_cancel as gc
 from tests import ghost_cancel_cases as cases
@@ -141,6 +146,17 @@ def test_the_check_flags_instantiated_leaves_released_from_the_pull_back(monkeyp
   terms = _ghost.plan_terms
   monkeypatch.setattr(_ghost, "plan_terms", lambda *args: (terms(*args)[0], {}))
   bad = _check("bias", "bfloat16", 12)
+  assert any("moved" in b for b in bad), bad
+
+
+@pytest.mark.parametrize("name", ["dot gram tall", "dot gram"])
+def test_the_check_flags_weighted_output_gradients_flushed_in_the_book_keeping(monkeypatch, name):
+  """The records pulled back as captured (as before ``_book._balance``): a row ``|a|`` near
+  ``2**126`` against ``|g|`` near ``2**-112``, clipped hard, has its weighted ``g`` flushed
+  below the normal range while another row's is not: their cancellation undone, the sum moves
+  beyond the clip (up to 4.6 C measured in float32 when the fix was made)."""
+  monkeypatch.setattr(_book, "_balance", lambda *args: None)
+  bad = _check(name, "bfloat16", 12) + _check(name, "float32", 12)
   assert any("moved" in b for b in bad), bad
 
 

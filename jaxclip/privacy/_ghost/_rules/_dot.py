@@ -93,6 +93,41 @@ def dot_parts(site: Site, pos: int, a: jax.Array, g: jax.Array, shared: int = 0)
   return _scaling.mixed_parts(a.reshape(n, nb, -1, a.shape[-1]), g.reshape(n, nb, -1, g.shape[-1]))
 
 
+def _row_dims(site: Site, g: jax.Array) -> tuple[int, list[int], list[int], range]:
+  """``(lead, rows, contract, param_free)``: the records' leading axes (examples, then one per
+  scan), the data operand's batch and free dims (its rows, in the output's order) and its
+  contracting dims, and the output's param-free dims."""
+  pos = site.param_positions()[0]
+  _, (batch, free, contract) = dot_dims(site, pos)
+  lead = g.ndim - len(site.eqn.outvars[0].aval.shape)
+  out_nd, nb, nf = g.ndim - lead, len(batch), len(free)
+  param_free = range(nb + nf, out_nd) if pos == 1 else range(nb, out_nd - nf)
+  return lead, batch + free, contract, param_free
+
+
+def balanced(site: Site, d: jax.Array, g: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """``(d 2**-k, g 2**k)`` for a ``dot_general`` site's data records and output gradients
+  (every example, leading axes), ``k`` one exponent per row (:func:`_scaling.halfway` of the
+  row's largest entries): the pull-back of the site's one param input is unchanged in exact
+  arithmetic (powers of two, exactly), and no row's ``g``, weighted by its example's clip
+  weight, is flushed below the normal range where its ``a`` is large
+  (:func:`jaxclip.privacy._ghost._book._balance`). Nothing is flushed or overflows that was
+  not: both lie between the two exponents. Float32 (or wider) values, half precision widened.
+  """
+  lead, rows, contract, param_free = _row_dims(site, g)
+  d = _numerics.upcast_for_accumulation(d)
+  g = _numerics.upcast_for_accumulation(g)
+  at = lambda axes: tuple(lead + i for i in axes)
+  top = lambda x, axes: jnp.max(jnp.abs(jax.lax.stop_gradient(x)), axis=at(axes), keepdims=True)
+  md, mg = top(d, contract), top(g, param_free)
+  rest = [i for i in range(d.ndim - lead) if i not in contract]  # the rows' dims, d's order
+  perm = [*range(lead), *(lead + rest.index(i) for i in rows)]  # as the output orders them
+  md = jnp.expand_dims(jnp.transpose(jnp.squeeze(md, at(contract)), perm), at(param_free))
+  k = _scaling.halfway(md, mg)  # g's layout, param-free dims of size 1
+  back = jnp.transpose(jnp.squeeze(k, at(param_free)), [perm.index(i) for i in range(len(perm))])
+  return _numerics.times_pow2(d, -jnp.expand_dims(back, at(contract))), _numerics.times_pow2(g, k)
+
+
 class DotRule(Rule):
   """The ``dot`` rule (see the module's docstring)."""
 

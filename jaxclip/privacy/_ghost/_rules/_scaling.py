@@ -77,6 +77,49 @@ def safe_sumsq(x: jax.Array) -> jax.Array:
   return up(q, 2 * e)
 
 
+def halfway(md: jax.Array, mg: jax.Array) -> jax.Array:
+  """The exponent ``k`` that brings largest entries ``md 2**-k`` and ``mg 2**k`` halfway
+  between their exponents (:func:`balanced_examples`); ``0`` where either is zero or not
+  finite."""
+  live = (md > 0) & (mg > 0) & jnp.isfinite(md) & jnp.isfinite(mg)
+  e = _numerics.scale_exponent
+  return jnp.where(live, (e(md) - e(mg)) // 2, 0)
+
+
+def _example_rows(x: jax.Array, lead: int) -> jax.Array:
+  """The largest ``|x|`` at each index of the ``lead`` leading axes (each example, and each
+  iteration of its scans), in float32 (or wider): the rows of :func:`balanced_examples`."""
+  x = jnp.abs(jax.lax.stop_gradient(_numerics.upcast_for_accumulation(x)))
+  return jnp.max(x, axis=tuple(range(lead, x.ndim))) if x.ndim > lead else x
+
+
+def balanced_examples(d: jax.Array, g: jax.Array, lead: int) -> tuple[jax.Array, jax.Array]:
+  """``(d 2**-k, g 2**k)``, ``k`` one exponent per index of the ``lead`` leading axes,
+  halfway between the exponents of ``d``'s and ``g``'s largest entries there: a pull-back
+  bilinear in ``d`` and ``g`` (a convolution's kernel gradient) is unchanged in exact
+  arithmetic, and neither is flushed or overflows that was not (both lie between the two).
+  Where the largest entry of either is zero or not finite, ``k = 0``. Float32 (or wider)
+  values, half precision widened. Rows farther apart than the dtype's range within one example
+  can still flush: only :func:`jaxclip.privacy._ghost._rules._dot.balanced` (a
+  ``dot_general``) goes row by row.
+  """
+  d, g = _numerics.upcast_for_accumulation(d), _numerics.upcast_for_accumulation(g)
+  md, mg = _example_rows(d, lead), _example_rows(g, lead)
+  k = halfway(md, mg)
+  at = lambda x: k.reshape(k.shape + (1,) * (x.ndim - lead))
+  return _numerics.times_pow2(d, -at(d)), _numerics.times_pow2(g, at(g))
+
+
+def balanced_entries(d: jax.Array, g: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """:func:`balanced_examples` entry by entry, for ``d`` and ``g`` of one shape (an
+  elementwise product's data and output gradient): each product ``d g`` is unchanged
+  exactly."""
+  d, g = _numerics.upcast_for_accumulation(d), _numerics.upcast_for_accumulation(g)
+  ad, ag = jnp.abs(jax.lax.stop_gradient(d)), jnp.abs(jax.lax.stop_gradient(g))
+  k = halfway(ad, ag)
+  return _numerics.times_pow2(d, -k), _numerics.times_pow2(g, k)
+
+
 def per_iteration(
   site: Site, fn: Callable[..., jax.Array], *xs: jax.Array, shared: frozenset[int] = frozenset()
 ) -> jax.Array:
