@@ -135,7 +135,6 @@ def book_keep(
   if leaf_groups is not None:
     return _book_keep_groups(cap, weights, leaf_groups)
   wide = cap.wide()
-
   pulls = [_site_pullback(cap, u, wide)(weights) for u in range(len(cap.sites))]
   (grads,) = _pull(cap, wide)(pulls)
   return [_numerics.upcast_for_accumulation(x) for x in grads]
@@ -159,9 +158,9 @@ def _site_pullback(cap: Captured, u: int, wide: bool = False) -> Callable[[jax.A
   float32 (:func:`jaxclip.privacy._ghost._wide.wide_bind`): the sum over
   the batch is taken in float32 and returned so, as
   :func:`_pull` with ``wide`` takes it, never rounded to half precision
-  before the noise. A ``dot_general``'s or a convolution's records are
-  balanced first (:func:`_balance`): no row's weighted ``g`` is flushed below
-  the dtype's normal range where its ``a`` is large.
+  before the noise. A ``dot_general``'s, a scale's or a convolution's
+  records are balanced first (:func:`_balance`): no row's weighted ``g`` is
+  flushed below the dtype's normal range where its ``a`` is large.
   """
   gs, pvals = cap.gs[u], cap.pvals[u]
   if wide:
@@ -201,7 +200,7 @@ def _balance(
   XLA:CPU with the pull-back inside a conditional.
   """
   params = site.param_positions()
-  if len(params) != 1 or len(dvals) != 1 or len(gs) != 1:
+  if site.eqn is None or len(params) != 1 or len(dvals) != 1 or len(gs) != 1:
     return None
   if not jnp.issubdtype(dvals[0].dtype, jnp.floating):
     return None
@@ -251,11 +250,11 @@ def _book_keep_groups(
   groups_of = [
     [sorted({leaf_groups[i] for i in info.deps}) for info in site.infos] for site in sites
   ]
+  # per site: {group: cotangents of every param input weighted by that group}
   wide = cap.wide()
-  by_group: list[dict[int, list[Any]]] = []  # per site: {group: each param input's cotangent}
+  by_group: list[dict[int, list[Any]]] = []
   for u in range(len(sites)):
-    pull = _site_pullback(cap, u, wide)
-    needed = sorted({k for ks in groups_of[u] for k in ks})
+    pull, needed = _site_pullback(cap, u, wide), sorted({k for ks in groups_of[u] for k in ks})
     by_group.append({k: pull(weights[:, k]) for k in needed})
 
   def cotangents(k):
