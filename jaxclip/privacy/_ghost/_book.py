@@ -170,10 +170,10 @@ def _site_pullback(cap: Captured, u: int, wide: bool = False) -> Callable[[jax.A
     return lambda w: [spread(_weighted_sum(g, w, p), p) for g, p in zip(gs, pvals, strict=True)]
   site, cvals, dvals = cap.sites[u], cap.cvals[u], cap.drecs[u]
   balance = _balance(site, dvals, gs)
-  if balance is not None:
+  if balance is not None:  # float32 or wider, as the records are where nothing is half precision
     (d,), (g,) = dvals, gs
     d, g = balance(d, g)
-    dvals, gs = [d if wide else d.astype(dvals[0].dtype)], [g if wide else g.astype(gs[0].dtype)]
+    dvals, gs = [d], [g]
   bind = _wide.wide_bind if wide else _jax.bind
   fn = lambda pv: _batched_outputs(site, pv, cvals, dvals, cap.n, cap.spmd_axis_name, bind)
   vjp = _instantiate.site_vjp(site, fn, pvals)
