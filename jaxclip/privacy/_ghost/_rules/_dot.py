@@ -118,8 +118,7 @@ def balanced(site: Site, d: jax.Array, g: jax.Array) -> tuple[jax.Array, jax.Arr
   d = _numerics.upcast_for_accumulation(d)
   g = _numerics.upcast_for_accumulation(g)
   at = lambda axes: tuple(lead + i for i in axes)
-  top = lambda x, axes: jnp.max(jnp.abs(jax.lax.stop_gradient(x)), axis=at(axes), keepdims=True)
-  md, mg = top(d, contract), top(g, param_free)
+  md, mg = _scaling.largest(d, at(contract)), _scaling.largest(g, at(param_free))
   rest = [i for i in range(d.ndim - lead) if i not in contract]  # the rows' dims, d's order
   perm = [*range(lead), *(lead + rest.index(i) for i in rows)]  # as the output orders them
   md = jnp.expand_dims(jnp.transpose(jnp.squeeze(md, at(contract)), perm), at(param_free))

@@ -19,7 +19,7 @@ than the floor (see :class:`Parts`).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import NamedTuple
 
 import jax
@@ -86,11 +86,9 @@ def halfway(md: jax.Array, mg: jax.Array) -> jax.Array:
   return jnp.where(live, (e(md) - e(mg)) // 2, 0)
 
 
-def _example_rows(x: jax.Array, lead: int) -> jax.Array:
-  """The largest ``|x|`` at each index of the ``lead`` leading axes (each example, and each
-  iteration of its scans), in float32 (or wider): the rows of :func:`balanced_examples`."""
-  x = jnp.abs(jax.lax.stop_gradient(_numerics.upcast_for_accumulation(x)))
-  return jnp.max(x, axis=tuple(range(lead, x.ndim))) if x.ndim > lead else x
+def largest(x: jax.Array, axes: Iterable[int]) -> jax.Array:
+  """The largest ``|x|`` over ``axes``, kept (of size 1); no gradient (guards and scales only)."""
+  return jnp.max(jnp.abs(jax.lax.stop_gradient(x)), axis=tuple(axes), keepdims=True)
 
 
 def balanced_examples(d: jax.Array, g: jax.Array, lead: int) -> tuple[jax.Array, jax.Array]:
@@ -104,8 +102,8 @@ def balanced_examples(d: jax.Array, g: jax.Array, lead: int) -> tuple[jax.Array,
   ``dot_general``) goes row by row.
   """
   d, g = _numerics.upcast_for_accumulation(d), _numerics.upcast_for_accumulation(g)
-  md, mg = _example_rows(d, lead), _example_rows(g, lead)
-  k = halfway(md, mg)
+  top = lambda x: largest(x, range(lead, x.ndim)).reshape(x.shape[:lead])
+  k = halfway(top(d), top(g))
   at = lambda x: k.reshape(k.shape + (1,) * (x.ndim - lead))
   return _numerics.times_pow2(d, -at(d)), _numerics.times_pow2(g, at(g))
 
@@ -273,7 +271,7 @@ def mixed_parts(a: jax.Array, g: jax.Array) -> Parts:
 def _row_max(x: jax.Array) -> tuple[jax.Array, jax.Array]:
   """Each row's largest entry in absolute value and its exponent (:func:`exponent`), the last
   axis kept (size 1); no gradient (guards only)."""
-  m = jnp.max(jnp.abs(jax.lax.stop_gradient(x)), axis=-1, keepdims=True)
+  m = largest(x, (-1,))
   return m, _numerics.scale_exponent(m)
 
 
