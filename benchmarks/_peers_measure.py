@@ -11,6 +11,8 @@ from typing import Any
 
 import jax
 
+from benchmarks import _timing
+
 
 def pin_one_thread(with_torch: bool) -> str:
   """Makes XLA's CPU client (and torch) run each step on one thread; says how.
@@ -92,13 +94,15 @@ def time_interleaved(steps: dict[str, Callable[[], Any]], reps: int, warmup: int
   Each is a list, one entry per round: the call's wall-clock seconds, the CPU
   seconds of all the process's threads during it (``time.process_time``), and
   the busiest thread's share of the CPU time (from each thread's
-  ``schedstat``, which lags by up to a scheduler tick).
+  ``schedstat``, which lags by up to a scheduler tick). The order turns by
+  one step each round (:func:`benchmarks._timing.round_order`).
   """
   out: dict[str, tuple[list[float], list[float], list[float]]] = {
     name: ([], [], []) for name in steps
   }
   for i in range(warmup + reps):
-    for name, step in steps.items():
+    for name in _timing.round_order(list(steps), i):
+      step = steps[name]
       before = _thread_cpu_ns()
       c0, t0 = time.process_time(), time.perf_counter()
       _block(step())

@@ -25,7 +25,9 @@ def time_interleaved(
   ``steps`` maps a name to ``(step, state)``; ``step(state)`` returns
   ``(result, new_state)`` and the clock stops once ``result`` is ready.
   Interleaving makes every step sample the same stretch of time, so that a
-  machine whose speed drifts does not skew their ratios.
+  machine whose speed drifts does not skew their ratios; the order turns by
+  one step each round (:func:`round_order`), so that no step always follows
+  the same one.
   """
   times = interleaved_samples(steps, reps, warmup)
   return {name: statistics.median(ts) for name, ts in times.items()}
@@ -37,15 +39,31 @@ def interleaved_samples(
   """The seconds of every timed call of :func:`time_interleaved`, round by round.
 
   ``result[name][i]`` is the time of ``name``'s call in round ``i``, so that
-  two steps' times at the same ``i`` were taken back to back.
+  two steps' times at the same ``i`` were taken in the same round.
   """
   states = {name: state for name, (_, state) in steps.items()}
   times: dict[str, list[float]] = {name: [] for name in steps}
   for i in range(warmup + reps):
-    for name, (step, _) in steps.items():
+    for name in round_order(list(steps), i):
+      step = steps[name][0]
       t0 = time.perf_counter()
       result, states[name] = step(states[name])
       jax.block_until_ready(result)
       if i >= warmup:
         times[name].append(time.perf_counter() - t0)
   return times
+
+
+def round_order(names: list[str], i: int) -> list[str]:
+  """``names`` turned by ``i``: round ``i`` of an interleaved timing starts at step ``i``.
+
+  A step timed right after another pays for what that one left behind: on
+  XLA:CPU, a call after ``method="vmap"``'s larger program took 8 % more CPU
+  time than the same program after a smaller one (``benchmarks/results/ghost_peers.md``'s
+  GPT, B = 32, T = 16, 28 November 2026: 1.38x against 1.28x the non-private
+  step, where a fixed order put the ghost step after vmap's and ``"auto"``,
+  the same program, after it). Turning the order each round gives every step
+  each predecessor equally often.
+  """
+  k = i % len(names) if names else 0
+  return names[k:] + names[:k]

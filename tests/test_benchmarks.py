@@ -28,6 +28,7 @@ from benchmarks import (
   _peers_cases,
   _peers_measure,
   _peers_report,
+  _timing,
   ghost,
   ghost_calibrate,
   tricks,
@@ -427,3 +428,17 @@ def test_the_committed_memory_figure_is_what_this_library_compiles(tmp_path):
   new = dict(zip(fresh_head, fresh_rows[0], strict=True))
   for m in _ghost_cases.METHODS:
     assert row[f"{m} MiB"] == new[f"{m} MiB"], (m, row, new)
+
+
+def test_interleaved_timing_turns_its_order_so_each_step_follows_every_other_alike():
+  calls = []
+  steps = {k: (lambda s, k=k: (calls.append(k), s), None) for k in "abc"}
+  samples = _timing.interleaved_samples(steps, reps=6, warmup=0)
+  assert {k: len(v) for k, v in samples.items()} == {"a": 6, "b": 6, "c": 6}
+  rounds = ["".join(calls[i : i + 3]) for i in range(0, len(calls), 3)]
+  assert rounds == ["abc", "bca", "cab"] * 2
+  # The peers' timing turns its order alike.
+  calls.clear()
+  _peers_measure.time_interleaved({k: lambda k=k: calls.append(k) for k in "ab"}, reps=3, warmup=1)
+  assert "".join(calls) == "abbaabba"
+  assert _timing.round_order([], 3) == []
