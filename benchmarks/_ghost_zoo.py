@@ -11,9 +11,10 @@ compiled on its own:
   batch at once.
 
 Reported: the compiled program's temporary memory (XLA's memory analysis), the
-median step time (the four timed interleaved, one step of each in turn), the
-ratios issues #25 and #39 set targets on (ghost/grad time <= 1.5, ghost/grad
-memory <= 1.3, auto/vmap time <= 1.05: no slower than vmap but for noise) and
+median step time (the four timed interleaved, one step of each in turn, the order
+turned each round), the ratios issues #25 and #39 set targets on (ghost/grad
+time <= 1.5, ghost/grad memory <= 1.3, auto/vmap time <= 1.05: no slower than
+vmap but for noise) and
 the share of the parameters' floats that :func:`jaxclip.ghost_plan`
 instantiates under ``"ghost"`` (<= 10%), with the leaves it instantiates and
 why, and what ``"auto"`` chose on this platform. ``l2_norm_clip`` is, per
@@ -186,8 +187,10 @@ def markdown(
     "`vmap`, `ghost` and `auto` are `jaxclip.per_example_clipped_grad(loss_fn, clip, "
     "batch_argnums=(1, 2), method=..., return_norms=True)`, the whole batch at once. `MiB` "
     "is the compiled program's temporary memory (XLA's memory analysis), `ms` the median "
-    "step time, the four cases of a row timed interleaved, on a machine shared with other "
-    "jobs (the load averages above): a time ratio within about 5% of 1 is noise. "
+    "step time, the four cases of a row timed interleaved (one step of each in turn, the "
+    "order turned each round), on a machine shared with other jobs (the load averages "
+    "above): `auto` running the same program as `ghost` or `vmap` has read 0.88-1.11x its "
+    "time (28 November 2026, 15 steps), so a time ratio within about 10% of 1 is noise. "
     "`fallback share`: the share of the parameters' floats that `jaxclip.ghost_plan` "
     'instantiates under `method="ghost"` (per-example gradient formed exactly), which '
     'applies every ghost rule it finds. `auto`: what `method="auto"` chose on this '

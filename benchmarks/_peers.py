@@ -17,7 +17,8 @@ clipped sum of per-example gradients, for each ``(B, T)``:
   ``DPOptimizer.clip_and_accumulate``).
 
 Every case of a ``(B, T)`` is timed interleaved with the others (one call of
-each in turn, ``reps`` rounds), in one process limited to one compute thread:
+each in turn, ``reps`` rounds, the order turned each round), in one process
+limited to one compute thread:
 XLA's CPU client and torch's thread pools are created while the process may
 run on one core only (then both cores are allowed again), with
 ``--xla_cpu_multi_thread_eigen=false`` and ``torch.set_num_threads(1)``. The
