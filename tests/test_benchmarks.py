@@ -430,7 +430,7 @@ def test_the_committed_memory_figure_is_what_this_library_compiles(tmp_path):
     assert row[f"{m} MiB"] == new[f"{m} MiB"], (m, row, new)
 
 
-def test_interleaved_timing_turns_its_order_so_each_step_follows_every_other_alike():
+def test_interleaved_timing_turns_its_order_by_one_step_each_round():
   calls = []
   steps = {k: (lambda s, k=k: (calls.append(k), s), None) for k in "abc"}
   samples = _timing.interleaved_samples(steps, reps=6, warmup=0)
