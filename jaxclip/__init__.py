@@ -37,6 +37,7 @@ from jaxclip.transforms import AdaptiveNormScaleState as AdaptiveNormScaleState
 from jaxclip.transforms import AdaptiveValueClipState as AdaptiveValueClipState
 from jaxclip.transforms import AutoClipState as AutoClipState
 from jaxclip.transforms import ClipByGlobalNormState as ClipByGlobalNormState
+from jaxclip.transforms import LeafStats as LeafStats
 from jaxclip.transforms import RecordNormsState as RecordNormsState
 from jaxclip.transforms import ThresholdSuggestion as ThresholdSuggestion
 from jaxclip.transforms import ZClipState as ZClipState
@@ -70,6 +71,7 @@ __all__ = (
   "DPNoiseState",
   "GhostLeafPlan",
   "GhostPlan",
+  "LeafStats",
   "PoissonBatch",
   "PrivacyAccountant",
   "RecordNormsState",

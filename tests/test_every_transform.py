@@ -126,10 +126,15 @@ _BAD_LEAVES = st.sampled_from(["hello", b"bytes", object(), {1, 2}, "1.0"])
 
 
 def _keeps_per_leaf_state(tx: optax.GradientTransformation) -> bool:
-  """Whether ``tx``'s state grows with the params' leaves (so it knows their paths)."""
-  one = len(jax.tree.leaves(tx.init({"w": jnp.ones(3)})))
-  two = len(jax.tree.leaves(tx.init({"w": jnp.ones(3), "b": jnp.ones(2)})))
-  return two > one
+  """Whether ``tx``'s state grows with the params' leaves (so it knows their paths).
+
+  By the state's entries: a per-leaf statistic may be one vector (``LeafStats``).
+  """
+
+  def entries(params):
+    return sum(jnp.size(x) for x in jax.tree.leaves(tx.init(params)))
+
+  return entries({"w": jnp.ones(3), "b": jnp.ones(2)}) > entries({"w": jnp.ones(3)})
 
 
 def _names_leaf(error: Exception, where: str) -> bool:

@@ -123,10 +123,10 @@ CONFIGS = {
 
 def state_values(state):
   if isinstance(state, jaxclip.AdaGCState):
-    return state.adagc_gamma
+    return state.adagc_gamma.as_tree()
   if isinstance(state, jaxclip.AdaptiveValueClipState):
-    return state.value_clip_max_ema
-  return state.norm_scale_mu, state.norm_scale_nu
+    return state.value_clip_max_ema.as_tree()
+  return state.norm_scale_mu.as_tree(), state.norm_scale_nu.as_tree()
 
 
 def run_steps(tx, steps):
@@ -277,6 +277,62 @@ def test_strict_promotion_and_scan(strict_promotion):
       lambda x: (x.shape, x.dtype), init
     )
     assert_dtypes_kept(tree, jax.tree.map(lambda x: x[0], outs))
+
+
+def test_the_statistics_are_one_vector_per_field_matched_to_the_leaves_by_path():
+  """LeafStats: one array leaf per statistic; each update leaf reads its own entry by path."""
+  params = {"w": jnp.zeros((2, 3)), "b": jnp.zeros(3), "step": jnp.zeros((), jnp.int32)}
+  for tx in _makers():
+    state = tx.init(params)
+    stats = [x for x in state[:-1]]
+    assert all(isinstance(x, jaxclip.LeafStats) for x in stats)
+    # one array leaf per field (and the count): what jit, donation and checkpoints see
+    assert [x.shape for x in jax.tree.leaves(state)] == [(3,)] * len(stats) + [()]
+    assert {p for p, _ in jax.tree_util.tree_flatten_with_path(stats[0])[0]} == {
+      (jax.tree_util.GetAttrKey("values"),)
+    }
+    # the updates leave out the integer leaf: its entry is kept, the others move
+    g = {"w": jnp.full((2, 3), 2.0), "b": jnp.full(3, 0.5)}
+    _, after = jax.jit(tx.update)(g, state)
+    for field in range(len(stats)):
+      tree = after[field].as_tree()
+      assert set(tree) == {"w", "b", "step"} and float(tree["step"]) == 0.0
+      assert float(tree["w"]) != float(tree["b"])  # each its own tensor's statistic
+    # the same updates in another order of keys read the same entries
+    _, again = tx.update({"b": g["b"], "w": g["w"]}, state)
+    for a, b in zip(jax.tree.leaves(after), jax.tree.leaves(again), strict=True):
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    # updates of as many leaves under other names are refused, naming the path
+    with pytest.raises(ValueError, match=r"\['v'\]"):
+      tx.update({"w": g["w"], "v": g["b"], "step": jnp.zeros(())}, state)
+    # statistics of another length than their leaves are refused
+    short = jaxclip.LeafStats(jnp.zeros(5), stats[0].layout)
+    with pytest.raises(ValueError, match="another structure"):
+      tx.update(g, type(state)(*stats[:-1], short, state[-1]))
+    # a tree of scalars (a state of an older release) is refused, naming the field
+    old = type(state)(*[jax.tree.map(lambda _: jnp.zeros(()), params) for _ in stats], state[-1])
+    field = type(state)._fields[0]
+    with pytest.raises(TypeError, match=f"keeps its {field} as a jaxclip.LeafStats"):
+      tx.update(g, old)
+
+
+def test_updates_may_unwrap_the_containers_the_params_had():
+  """flax.nnx.Optimizer inits with the params' Variables and updates with their arrays."""
+  from flax import nnx
+
+  model = nnx.Linear(3, 2, rngs=nnx.Rngs(0))
+  wrapped = nnx.state(model, nnx.Param)
+  pure = getattr(nnx, "as_pure", getattr(nnx, "pure", None))(wrapped)
+  assert [tuple(p) for p, _ in jax.tree_util.tree_flatten_with_path(wrapped)[0]] != [
+    tuple(p) for p, _ in jax.tree_util.tree_flatten_with_path(pure)[0]
+  ]
+  g = jax.tree.map(lambda x: x * 3.0 + 1.0, pure)
+  for tx in _makers():
+    out, state = tx.update(g, tx.init(wrapped))
+    want_out, want_state = tx.update(g, tx.init(pure))
+    want = jax.tree.leaves((want_out, want_state))
+    for a, b in zip(jax.tree.leaves((out, state)), want, strict=True):
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 def test_validation_names_the_argument():

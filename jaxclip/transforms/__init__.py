@@ -17,6 +17,7 @@ from jaxclip.transforms._fixed import clip_by_global_norm as clip_by_global_norm
 from jaxclip.transforms._fixed import clip_by_norm as clip_by_norm
 from jaxclip.transforms._fixed import clip_by_value as clip_by_value
 from jaxclip.transforms._keras import clipped as clipped
+from jaxclip.transforms._per_tensor import LeafStats as LeafStats
 from jaxclip.transforms._record import RecordNormsState as RecordNormsState
 from jaxclip.transforms._record import record_norms as record_norms
 from jaxclip.transforms._threshold import ThresholdSuggestion as ThresholdSuggestion
@@ -34,6 +35,7 @@ __all__ = (
   "AdaptiveValueClipState",
   "AutoClipState",
   "ClipByGlobalNormState",
+  "LeafStats",
   "RecordNormsState",
   "ThresholdSuggestion",
   "ZClipState",

@@ -26,9 +26,9 @@ class AdaGCState(NamedTuple):
   """State of :func:`adagc`.
 
   Attributes:
-    adagc_gamma: A float32 scalar per leaf of the params: the EMA
-      :math:`\\gamma_i` of that tensor's clipped norm (its minimum during
-      warm-up).
+    adagc_gamma: A :class:`jaxclip.LeafStats`, one float32 per leaf of
+      the params: the EMA :math:`\\gamma_i` of that tensor's clipped norm
+      (its minimum during warm-up).
     adagc_count: int32, the number of steps taken.
   """
 
@@ -118,7 +118,7 @@ def adagc(
     >>> params = {'w': jnp.zeros(2)}
     >>> state = tx.init(params)
     >>> u, state = tx.update({'w': jnp.array([0.6, 0.8])}, state)  # warm-up
-    >>> optax.tree.get(state, 'adagc_gamma')['w']
+    >>> optax.tree.get(state, 'adagc_gamma').as_tree()['w']
     Array(1., dtype=float32)
     >>> u, state = tx.update({'w': jnp.array([6., 8.])}, state)  # clipped to 1
     >>> u['w']
@@ -166,8 +166,9 @@ class AdaptiveValueClipState(NamedTuple):
   """State of :func:`adaptive_value_clip`.
 
   Attributes:
-    value_clip_max_ema: A float32 scalar per leaf of the params: the EMA
-      :math:`m_i` of that tensor's largest absolute entry (not bias-corrected).
+    value_clip_max_ema: A :class:`jaxclip.LeafStats`, one float32 per leaf
+      of the params: the EMA :math:`m_i` of that tensor's largest absolute
+      entry (not bias-corrected).
     value_clip_count: int32, the number of steps taken.
   """
 
@@ -266,9 +267,10 @@ class AdaptiveNormScaleState(NamedTuple):
   """State of :func:`adaptive_norm_scale`.
 
   Attributes:
-    norm_scale_mu: A float32 scalar per leaf of the params: the EMA of that
-      tensor's norm (not bias-corrected).
-    norm_scale_nu: A float32 scalar per leaf: the EMA of its squared norm.
+    norm_scale_mu: A :class:`jaxclip.LeafStats`, one float32 per leaf of
+      the params: the EMA of that tensor's norm (not bias-corrected).
+    norm_scale_nu: A :class:`jaxclip.LeafStats`: the EMA of each tensor's
+      squared norm.
     norm_scale_count: int32, the number of steps taken.
   """
 

@@ -1,12 +1,16 @@
 """The scaffolding shared by the per-tensor adaptive transforms: AdaGC and its two siblings.
 
 A per-tensor rule keeps a few float32 statistics per leaf of the params and
-a step count. Each step it reads one number per leaf of the updates (its
-norm or its largest ``|x|``), updates the statistics, and rescales each leaf
-by a coefficient or two. :func:`per_tensor_transform` does everything but
-the rule's arithmetic: validation, matching the statistics to the updates'
-leaves by path, the reduction (across devices too), the non-finite guard,
-and writing the state back in the structure ``init`` gave it.
+a step count. Each statistic is one vector with an entry per leaf of the
+params (:class:`LeafStats`): a tree of scalars would be thousands of buffers
+in and out of the step, and XLA:CPU's compile time grows as the square of a
+program's buffer uses (``benchmarks/results/compile.md``). Each step it
+reads one number per leaf of the updates (its norm or its largest ``|x|``),
+updates the statistics, and rescales each leaf by a coefficient or two.
+:func:`per_tensor_transform` does everything but the rule's arithmetic:
+validation, matching the statistics to the updates' leaves by path, the
+reduction (across devices too), the non-finite guard, and writing the state
+back in the layout ``init`` gave it.
 
 The rule's arithmetic is written once, on one leaf's scalars
 (:func:`_apply_rule`), and :func:`jaxclip._kernel._platform.map_leaves` runs
@@ -22,6 +26,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from jaxclip._kernel import _numerics, _platform, _reduction, _validation
@@ -70,17 +75,141 @@ def _path(path: Any) -> str:
   return jax.tree_util.keystr(path) or "<root>"
 
 
-def _positions(stat: Any, updates: Any, rule: Rule, field: str) -> list[int]:
-  """Where each leaf of ``updates`` finds its statistic among ``stat``'s leaves (by path).
+class _Layout:
+  """Which leaf of the params each entry of a :class:`LeafStats` belongs to (static).
+
+  Equal and hashed by the params' tree structure and which leaves are floats:
+  the leaves' key paths (``keys``) and their strings (``paths``) follow from
+  the structure.
+  """
+
+  __slots__ = ("treedef", "floats", "keys", "paths", "_hash")
+
+  def __init__(self, treedef: Any, floats: bytes, keys: tuple[tuple[Any, ...], ...]):
+    self.treedef, self.floats, self.keys = treedef, floats, keys
+    self.paths = tuple(_path(k) for k in keys)
+    self._hash = hash((treedef, floats))
+
+  def __eq__(self, other: object) -> bool:
+    return self is other or (
+      isinstance(other, _Layout) and (self.treedef, self.floats) == (other.treedef, other.floats)
+    )
+
+  def __hash__(self) -> int:
+    return self._hash
+
+  def __repr__(self) -> str:
+    return f"<{len(self.paths)} leaves>"
+
+
+class LeafStats:
+  """One float32 statistic per leaf of the params given to ``init``, in one vector.
+
+  The per-tensor transforms (:func:`jaxclip.adagc`,
+  :func:`jaxclip.adaptive_value_clip`, :func:`jaxclip.adaptive_norm_scale`)
+  keep each statistic of their state as one of these. It is a pytree of one
+  array leaf, ``values``; which leaf of the params each entry belongs to is
+  its static structure, so it jits, scans, donates and checkpoints as an
+  array does.
+
+  Attributes:
+    values: A float32 vector: entry ``i`` belongs to the ``i``-th leaf of the
+      params (``jax.tree.leaves`` order).
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> import jaxclip
+    >>> tx = jaxclip.adagc(warmup_steps=0)
+    >>> state = tx.init({"w": jnp.zeros(2), "b": jnp.zeros(3)})
+    >>> _, state = tx.update({"w": jnp.array([3., 4.]), "b": jnp.zeros(3)}, state)
+    >>> state.adagc_gamma.values
+    Array([0., 5.], dtype=float32)
+    >>> state.adagc_gamma.as_tree()
+    {'b': Array(0., dtype=float32), 'w': Array(5., dtype=float32)}
+  """
+
+  __slots__ = ("values", "layout")
+
+  def __init__(self, values: Any, layout: _Layout):
+    self.values, self.layout = values, layout
+
+  def as_tree(self) -> Any:
+    """The statistics as a tree of the params' structure, one scalar per leaf."""
+    return jax.tree.unflatten(
+      self.layout.treedef, [self.values[i] for i in range(len(self.layout.paths))]
+    )
+
+  def __eq__(self, other: object) -> bool:
+    if not isinstance(other, LeafStats):
+      return NotImplemented
+    return (self.layout, self.values) == (other.layout, other.values)
+
+  __hash__ = None  # type: ignore[assignment]
+
+  def __repr__(self) -> str:
+    return f"LeafStats(values={self.values!r})"
+
+
+jax.tree_util.register_pytree_with_keys(
+  LeafStats,
+  lambda s: (((jax.tree_util.GetAttrKey("values"), s.values),), s.layout),
+  lambda layout, children: LeafStats(children[0], layout),
+  lambda s: ((s.values,), s.layout),
+)
+
+
+def _init_stats(params: Any) -> LeafStats:
+  flat, treedef = jax.tree_util.tree_flatten_with_path(params)
+  floats = bytes(_is_float(leaf) for _, leaf in flat)
+  layout = _Layout(treedef, floats, tuple(tuple(p) for p, _ in flat))
+  return LeafStats(jnp.zeros(len(flat), jnp.float32), layout)
+
+
+def _is_float(leaf: Any) -> bool:
+  dtype = getattr(leaf, "dtype", None)
+  try:
+    return bool(jnp.issubdtype(dtype if dtype is not None else jnp.result_type(leaf), jnp.inexact))
+  except TypeError:
+    return False
+
+
+def _stats(state: Any, rule: Rule, fields: tuple[str, ...]) -> list[LeafStats]:
+  """The state's statistics, checked: :class:`LeafStats` of one layout, vectors of its length."""
+  stats = [getattr(state, f) for f in fields]
+  for stat, field in zip(stats, fields, strict=True):
+    if not isinstance(stat, LeafStats):
+      raise TypeError(
+        f"{rule.fn_name}'s state keeps its {field} as a jaxclip.LeafStats (one vector "
+        f"per statistic), got {type(stat).__name__}: pass the state its init returned, "
+        "or a checkpoint restored with that state as its target."
+      )
+    n = len(stat.layout.paths)
+    if stat.layout != stats[0].layout or jnp.shape(stat.values) != (n,):
+      raise ValueError(
+        f"{rule.fn_name}'s state has a {field} of another structure than its {fields[0]}: "
+        f"{jnp.shape(stat.values)} values for {n} leaves."
+      )
+  return stats
+
+
+def _positions(layout: _Layout, updates: Any, rule: Rule, field: str) -> list[int]:
+  """Which entry of the statistics each leaf of ``updates`` reads (by path).
 
   ``ValueError`` naming the path for a leaf of the updates that the params
   given to ``init`` had not, or a float leaf of theirs the updates lack.
+  Updates that unwrap containers the params had (``flax.nnx.Optimizer``
+  inits with the params' ``nnx.Variable`` s, at ``['w'].value``, and updates
+  with their arrays, at ``['w']``) are read leaf by leaf in order, where
+  every leaf's keys are the other's with some left out.
   """
-  flat = jax.tree_util.tree_flatten_with_path(stat)[0]
-  where = {_path(p): i for i, (p, _) in enumerate(flat)}
-  optional = {i for i, (_, v) in enumerate(flat) if jnp.shape(v) == _NOT_FLOAT}
+  flat = jax.tree_util.tree_flatten_with_path(updates)[0]
+  if len(flat) == len(layout.keys) and all(
+    _nested(tuple(path), keys) for (path, _), keys in zip(flat, layout.keys, strict=True)
+  ):
+    return list(range(len(flat)))
+  where = {p: i for i, p in enumerate(layout.paths)}
   positions = []
-  for path, _ in jax.tree_util.tree_flatten_with_path(updates)[0]:
+  for path, _ in flat:
     i = where.get(_path(path))
     if i is None:
       raise ValueError(
@@ -90,7 +219,7 @@ def _positions(stat: Any, updates: Any, rule: Rule, field: str) -> list[int]:
       )
     positions.append(i)
   used = set(positions)
-  missing = [p for p, i in where.items() if i not in used and i not in optional]
+  missing = [p for i, p in enumerate(layout.paths) if i not in used and layout.floats[i]]
   if missing:
     raise ValueError(
       f"{rule.fn_name} keeps one {field} per leaf of the params given to init, "
@@ -102,25 +231,25 @@ def _positions(stat: Any, updates: Any, rule: Rule, field: str) -> list[int]:
   return positions
 
 
-# The shape of the statistic init keeps for a params leaf that is not a
-# float (an integer step, a flag, a PRNG key): the updates may leave such a
-# leaf out (its statistic is then kept), where a missing float leaf is an
-# error. Its shape tells the two apart when the state is traced.
-_NOT_FLOAT = (1,)
+def _nested(a: tuple[Any, ...], b: tuple[Any, ...]) -> bool:
+  """Whether one of the key paths ``a`` and ``b`` is the other with some keys left out."""
+  short, long = (a, b) if len(a) <= len(b) else (b, a)
+  rest = iter(long)
+  return all(key in rest for key in short)
 
 
-def _init_stat(leaf: Any) -> jax.Array:
-  dtype = getattr(leaf, "dtype", None)
-  try:
-    is_float = jnp.issubdtype(dtype if dtype is not None else jnp.result_type(leaf), jnp.inexact)
-  except TypeError:
-    is_float = False
-  return jnp.zeros(() if is_float else _NOT_FLOAT, jnp.float32)
+def _read(values: jax.Array, positions: list[int]) -> jax.Array:
+  """The entries at ``positions``, in their order: the vector itself where they are all of it."""
+  if positions == list(range(values.shape[0])):
+    return values
+  return values[np.asarray(positions, np.int32)]
 
 
-def _reshaped(x: jax.Array, shape: tuple[int, ...]) -> jax.Array:
-  """``x`` reshaped, with no op traced where it has the shape already."""
-  return x if jnp.shape(x) == shape else jnp.reshape(x, shape)
+def _written(values: jax.Array, positions: list[int], new: jax.Array) -> jax.Array:
+  """``values`` with ``new`` at ``positions``: ``new`` itself where they are all of it."""
+  if positions == list(range(values.shape[0])):
+    return new
+  return values.at[np.asarray(positions, np.int32)].set(new, unique_indices=True)
 
 
 def per_tensor_transform(
@@ -135,23 +264,21 @@ def per_tensor_transform(
   stat_fields = fields[:-1]
 
   def init_fn(params):
-    # A tree of its own per field: a state whose fields share a buffer cannot
+    # A vector of its own per field: a state whose fields share a buffer cannot
     # be donated (jax.jit(..., donate_argnums=...) refuses to donate it twice).
-    stats = [jax.tree.map(_init_stat, params) for _ in stat_fields]
+    stats = [_init_stats(params) for _ in stat_fields]
     return rule.state_type(*stats, jnp.zeros((), jnp.int32))
 
   def update_fn(updates, state, params=None, **extra_args):
     del params, extra_args
     _validation.check_state(state, rule.state_type, rule.fn_name)
     updates = _validation.numeric_leaves(updates, rule.fn_name)
-    old_stats = [getattr(state, f) for f in stat_fields]
-    positions = _positions(old_stats[0], updates, rule, stat_fields[0])
-    flat_stats = [jax.tree.flatten(s) for s in old_stats]
-    for (values, _), field in zip(flat_stats, stat_fields, strict=True):
-      if len(values) != len(flat_stats[0][0]):
-        raise ValueError(
-          f"{rule.fn_name}'s state has a {field} of another structure than its {stat_fields[0]}."
-        )
+    old_stats = _stats(state, rule, stat_fields)
+    positions = _positions(old_stats[0].layout, updates, rule, stat_fields[0])
+    prev_count = state[-1]
+    count = optax.safe_increment(prev_count)
+    if not positions:
+      return updates, rule.state_type(*old_stats, count)
     leaves, treedef = jax.tree.flatten(updates)
     # Across devices the shares are summed outside the platform choice; on one
     # device each branch reads them its own way.
@@ -160,28 +287,21 @@ def per_tensor_transform(
       if axis_name is None
       else _reduction.tree_leaf_norms(updates, rule.ord, axis_name, replicated, partition_specs)
     )
-    prev_count = state[-1]
-    count = optax.safe_increment(prev_count)
-    olds = [[_reshaped(values[i], ()) for i in positions] for values, _ in flat_stats]
-    args = (leaves, shares, olds, prev_count, count)
-    coefficients, news, finite = (
-      _platform.on_cpu(
-        lambda *a: _apply_rule(rule, *a, on_cpu=True),
-        lambda *a: _apply_rule(rule, *a, on_cpu=False),
-        *args,
-      )
-      if positions
-      else ([], [[] for _ in olds], jnp.ones((), jnp.bool_))
+    olds = [_read(s.values, positions) for s in old_stats]
+    coefficients, news, finite = _platform.on_cpu(
+      lambda *a: _apply_rule(rule, *a, on_cpu=True),
+      lambda *a: _apply_rule(rule, *a, on_cpu=False),
+      leaves,
+      shares,
+      olds,
+      prev_count,
+      count,
     )
-    written = [list(values) for values, _ in flat_stats]
-    for f, values in enumerate(written):
-      for j, i in enumerate(positions):
-        values[i] = _reshaped(news[f][j], jnp.shape(values[i]))
     count = jnp.where(finite, count, prev_count)
     out = [rule.apply(x, *cs) for x, cs in zip(leaves, coefficients, strict=True)]
     new_stats = [
-      jax.tree.unflatten(stat_def, values)
-      for (_, stat_def), values in zip(flat_stats, written, strict=True)
+      LeafStats(_written(s.values, positions, new), s.layout)
+      for s, new in zip(old_stats, news, strict=True)
     ]
     return jax.tree.unflatten(treedef, out), rule.state_type(*new_stats, count)
 
@@ -189,7 +309,7 @@ def per_tensor_transform(
 
 
 def _apply_rule(rule, leaves, shares, olds, prev_count, count, *, on_cpu):
-  """``(coefficients per leaf, new stats per field, finite)``: ``rule.step`` on every leaf.
+  """``(coefficients per leaf, new statistics as vectors, finite)``: ``rule.step`` on every leaf.
 
   ``leaf_step`` is the rule on one leaf's scalars, written once;
   :func:`jaxclip._kernel._platform.map_leaves` calls it on each leaf's
@@ -213,6 +333,6 @@ def _apply_rule(rule, leaves, shares, olds, prev_count, count, *, on_cpu):
     return tuple(cs), tuple(jnp.where(finite, x, o) for x, o in zip(ns, old, strict=True))
 
   shared = (total, prev_count, count, finite)
-  per_leaf = _platform.map_leaves(leaf_step, [norms, *olds], shared, vectors=on_cpu)
-  news = [[ns[f] for _, ns in per_leaf] for f in range(len(olds))]
-  return [cs for cs, _ in per_leaf], news, finite
+  columns = [norms, *(o if on_cpu else list(o) for o in olds)]
+  coefficients, news = _platform.map_leaves(leaf_step, columns, shared, vectors=on_cpu)
+  return coefficients, list(news), finite

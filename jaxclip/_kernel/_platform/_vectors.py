@@ -25,28 +25,35 @@ _ENTRY_INDICES = 512
 
 
 def map_leaves(fn: Callable[..., Any], columns: Sequence[Any], shared: tuple, *, vectors: bool):
-  """``fn(*row, *shared)`` for each leaf's ``row`` of ``columns``: one output pytree per leaf.
+  """``(per_leaf, stacked)``: ``fn(*row, *shared)`` for each leaf's ``row`` of ``columns``.
 
   ``columns`` holds one scalar per leaf each (a list, or a vector); ``fn``
-  maps one leaf's scalars and the ``shared`` values to a pytree of scalars.
+  maps one leaf's scalars and the ``shared`` values to a pair of pytrees of
+  scalars: the first is returned for each leaf (``per_leaf``, a list), the
+  second as vectors of every leaf's entries (``stacked``, one pytree).
 
   With ``vectors=False`` (what other platforms run) ``fn`` is one jitted
   function called on each leaf's scalars, which XLA fuses into that leaf's
-  kernels. With ``vectors=True`` (XLA:CPU) ``fn`` is vmapped once over
-  vectors of every leaf's scalars; each result vector is computed by one
-  kernel (:func:`materialized`) and each leaf reads its entries at opaque
+  kernels, and ``stacked`` stacks its scalars. With ``vectors=True``
+  (XLA:CPU) ``fn`` is vmapped once over vectors of every leaf's scalars:
+  ``stacked`` is its result, and each per-leaf result vector is computed by
+  one kernel (:func:`materialized`) whose entries each leaf reads at opaque
   indices (:func:`entries`), so all the leaves share one kernel.
   """
   if not vectors:
     step = jax.jit(fn)
-    return [step(*row, *shared) for row in zip(*columns, strict=True)]
+    outs = [step(*row, *shared) for row in zip(*columns, strict=True)]
+    stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *(s for _, s in outs))
+    return [p for p, _ in outs], stacked
   columns = [jnp.stack(c) if isinstance(c, list) else c for c in columns]
-  outs = jax.vmap(fn, in_axes=(0,) * len(columns) + (None,) * len(shared))(*columns, *shared)
+  per_leaf, stacked = jax.vmap(fn, in_axes=(0,) * len(columns) + (None,) * len(shared))(
+    *columns, *shared
+  )
   k = columns[0].shape[0]
-  flat, treedef = jax.tree.flatten(outs)
+  flat, treedef = jax.tree.flatten(per_leaf)
   index = entry_indices(k, columns[0])
   read = [entries(materialized(v), index) for v in flat]
-  return [jax.tree.unflatten(treedef, [r[j] for r in read]) for j in range(k)]
+  return [jax.tree.unflatten(treedef, [r[j] for r in read]) for j in range(k)], stacked
 
 
 def materialized(v: jax.Array) -> jax.Array:
