@@ -238,16 +238,21 @@ def _nested(a: tuple[Any, ...], b: tuple[Any, ...]) -> bool:
   return all(key in rest for key in short)
 
 
+def _whole(values: jax.Array, positions: list[int]) -> bool:
+  """Whether ``positions`` are every entry of ``values``, in order."""
+  return positions == list(range(values.shape[0]))
+
+
 def _read(values: jax.Array, positions: list[int]) -> jax.Array:
   """The entries at ``positions``, in their order: the vector itself where they are all of it."""
-  if positions == list(range(values.shape[0])):
+  if _whole(values, positions):
     return values
   return values[np.asarray(positions, np.int32)]
 
 
 def _written(values: jax.Array, positions: list[int], new: jax.Array) -> jax.Array:
   """``values`` with ``new`` at ``positions``: ``new`` itself where they are all of it."""
-  if positions == list(range(values.shape[0])):
+  if _whole(values, positions):
     return new
   return values.at[np.asarray(positions, np.int32)].set(new, unique_indices=True)
 
