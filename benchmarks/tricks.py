@@ -202,14 +202,24 @@ def _same(a: Any, b: Any) -> bool:
 
 
 def measure(trick: str, make_row: Callable[[], Callable[[], dict]], reps: int) -> dict:
-  """``reps`` interleaved with/without pairs of one row; medians, and whether values agree."""
+  """``reps`` interleaved with/without pairs of one row; medians, and whether values agree.
+
+  The pair's order turns each round (with first, then without first), so
+  that neither side always runs on a process the other has just warmed.
+  """
   run = make_row()
+
+  def run_off() -> dict:
+    with SWITCHES[trick]():
+      return run()
+
   with_, without = [], []
   same = True
-  for _ in range(reps):
-    on = run()
-    with SWITCHES[trick]():
-      off = run()
+  for i in range(reps):
+    if i % 2:
+      off, on = run_off(), run()
+    else:
+      on, off = run(), run_off()
     same &= _same(on["out"], off["out"])
     with_.append(on)
     without.append(off)

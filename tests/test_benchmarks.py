@@ -276,6 +276,25 @@ def test_each_trick_switch_is_the_public_switch_of_its_trick():
       assert [n for n in jaxclip.platform.TRICKS if not _platform.is_on(n)] == [trick]
 
 
+def test_trick_pairs_turn_their_order_and_switch_only_the_without_side():
+  trick = next(iter(tricks.SWITCHES))
+  calls = []
+
+  def make_row():
+    def run():
+      on = _platform.is_on(trick)
+      calls.append(on)
+      return {"value": 1.0 if on else 2.0, "out": np.zeros(2)}
+
+    return run
+
+  r = tricks.measure(trick, make_row, 4)
+  # with, without; then without, with: neither side always runs second.
+  assert calls == [True, False, False, True, True, False, False, True]
+  assert (r["with"], r["without"], r["same"]) == (1.0, 2.0, True)
+  assert _platform.is_on(trick)
+
+
 def _import_without(*missing):
   def import_module(name):
     if name in missing:

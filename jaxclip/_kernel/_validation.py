@@ -257,7 +257,13 @@ def _leaf_dtype(x: Any) -> Any:
     return type(x).__name__
 
 
-def _is_float_leaf(x: Any) -> bool:
+def is_float_leaf(x: Any) -> bool:
+  """Whether a pytree leaf holds floating-point (or complex) numbers.
+
+  The one test of floatness for updates and params alike: an array or
+  NumPy scalar by its dtype (a PRNG key or ``float0`` is not), a Python
+  ``float`` or ``complex`` by its type; anything else is not.
+  """
   dtype = getattr(x, "dtype", None)
   if dtype is None:
     return isinstance(x, (float, complex))
@@ -281,7 +287,7 @@ def numeric_leaves(
   path. With ``promote=False`` the leaves are only checked and ``tree`` is
   returned as is.
   """
-  if all(_is_float_leaf(x) for x in jax.tree.leaves(tree)):
+  if all(is_float_leaf(x) for x in jax.tree.leaves(tree)):
     return tree
   out = []
   paths, treedef = jax.tree_util.tree_flatten_with_path(tree)

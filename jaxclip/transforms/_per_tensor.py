@@ -160,17 +160,9 @@ jax.tree_util.register_pytree_with_keys(
 
 def _init_stats(params: Any) -> LeafStats:
   flat, treedef = jax.tree_util.tree_flatten_with_path(params)
-  floats = bytes(_is_float(leaf) for _, leaf in flat)
+  floats = bytes(_validation.is_float_leaf(leaf) for _, leaf in flat)
   layout = _Layout(treedef, floats, tuple(tuple(p) for p, _ in flat))
   return LeafStats(jnp.zeros(len(flat), jnp.float32), layout)
-
-
-def _is_float(leaf: Any) -> bool:
-  dtype = getattr(leaf, "dtype", None)
-  try:
-    return bool(jnp.issubdtype(dtype if dtype is not None else jnp.result_type(leaf), jnp.inexact))
-  except TypeError:
-    return False
 
 
 def _stats(state: Any, rule: Rule, fields: tuple[str, ...]) -> list[LeafStats]:
