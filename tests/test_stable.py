@@ -294,6 +294,9 @@ def test_the_statistics_are_one_vector_per_field_matched_to_the_leaves_by_path()
     # the updates leave out the integer leaf: its entry is kept, the others move
     g = {"w": jnp.full((2, 3), 2.0), "b": jnp.full(3, 0.5)}
     _, after = jax.jit(tx.update)(g, state)
+    # equality is by layout and values, a bool for vectors of any length
+    assert stats[0] == tx.init(params)[0] and after[0] != stats[0]
+    assert stats[0] != tx.init({"w": params["w"], "b": params["b"]})[0]
     for field in range(len(stats)):
       tree = after[field].as_tree()
       assert set(tree) == {"w", "b", "step"} and float(tree["step"]) == 0.0

@@ -140,9 +140,19 @@ class LeafStats:
     )
 
   def __eq__(self, other: object) -> bool:
+    """Whether both are of one layout with equal values: a bool, for vectors of any length.
+
+    ``values`` may be other than an array (a ``jax.tree.map`` of the state to
+    shapes and dtypes): then it is compared by ``==``.
+    """
     if not isinstance(other, LeafStats):
       return NotImplemented
-    return (self.layout, self.values) == (other.layout, other.values)
+    if self.layout != other.layout:
+      return False
+    a, b = self.values, other.values
+    if isinstance(a, jax.Array | np.ndarray) or isinstance(b, jax.Array | np.ndarray):
+      return bool(jnp.array_equal(a, b))
+    return a == b
 
   __hash__ = None  # type: ignore[assignment]
 
