@@ -16,8 +16,9 @@ from workloads import zoo
 METHODS = ("grad", "vmap", "ghost", "auto")
 
 
-def _cases_for(model: zoo.Model) -> dict[str, Any]:
-  """``{method: fn(clip, params, x, y)}``."""
+def _cases_for(model: zoo.Model, made: dict[str, Any]) -> dict[str, Any]:
+  """``{method: fn(clip, params, x, y)}``; each traced case leaves its clipped-gradient
+  function in ``made`` (``"auto"``'s holds what it measured)."""
 
   def summed_loss(params, x, y):
     return jnp.sum(jax.vmap(model.loss_fn, (None, 0, 0))(params, x, y))
@@ -27,16 +28,28 @@ def _cases_for(model: zoo.Model) -> dict[str, Any]:
   for method in METHODS[1:]:
 
     def fn(clip, params, x, y, method=method):
-      return jaxclip.per_example_clipped_grad(
+      made[method] = jaxclip.per_example_clipped_grad(
         model.loss_fn, clip, batch_argnums=(1, 2), method=method, return_norms=True
-      )(params, x, y)
+      )
+      return made[method](params, x, y)
 
     cases[method] = fn
   return cases
 
 
+def measured_pick(fn: Any) -> dict[str, str | None]:
+  """What a traced ``method="auto"`` function ran on this platform: ``{"pick", "why"}``
+  (``pick`` ``None`` where it timed nothing, or ran no ghost plan)."""
+  found = list(getattr(fn, "measured", {}).values())
+  if not found:
+    return {"pick": None, "why": "nothing measured (vmap's program: no ghost plan)"}
+  (m,) = found
+  return {"pick": m.pick, "why": m.why}
+
+
 def plan_summary(model: zoo.Model) -> dict:
-  """The fallback share and the instantiated leaves, from :func:`jaxclip.ghost_plan`."""
+  """The fallback share and the instantiated leaves, from :func:`jaxclip.ghost_plan`, and
+  ``"auto"``'s cost model's plan (each row's measured pick is in the row)."""
   if not hasattr(jaxclip, "ghost_plan"):
     return {"share": None, "fallback": [], "why": "jaxclip has no ghost_plan"}
   x, y = model.make_batch(2, 0)
@@ -55,7 +68,9 @@ def plan_summary(model: zoo.Model) -> dict:
   reasons = {leaf.reason for leaf in plan.leaves}
   if len(reasons) == 1 and plan.fallback_share == 1.0:  # a primitive the engine cannot read
     out["whole_loss"] = reasons.pop()
-  auto = jaxclip.ghost_plan(model.loss_fn, model.params, x, y, batch_argnums=(1, 2), method="auto")
+  auto = jaxclip.ghost_plan(
+    model.loss_fn, model.params, x, y, batch_argnums=(1, 2), method="auto", measure=False
+  )
   whole = {
     leaf.reason
     for leaf in auto.leaves
@@ -75,7 +90,8 @@ def plan_summary(model: zoo.Model) -> dict:
 
 def run_model(model: zoo.Model, batches: list[int], reps: int) -> list[dict]:
   """One row per batch size: memory, median times, ratios, checks."""
-  cases = _cases_for(model)
+  made: dict[str, Any] = {}
+  cases = _cases_for(model, made)
   rows, clip = [], None
   for b in batches:
     x, y = model.make_batch(b, 1)
@@ -99,6 +115,8 @@ def run_model(model: zoo.Model, batches: list[int], reps: int) -> list[dict]:
         continue
       res["temp_mb"] = _cases._temp_mb(c)
       compiled[name] = c
+      if name == "auto":
+        res.update(measured_pick(made["auto"]))
     if clip is None and "vmap" in compiled:  # the median norm of the first batch
       clip = float(np.median(np.asarray(compiled["vmap"](1.0, model.params, x, y)[2])))
     row["clip"] = clip if clip is not None else 1.0

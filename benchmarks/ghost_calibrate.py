@@ -213,7 +213,9 @@ def zoo_rows(results: Path) -> list[dict]:
       x, y = m.make_batch(2, 0)
       kw = {"batch_argnums": (1, 2)}
       plan = jaxclip.ghost_plan(m.loss_fn, m.params, x, y, **kw)
-      auto = jaxclip.ghost_plan(m.loss_fn, m.params, x, y, method="auto", platform="cpu", **kw)
+      auto = jaxclip.ghost_plan(
+        m.loss_fn, m.params, x, y, method="auto", platform="cpu", measure=False, **kw
+      )
       vmap = all(leaf.rule == "instantiate" for leaf in auto.leaves)
       models[r["model"]] = (_work(plan), "vmap" if vmap else "ghost")
     work, shipped = models[r["model"]]

@@ -171,12 +171,16 @@ def test_zoo_benchmark_quick_run_writes_its_table(tmp_path):
   assert [(r["model"], r["jax"], int(r["B"])) for r in rows] == [
     ("jax_scan_mlp", jax.__version__, 4)
   ]
-  for c in header[4:17]:
+  for c in header[4:18]:
     assert float(rows[0][c]) > 0, (c, rows[0])
-  assert rows[0]["fallback share"].endswith("%") and rows[0]["auto"] != "n/a"
+  assert rows[0]["fallback share"].endswith("%")
+  # What auto ran in the row: the program it measured fastest, with the times it measured.
+  assert rows[0]["auto"] in {p + " (measured)" for p in _ghost_zoo.PICKS.values()}, rows[0]
+  assert re.search(r"- jax_scan_mlp B=4: measured on cpu \(\d+ rounds .* MiB\): .* runs \(", text)
+  assert "so a time ratio that close to 1 is noise" in text
   clipped = re.findall(r"examples clipped: vmap (\d+), ghost (\d+), auto (\d+) of 4", text)
   assert len(clipped) == 1 and len(set(clipped[0])) == 1 and 0 < int(clipped[0][0]) < 4
-  assert "## What auto chose" in text
+  assert "## The cost model's plan" in text
   assert "`jax_scan_mlp` (" in text  # the model and the leaves that fall back are listed
 
 

@@ -3,9 +3,10 @@
 ``ghost_plan`` names each leaf's rule, the reason a leaf is instantiated and
 its floats, and takes unused leaves, ``keep_batch_dim`` and ``has_aux`` as
 ``per_example_clipped_grad`` does. ``method="ghost"`` keeps its rules where
-per-example gradients would cost less; ``"auto"`` chooses by the platform
-the program is lowered for, and runs as ``"vmap"`` where the rules kept
-would not pay.
+per-example gradients would cost less; ``"auto"``'s cost model chooses by the
+platform the program is lowered for, and runs as ``"vmap"`` where the rules
+kept would not pay (``measure=False`` here: what it measures is
+``test_ghost_measured.py``'s).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import jax.numpy as jnp
 import pytest
 
 import jaxclip
+from jaxclip.privacy import _measured
 from tests.ghost_helpers import D, L, gpt_loss
 from tests.ghost_helpers import compare as _compare
 from tests.ghost_helpers import gpt_params as _gpt_params
@@ -28,7 +30,9 @@ def test_ghost_keeps_its_rules_where_per_example_gradients_cost_less():
   long = lambda w, x: jnp.sum(jnp.sin(x @ w))
   xs = jax.random.normal(jax.random.key(1), (6, 64, 8))
   assert jaxclip.ghost_plan(long, w, xs, batch_argnums=1).rules == {"": "dot"}
-  auto = jaxclip.ghost_plan(long, w, xs, batch_argnums=1, method="auto", platform="cpu")
+  auto = jaxclip.ghost_plan(
+    long, w, xs, batch_argnums=1, method="auto", platform="cpu", measure=False
+  )
   assert (
     auto.rules == {"": "instantiate"} and "the loss runs as method='vmap'" in auto.leaves[0].reason
   )
@@ -43,6 +47,7 @@ def test_ghost_keeps_its_rules_where_per_example_gradients_cost_less():
         batch_argnums=1,
         method=method,
         platform=platform,
+        measure=False,
       )
       assert short.rules == {"": "dot"}, (method, platform)
 
@@ -58,9 +63,14 @@ def _auto_problem():
   return (lambda p, x: jnp.sum(jnp.sin(jnp.mean(jnp.tanh(x @ p["w1"]), 0) @ p["w2"]))), p, xs
 
 
-def test_auto_chooses_by_the_platform_the_program_is_lowered_for():
+def test_auto_chooses_by_the_platform_the_program_is_lowered_for(monkeypatch):
+  # The cost model's plans (the measured pick, which replaces this CPU's, is in
+  # test_ghost_measured.py): nothing timed.
+  monkeypatch.setattr(
+    _measured, "measure", lambda *a: _measured.Measured("cpu", None, "not timed here")
+  )
   loss, p, xs = _auto_problem()
-  cpu = jaxclip.ghost_plan(loss, p, xs, method="auto", platform="cpu")
+  cpu = jaxclip.ghost_plan(loss, p, xs, method="auto", platform="cpu", measure=False)
   gpu = jaxclip.ghost_plan(loss, p, xs, method="auto", platform="gpu")
   assert cpu.rules == {"['w1']": "instantiate", "['w2']": "instantiate"}, cpu
   assert "the loss runs as method='vmap'" in cpu.leaves[1].reason
@@ -143,7 +153,7 @@ def test_auto_says_why_each_leaf_keeps_its_rule():
   params, tokens = _gpt_params(), _tokens(4)
   for platform, weighed in (("cpu", "flops per example"), ("gpu", "floats per example")):
     plan = jaxclip.ghost_plan(
-      gpt_loss, params, tokens, batch_argnums=1, method="auto", platform=platform
+      gpt_loss, params, tokens, batch_argnums=1, method="auto", platform=platform, measure=False
     )
     ghost = jaxclip.ghost_plan(gpt_loss, params, tokens, batch_argnums=1)
     for leaf, g in zip(plan.leaves, ghost.leaves, strict=True):

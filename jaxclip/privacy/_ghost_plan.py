@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxclip._kernel import _validation
-from jaxclip.privacy import _batching, _clip_batch, _ghost
+from jaxclip.privacy import _batching, _clip_batch, _clip_options, _ghost, _measured, _per_example
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,6 +74,12 @@ class GhostPlan:
       each site weighted by its own group; one more per group that a
       parameter input mixes with another (the leaves say where); one per
       group where the clipped sum is a second backward pass (``passes == 2``).
+    method: ``"ghost"`` or ``"auto"``.
+    platform: Under ``"auto"``, the platform whose plan is reported.
+    measured: Under ``"auto"`` on the platform this process runs on, the
+      median times of its candidates and the one that runs
+      (:func:`jaxclip.per_example_clipped_grad` times them the same way when
+      traced), or why none was timed; ``None`` where nothing was measured.
   """
 
   leaves: tuple[GhostLeafPlan, ...]
@@ -81,6 +87,7 @@ class GhostPlan:
   sum_passes: int = 1
   method: str = "ghost"
   platform: str | None = None
+  measured: str | None = None
 
   @property
   def rules(self) -> dict[str, str]:
@@ -108,6 +115,8 @@ class GhostPlan:
     lines.append(
       f"{len(self.leaves)} leaves; {self.fallback_share:.1%} of the floats instantiated{where}"
     )
+    if self.measured is not None:
+      lines.append(self.measured)
     if self.passes == 2:
       lines.append("two backward passes (rematerialised layers): the norms, then the clipped sum")
     if self.sum_passes > 1:
@@ -125,11 +134,13 @@ def ghost_plan(
   method: str = "ghost",
   platform: str | None = None,
   l2_norm_clip: Any = None,
+  measure: bool = True,
 ) -> GhostPlan:
   r"""The rule ``per_example_clipped_grad(method="ghost")`` (or ``"auto"``) gives each parameter.
 
-  Traces ``loss_fn`` on one example (nothing is compiled or run) and reports,
-  for each parameter leaf, how its per-example gradient norm is computed:
+  Traces ``loss_fn`` on one example and reports, for each parameter leaf,
+  how its per-example gradient norm is computed (nothing is compiled or
+  run, except where ``method="auto"`` times its candidates, below):
 
   ===============  ==========================================================
   rule             per-example norm
@@ -161,8 +172,13 @@ def ghost_plan(
   on any other platform, by memory: per leaf, the
   rule or the leaf's per-example gradient, whichever holds fewer floats per
   example (a leaf so instantiated reads ``instantiate``, the reason giving
-  both). Where the whole loss takes ``method="vmap"``'s program, every leaf
-  the loss uses reads ``instantiate``, the reason saying so. Where the loss
+  both). On the platform this process runs on (``measure=True``), ``"auto"``
+  then times that plan against the other whole methods, as
+  :func:`jaxclip.per_example_clipped_grad` does when it is traced (here for
+  the whole batch at once, one clip norm), and reports what runs, the times
+  in :attr:`GhostPlan.measured`. Where the whole loss takes
+  ``method="vmap"``'s program, every leaf the loss uses reads
+  ``instantiate``, the reason saying so. Where the loss
   uses a higher-order primitive (one that carries a sub-jaxpr: a call, a
   loop) that the engine does not know, or cannot read, on the parameters or
   the batch, both methods take ``"vmap"``'s
@@ -188,6 +204,11 @@ def ghost_plan(
       (``"cpu"``, ``"gpu"``, ``"tpu"``...); ``None`` for
       ``jax.default_backend()``. ``per_example_clipped_grad`` chooses by the
       platform the program is lowered for.
+    measure: For ``"auto"`` on ``jax.default_backend()``, compile and time
+      its candidates (the cost model's plan, ghost's rules, ``"vmap"``'s
+      program) on stand-in inputs of the arguments' shapes and report the
+      fastest, as ``per_example_clipped_grad`` runs it; ``False`` for the
+      cost model's plan alone, nothing compiled.
     l2_norm_clip: A clip norm per group of leaves (a pytree prefix of
       ``params``, as for :func:`jaxclip.per_example_clipped_grad`), to report
       the leaves whose parameter input mixes groups and
@@ -219,12 +240,21 @@ def ghost_plan(
     2 leaves; 5.9% of the floats instantiated
 
     Each example is one row: the ``dot`` rule of ``w`` costs 32 flops where
-    its per-example gradient costs 256, so ``"auto"`` keeps it on CPU too:
+    its per-example gradient costs 256, so ``"auto"``'s cost model keeps it
+    on CPU too:
+
+    >>> auto = jaxclip.ghost_plan(loss, params, jnp.ones((8, 16)), jnp.ones((8, 16)),
+    ...                           method="auto", platform="cpu", measure=False)
+    >>> auto.rules
+    {"['b']": 'instantiate', "['w']": 'dot'}
+
+    Measured on this machine, either program may be the faster at this size;
+    :attr:`GhostPlan.measured` gives the times:
 
     >>> auto = jaxclip.ghost_plan(loss, params, jnp.ones((8, 16)), jnp.ones((8, 16)),
     ...                           method="auto", platform="cpu")
-    >>> auto.rules
-    {"['b']": 'instantiate', "['w']": 'dot'}
+    >>> print(auto.measured)  # doctest: +ELLIPSIS
+    measured on cpu (...): the cost model's plan ... ms (... MiB), vmap's program ... runs (...)
   """
   if method not in ("ghost", "auto"):
     raise ValueError(f"ghost_plan takes method 'ghost' or 'auto', got {method!r}.")
@@ -243,8 +273,27 @@ def ghost_plan(
   traced = _ghost.trace(example_loss, params, args, idx, has_aux=has_aux)
   if method == "auto" and platform is None:
     platform = jax.default_backend()
-  rules = _ghost.leaf_rules(traced.plan, method, platform)
-  chosen = _ghost.plan_for(traced.plan, method, platform)[0]
+  measured = None
+  here = platform == jax.default_backend()
+  if method == "auto" and measure and here and not traced.plan.unknown:
+    measured = _measure(
+      loss_fn,
+      params,
+      args,
+      traced.plan,
+      platform,
+      batch_argnums,
+      l2_norm_clip,
+      keep_batch_dim=keep_batch_dim,
+      has_aux=has_aux,
+    )
+  runs = method if measured is None or measured.pick is None else measured.pick
+  rules = _ghost.leaf_rules(traced.plan, runs, platform)
+  if runs == "vmap":
+    rules = [
+      (r, f"{why}: auto measured it fastest on {platform}" if why else why) for r, why in rules
+    ]
+  chosen = _ghost.plan_for(traced.plan, runs, platform)[0]
   groups = None if l2_norm_clip is None else _clip_batch.clip_groups(l2_norm_clip, params)
   of_leaf = groups.of_leaf if groups is not None and groups.per_group else None
   passes, sum_passes, notes = _ghost.report_passes(chosen, of_leaf)
@@ -270,4 +319,45 @@ def ghost_plan(
     sum_passes=sum_passes,
     method=method,
     platform=platform if method == "auto" else None,
+    measured=None if measured is None else measured.why,
+  )
+
+
+def _measure(
+  loss_fn: Callable[..., Any],
+  params: Any,
+  args: Sequence[Any],
+  plan: Any,
+  platform: str,
+  batch_argnums: tuple[int, ...],
+  l2_norm_clip: Any,
+  **options: Any,
+) -> _measured.Measured:
+  """``"auto"``'s candidates for the whole batch at once (no microbatches), timed as
+  :func:`jaxclip.per_example_clipped_grad` times its own."""
+  opts = _clip_options.Options.checked(
+    loss_fn,
+    1.0 if l2_norm_clip is None else l2_norm_clip,
+    _ghost.METHODS,
+    microbatch_size=None,
+    batch_argnums=batch_argnums,
+    spmd_axis_name=None,
+    axis_name=None,
+    method="auto",
+    return_norms=False,
+    group_size=1,
+    normalize=None,
+    return_num_nonfinite=False,
+    **options,
+  )
+  why = _measured.unmeasurable(opts, (params, args))
+  if why is not None:
+    return _measured.Measured(platform, None, why)
+  model = _ghost.plan_for(plan, "auto", platform)[0]
+  return _measured.measure(
+    lambda c: _per_example.clipped_grad_of(_measured.candidate_options(opts, c), None, False),
+    _measured.candidates_for(model, plan),
+    params,
+    args,
+    None,
   )

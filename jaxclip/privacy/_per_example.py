@@ -7,7 +7,8 @@ into units (:mod:`jaxclip.privacy._batching`) and chunks
 (:mod:`jaxclip.privacy._clip_chunks`, where :mod:`jaxclip._kernel._sharding`
 keeps the parameters local inside ``shard_map``). Here each chunk is clipped by
 :func:`jaxclip.per_example_global_norm_clip`'s kernel (``method="vmap"``) or by
-ghost norms (:mod:`jaxclip.privacy._ghost`).
+ghost norms (:mod:`jaxclip.privacy._ghost`); under ``method="auto"``, by the
+one :mod:`jaxclip.privacy._measured` timed fastest.
 
 Each call's clip is one value, a :class:`jaxclip.privacy._clip_factors.Clip`
 (the bounds in the norms' dtype, the group of each leaf, ``normalize``), made
@@ -20,6 +21,7 @@ it again.
 
 from __future__ import annotations
 
+import functools
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -28,7 +30,14 @@ import jax
 
 from jaxclip._kernel import _numerics, _platform
 from jaxclip._kernel._typing import AxisName
-from jaxclip.privacy import _batching, _clip_batch, _clip_chunks, _clip_options, _ghost
+from jaxclip.privacy import (
+  _batching,
+  _clip_batch,
+  _clip_chunks,
+  _clip_options,
+  _ghost,
+  _measured,
+)
 from jaxclip.privacy._clip_factors import Clip
 
 
@@ -63,7 +72,9 @@ def per_example_clipped_grad(
   ``method="ghost"`` gets the same results from each layer's inputs and
   output gradients without forming them (*ghost norms*), for any JAX model;
   ``method="auto"`` chooses per layer by the cost model of the platform the
-  program is lowered for. The same function clips groups of examples as one
+  program is lowered for, then, on the platform this process runs on, times
+  that plan against ghost's and vmap's programs when it is traced and runs
+  the fastest. The same function clips groups of examples as one
   unit (``group_size``), clips per layer (a pytree ``l2_norm_clip``: the
   sensitivity is then :math:`\sqrt{\sum_k C_k^2}`), or scales every example
   by :math:`C / (\|g_b\|_2 + \gamma)` instead (``normalize=gamma``). The
@@ -142,9 +153,12 @@ def per_example_clipped_grad(
     method: ``"vmap"`` (per-example gradients with ``jax.vmap``),
       ``"ghost"`` (per-example norms without per-example gradients) or
       ``"auto"`` (per layer, whichever the platform's cost model finds
-      cheaper). Where the ghost engine cannot read the loss (a higher-order
-      primitive it does not know), either runs ``"vmap"``'s program and
-      warns; :func:`jaxclip.ghost_plan` says why.
+      cheaper; then, in the program for the platform this process runs on,
+      whichever of that plan, ghost's rules and vmap's program ran fastest
+      when timed on stand-in inputs of the call's shapes, once per shapes:
+      ``docs/privacy.md``). Where the ghost engine cannot read
+      the loss (a higher-order primitive it does not know), either runs
+      ``"vmap"``'s program and warns; :func:`jaxclip.ghost_plan` says why.
     return_norms: Also return each example's gradient norm before clipping
       (for :func:`jaxclip.quantile_clip_norm_update`, or to monitor).
     group_size: Clip groups of this many consecutive examples as one unit
@@ -185,6 +199,12 @@ def per_example_clipped_grad(
 
     An empty batch gives zeros, a count of 0 and an empty ``norms``; empty
     ``params`` give an empty sum and norms of 0.
+
+    Under ``method="auto"`` the function's ``measured`` attribute holds a
+    record (``platform``, ``pick``, ``why``) for each set of input shapes it
+    was traced with: the candidates' median times and the one that runs, or
+    why none was timed (a loss closing over a value traced outside, a mesh
+    axis, symbolic shapes, a typed PRNG key), where the cost model decides.
 
   Raises:
     ValueError: for a concrete negative or NaN ``l2_norm_clip``, a
@@ -267,7 +287,17 @@ def per_example_clipped_grad(
     normalize=normalize,
     return_num_nonfinite=return_num_nonfinite,
   )
-  warned = []  # the shared-argument warning is given once per function
+  return clipped_grad_of(opts)
+
+
+def clipped_grad_of(
+  opts: _clip_options.Options, warned: list[bool] | None = None, measure: bool = True
+) -> Callable[..., Any]:
+  """The clipped-gradient function of ``opts``; ``warned`` holds whether the shared-argument
+  warning was given (once per function, its candidates under ``"auto"`` included);
+  ``measure=False`` for ``"auto"``'s cost model alone (a candidate of its measurement)."""
+  warned = [] if warned is None else warned
+  measured: dict[Any, _measured.Measured] = {}  # "auto"'s measurements, by inputs' shapes
 
   def clipped_grad(params, *args, example_mask=None):
     batch = _batching.batch_of(opts.batch_argnums, params, args, example_mask, warned)
@@ -277,12 +307,21 @@ def per_example_clipped_grad(
     loss = _batching.unit_loss(
       opts.loss_fn, batch.idx, opts.group_size, opts.has_aux, opts.keep_batch_dim
     )
-    out = _clip_chunks.clipped_units(opts, clip, loss, params, units, _clip_chunk)
+    chunk = _clip_chunk
+    if opts.method == "auto" and measure:
+
+      def make(candidate):
+        return clipped_grad_of(_measured.candidate_options(opts, candidate), warned, False)
+
+      timed = _measured.timer(opts, make, measured, (params, args, example_mask))
+      chunk = functools.partial(_clip_chunk, timed=timed)
+    out = _clip_chunks.clipped_units(opts, clip, loss, params, units, chunk)
     if opts.group_size > 1 and opts.has_aux:  # each example's aux, in the batch's order
       size = batch.size
       out = out[:-1] + (jax.tree.map(lambda a: a.reshape((size,) + a.shape[2:]), out[-1]),)
     return out
 
+  clipped_grad.measured = measured  # "auto"'s records (the docstring's Returns)
   return clipped_grad
 
 
@@ -299,13 +338,17 @@ def _clip_chunk(
   args: list[Any],
   idx: Sequence[int],
   mask: jax.Array | None,
+  timed: Callable[[tuple[str, ...]], _measured.Measured] | None = None,
 ) -> tuple[Any, tuple[jax.Array, jax.Array], jax.Array, Any]:
   """One chunk's clipped sum (in each parameter's sum dtype), counts, norms and aux.
 
   Under ``"ghost"`` and ``"auto"`` the plan is chosen when tracing, for each
   platform the program may be lowered for: ``"auto"``'s cost model differs
   between CPU and the others, so where its plans differ both are staged under
-  :func:`jaxclip._kernel._platform.on_cpu` and the lowering keeps one.
+  :func:`jaxclip._kernel._platform.on_cpu` and the lowering keeps one. With
+  ``timed`` (``"auto"``), the branch of the platform this process runs on
+  takes the fastest of the candidates it times (:mod:`jaxclip.privacy._measured`),
+  where it could time them.
   """
   if opts.method == "vmap":
     return _clip_chunks.vmap_chunk(opts, clip, loss, params, args, idx, mask)
@@ -319,6 +362,8 @@ def _clip_chunk(
     )
   cpu = _ghost.plan_for(traced.plan, opts.method, "cpu")[0]
   other = _ghost.plan_for(traced.plan, opts.method, None)[0]
+  if timed is not None and not traced.plan.unknown:
+    cpu, other = _measured.picked(timed, traced.plan, cpu, other)
 
   def run(plan):
     if plan is None:  # method="vmap"'s program

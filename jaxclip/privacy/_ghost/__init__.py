@@ -94,13 +94,14 @@ def plan_for(plan: Plan, method: str, platform: str | None) -> tuple[Plan | None
   ``method="vmap"``'s program.
 
   ``"ghost"`` takes every rule the analyser found; ``"auto"`` chooses per
-  leaf by the platform's cost model (:func:`jaxclip.privacy._ghost._planning.auto_plan`).
-  Either takes ``"vmap"``'s program where the loss has a higher-order
-  primitive the engine cannot read (``plan.unknown``): what it uses is not
-  known.
+  leaf by the platform's cost model (:func:`jaxclip.privacy._ghost._planning.auto_plan`);
+  ``"vmap"`` (``"auto"``'s measured pick) none. Each takes ``"vmap"``'s program where the
+  loss has a higher-order primitive the engine cannot read (``plan.unknown``).
   """
   if plan.unknown:
     return None, "falls back to method='vmap': " + "; ".join(plan.unknown)
+  if method == "vmap":
+    return None, "runs as method='vmap'"
   if method == "ghost":
     return plan, None
   return _planning.auto_plan(plan, platform)
