@@ -155,7 +155,7 @@ def per_example_clipped_grad(
       ``"auto"`` (per layer, whichever the platform's cost model finds
       cheaper; then, in the program for the platform this process runs on,
       whichever of that plan, ghost's rules and vmap's program ran fastest
-      when timed on stand-in inputs of the call's shapes, once per shapes:
+      when timed on stand-in inputs of the call's shapes, once, at the first trace:
       ``docs/privacy.md``). Where the ghost engine cannot read
       the loss (a higher-order primitive it does not know), either runs
       ``"vmap"``'s program and warns; :func:`jaxclip.ghost_plan` says why.
@@ -200,9 +200,10 @@ def per_example_clipped_grad(
     An empty batch gives zeros, a count of 0 and an empty ``norms``; empty
     ``params`` give an empty sum and norms of 0.
 
-    Under ``method="auto"`` the function's ``measured`` attribute holds a
-    record (``platform``, ``pick``, ``why``) for each set of input shapes it
-    was traced with: the candidates' median times and the one that runs, or
+    Under ``method="auto"`` the function's ``measured`` attribute holds the
+    record (``platform``, ``pick``, ``why``) of its first trace, whose pick
+    every later trace runs (any batch size: neighbouring batches must run one
+    program): the candidates' median times and the one that runs, or
     why none was timed (a loss closing over a value traced outside, a mesh
     axis, symbolic shapes, a typed PRNG key), where the cost model decides.
 
@@ -297,7 +298,7 @@ def clipped_grad_of(
   warning was given (once per function, its candidates under ``"auto"`` included);
   ``measure=False`` for ``"auto"``'s cost model alone (a candidate of its measurement)."""
   warned = [] if warned is None else warned
-  measured: dict[Any, _measured.Measured] = {}  # "auto"'s measurements, by inputs' shapes
+  measured: dict[Any, _measured.Measured] = {}  # "auto"'s measurement, at the first trace
 
   def clipped_grad(params, *args, example_mask=None):
     batch = _batching.batch_of(opts.batch_argnums, params, args, example_mask, warned)
