@@ -350,14 +350,10 @@ def _measure(
     return_num_nonfinite=False,
     **options,
   )
-  why = _measured.unmeasurable(opts, (params, args))
-  if why is not None:
-    return _measured.Measured(platform, None, why)
+
+  def make(candidate):
+    return _per_example.clipped_grad_of(_measured.candidate_options(opts, candidate), None, False)
+
   model = _ghost.plan_for(plan, "auto", platform)[0]
-  return _measured.measure(
-    lambda c: _per_example.clipped_grad_of(_measured.candidate_options(opts, c), None, False),
-    _measured.candidates_for(model, plan),
-    params,
-    args,
-    None,
-  )
+  timed = _measured.timer(opts, make, {}, (params, args, None))
+  return timed(_measured.candidates_for(model, plan))
