@@ -118,15 +118,11 @@ def test_a_tie_goes_to_the_least_memory_and_a_failing_candidate_is_left_out(monk
     raise MemoryError("stand-in for running out of memory")
 
   def make(c):
-    def fn(w, x, example_mask=None):
-      if c == "big":
-        y = jnp.sort(jnp.outer(x, x).ravel())  # held whole to be sorted
-        return jnp.sum(y[::7])
-      if c == "broken":
-        return jax.pure_callback(boom, jax.ShapeDtypeStruct((), x.dtype), x)
-      return jnp.sum(x) + jnp.sum(w)
-
-    return fn
+    if c != "broken":
+      return _big_and_small(c)
+    return lambda w, x, example_mask=None: jax.pure_callback(
+      boom, jax.ShapeDtypeStruct((), x.dtype), x
+    )
 
   monkeypatch.setattr(_measured, "TIE", 1e9)
   monkeypatch.setitem(_measured.PROGRAMS, "big", "the big one")
@@ -138,6 +134,65 @@ def test_a_tie_goes_to_the_least_memory_and_a_failing_candidate_is_left_out(monk
   assert "the broken one failed to run" in m.why, m
   m = _measured.measure(make, ("broken",), w, (x,), None)
   assert m.pick is None and "the broken one failed to run" in m.why, m
+
+
+def _big_and_small(c):
+  def fn(w, x, example_mask=None):
+    if c == "big":
+      return jnp.sum(jnp.sort(jnp.outer(x, x).ravel())[::7])  # 1 MiB held whole to be sorted
+    return jnp.sum(x) + jnp.sum(w)
+
+  return fn
+
+
+def test_a_candidate_the_device_cannot_hold_is_not_run(monkeypatch):
+  # Its arguments, outputs and temporaries (XLA's memory analysis) against the device's free
+  # memory: over it, the candidate is named and not run; with room, both run.
+  monkeypatch.setitem(_measured.PROGRAMS, "big", "the big one")
+  monkeypatch.setitem(_measured.PROGRAMS, "small", "the small one")
+  monkeypatch.setattr(_measured, "TIE", 0.0)
+  w, x = jnp.ones(3), jnp.ones(512)
+  monkeypatch.setattr(_measured, "room", lambda: 64 * 1024)
+  m = _measured.measure(_big_and_small, ("big", "small"), w, (x,), None)
+  assert m.pick == "small" and "the big one not run (it needs 1" in m.why, m
+  assert "the one left" in m.why, m
+  monkeypatch.setattr(_measured, "room", lambda: 64 * 2**20)
+  m = _measured.measure(_big_and_small, ("big", "small"), w, (x,), None)
+  assert "not run" not in m.why and "the big one 0." not in m.why and "rounds" in m.why, m
+  monkeypatch.setattr(_measured, "room", lambda: 0)
+  m = _measured.measure(_big_and_small, ("big", "small"), w, (x,), None)
+  assert m.pick is None and m.why.count("not run") == 2, m
+
+
+def test_this_machine_reports_its_free_memory():
+  free = _measured.room()
+  assert free is not None and 0 < free < 2**50, free
+
+
+def test_a_candidate_many_times_slower_at_its_first_run_is_not_timed_further(monkeypatch):
+  # After one run each, a candidate over DROP times the fastest first run (and over the time
+  # the budget allows its first rounds; 0 here) is named with that run's time and not run
+  # again: the one left runs, with no rounds.
+  runs = []
+
+  def make(c):
+    def fn(w, x, example_mask=None):
+      y = x @ w
+      for _ in range(1 if c == "fast" else 400):
+        y = jnp.tanh(y @ w)
+      jax.debug.callback(lambda: runs.append(c))
+      return jnp.sum(y)
+
+    return fn
+
+  monkeypatch.setitem(_measured.PROGRAMS, "fast", "the short program")
+  monkeypatch.setitem(_measured.PROGRAMS, "slow", "the long one")
+  monkeypatch.setattr(_measured, "BUDGET_S", 0.0)
+  w, x = jnp.ones((128, 128)), jnp.ones((B, 128))
+  m = _measured.measure(make, ("slow", "fast"), w, (x,), None)
+  assert m.pick == "fast" and "one run each" in m.why, m
+  assert "the long one" in m.why and "at its first run (over 2x" in m.why, m
+  assert runs.count("slow") == 1, runs
 
 
 def test_a_loss_closing_over_a_traced_value_is_not_timed_and_says_so():

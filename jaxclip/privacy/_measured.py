@@ -9,8 +9,9 @@ fitted on single layers chose right on every model). So, when it can,
 backend this process runs on, times them in turn on stand-in inputs of the
 call's shapes and dtypes, and runs the fastest in the branch of the program
 lowered for that platform (of candidates within ``TIE`` of the fastest, the
-one of least temporary memory; a candidate that fails to run, out of memory,
-is left out); the branches for other platforms keep the cost model. It times
+one of least temporary memory; a candidate that would not fit in the device's
+free memory or fails to run is left out, and one many times slower at its first
+run is not timed further); the branches for other platforms keep the cost model. It times
 nothing, and the cost model decides, where a timing on one device of this
 process would not be the program's own:
 
@@ -42,6 +43,12 @@ import numpy as np
 # first for a median, then more while the timed steps took under BUDGET_S, up to the second.
 ROUNDS = (3, 9)
 BUDGET_S = 1.0
+# A candidate whose first run took over DROP times the fastest first run (and over the time
+# its first ROUNDS[0] runs may take within BUDGET_S) is not timed further:
+# it cannot win by the margins timing decides (TIE, a few percent), and a program many times
+# slower (vmap's per-example gradients of a large batch: 23 s a step against ghost's 0.9 s)
+# would make the rounds take minutes.
+DROP = 2.0
 # Medians this close to the fastest are a tie (this machine's noise on one program is
 # larger: benchmarks/results/ghost_zoo.md), broken by the least temporary memory.
 TIE = 0.03
@@ -115,9 +122,11 @@ def measure(
   """Times ``make(c)`` for each candidate ``c`` on stand-ins of ``params``, ``args`` and
   ``mask`` (each compiled for the default backend, run once, then in turn for a few rounds,
   the order turned each round) and picks the fastest median, or, of those within ``TIE`` of
-  it, the one of least temporary memory. A candidate that fails to run (out of memory) is
-  left out; ``Measured.pick`` is ``None`` where a candidate closes over a traced value, or
-  none ran."""
+  it, the one of least temporary memory. A candidate is left out, and named, where its
+  arguments, outputs and temporaries exceed the device's free memory (:func:`room`; it is not
+  run), where it fails to run (out of memory), and, after one run, where that run took over
+  ``DROP`` times the fastest candidate's (and over ``BUDGET_S / ROUNDS[0]``).
+  ``Measured.pick`` is ``None`` where a candidate closes over a traced value, or none ran."""
   platform = jax.default_backend()
   inputs = stand_in((params, tuple(args), mask))
   compiled = {}
@@ -136,35 +145,89 @@ def measure(
     jax.block_until_ready(compiled[c](*inputs))
     return time.perf_counter() - start
 
-  failed = []
-  for c in candidates:  # warm-up: the first run of each
-    try:
-      step(c)
-    except jax.errors.JaxRuntimeError as e:
-      failed.append(f"{PROGRAMS[c]} failed to run ({str(e).splitlines()[0][:120]})")
+  left_out, first = [], {}
+  free = room()
+  for c in candidates:  # a program the device cannot hold is not run (nor allocated)
+    need = _footprint(compiled[c])
+    if free is not None and need > free:
+      left_out.append(f"{PROGRAMS[c]} not run (it needs {_mib(need)}, {_mib(free)} free)")
       del compiled[c]
+  for c in candidates:  # warm-up: the first run of each
+    if c not in compiled:
+      continue
+    try:
+      first[c] = step(c)
+    except jax.errors.JaxRuntimeError as e:
+      left_out.append(f"{PROGRAMS[c]} failed to run ({str(e).splitlines()[0][:120]})")
+      del compiled[c]
+  if not first:
+    return Measured(platform, None, "; ".join(left_out))
+  best = min(first.values())
+  costly = BUDGET_S / ROUNDS[0]  # its first rounds alone would take the whole budget
+  for c in [c for c in candidates if first.get(c, 0.0) > max(DROP * best, costly)]:
+    left_out.append(
+      f"{PROGRAMS[c]} {1e3 * first[c]:.3g} ms at its first run (over {DROP:g}x the fastest "
+      "first run: not timed further)"
+    )
+    del compiled[c]
   ran = [c for c in candidates if c in compiled]
-  if not ran:
-    return Measured(platform, None, "; ".join(failed))
   times: dict[str, list[float]] = {c: [] for c in ran}
   rounds, spent = 0, 0.0
-  while rounds < ROUNDS[1] and (rounds < ROUNDS[0] or spent < BUDGET_S):
+  while len(ran) > 1 and rounds < ROUNDS[1] and (rounds < ROUNDS[0] or spent < BUDGET_S):
     for c in ran if rounds % 2 == 0 else reversed(ran):
       times[c].append(step(c))
       spent += times[c][-1]
     rounds += 1
-  medians = {c: statistics.median(t) for c, t in times.items()}
+  medians = {c: statistics.median(t or [first[c]]) for c, t in times.items()}
   memory = {c: _temp_mib(compiled[c]) for c in ran}
   fastest = min(medians.values())
   near = [c for c in ran if medians[c] <= (1 + TIE) * fastest]
   pick = min(near, key=lambda c: (memory[c], medians[c]))
   timed = ", ".join(f"{PROGRAMS[c]} {1e3 * medians[c]:.3g} ms ({memory[c]:.3g} MiB)" for c in ran)
-  how = "the fastest" if len(near) == 1 else f"within {TIE:.0%} of the fastest, the least memory"
+  if len(ran) == 1:
+    how = "the one left"
+  elif len(near) == 1:
+    how = "the fastest"
+  else:
+    how = f"within {TIE:.0%} of the fastest, the least memory"
   why = (
-    f"measured on {platform} ({rounds} rounds on stand-in inputs of the call's shapes): "
-    f"{'; '.join(failed + [timed])}: {PROGRAMS[pick]} runs ({how})"
+    f"measured on {platform} ({f'{rounds} rounds' if rounds else 'one run each'} on stand-in "
+    "inputs of the call's shapes): "
+    f"{'; '.join(left_out + [timed])}: {PROGRAMS[pick]} runs ({how})"
   )
   return Measured(platform, pick, why)
+
+
+def room() -> int | None:
+  """Bytes the default backend's first device can still allocate: its allocator's limit less
+  what is in use (GPU, TPU), else, on CPU, the host's available memory (Linux's
+  ``MemAvailable``); ``None`` where neither is known."""
+  device = jax.local_devices()[0]
+  stats = device.memory_stats() or {}
+  if "bytes_limit" in stats:
+    return int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
+  if device.platform != "cpu":
+    return None
+  try:
+    with open("/proc/meminfo") as f:
+      kib = next(int(line.split()[1]) for line in f if line.startswith("MemAvailable:"))
+  except (OSError, StopIteration, ValueError, IndexError):
+    return None
+  return 1024 * kib
+
+
+def _footprint(compiled: Any) -> int:
+  """The bytes a compiled program allocates to run: its arguments, outputs and temporaries
+  (XLA's memory analysis; 0 where the backend gives none)."""
+  a = compiled.memory_analysis()
+  if a is None:
+    return 0
+  fields = ("argument_size_in_bytes", "output_size_in_bytes", "temp_size_in_bytes")
+  return sum(int(getattr(a, f, 0)) for f in fields)
+
+
+def _mib(n: float) -> str:
+  return f"{n / 2**20:.3g} MiB"
 
 
 def _temp_mib(compiled: Any) -> float:
