@@ -10,8 +10,8 @@ backend this process runs on, times them in turn on stand-in inputs of the
 call's shapes and dtypes, and runs the fastest in the branch of the program
 lowered for that platform (of candidates within ``TIE`` of the fastest, the
 one of least temporary memory; a candidate that would not fit in the device's
-free memory or fails to run is left out, and one many times slower at its first
-run is not timed further); the branches for other platforms keep the cost model. It times
+free memory or fails to run is left out, and one many times slower in its first
+two runs is not timed further); the branches for other platforms keep the cost model. It times
 nothing, and the cost model decides, where a timing on one device of this
 process would not be the program's own:
 
@@ -223,13 +223,8 @@ def room() -> int | None:
 
 
 def _footprint(compiled: Any) -> int:
-  """The bytes a compiled program allocates to run: its arguments, outputs and temporaries
-  (XLA's memory analysis; 0 where the backend gives none)."""
-  a = compiled.memory_analysis()
-  if a is None:
-    return 0
-  fields = ("argument_size_in_bytes", "output_size_in_bytes", "temp_size_in_bytes")
-  return sum(int(getattr(a, f, 0)) for f in fields)
+  """The bytes a compiled program allocates to run: its arguments, outputs and temporaries."""
+  return _analysed(compiled, "argument", "output", "temp")
 
 
 def _mib(n: float) -> str:
@@ -237,10 +232,17 @@ def _mib(n: float) -> str:
 
 
 def _temp_mib(compiled: Any) -> float:
-  """A compiled program's temporary memory in MiB (XLA's memory analysis; 0 where the
-  backend gives none)."""
+  """A compiled program's temporary memory in MiB."""
+  return _analysed(compiled, "temp") / 2**20
+
+
+def _analysed(compiled: Any, *kinds: str) -> int:
+  """The sum of a compiled program's ``<kind>_size_in_bytes`` by XLA's memory analysis (0
+  where the backend gives none)."""
   analysis = compiled.memory_analysis()
-  return getattr(analysis, "temp_size_in_bytes", 0) / 2**20 if analysis is not None else 0.0
+  if analysis is None:
+    return 0
+  return sum(int(getattr(analysis, f"{k}_size_in_bytes", 0)) for k in kinds)
 
 
 def candidates_for(model: Any, ghost: Any) -> tuple[str, ...]:
