@@ -259,6 +259,18 @@ def test_a_typed_key_among_the_inputs_is_not_timed():
   assert m.pick is None and "typed PRNG key" in m.why
 
 
+def test_nothing_is_timed_in_a_job_of_several_processes(monkeypatch):
+  # Each process would time its own candidates: two that picked different programs failed at
+  # their first collective (tests/test_multihost.py runs two processes for real).
+  loss, w, xs = _dense()
+  monkeypatch.setattr(jax, "process_count", lambda: 2)
+  fn = jaxclip.per_example_clipped_grad(loss, 1.0, method="auto")
+  jax.jit(fn)(w, xs)
+  (m,) = fn.measured.values()
+  assert m.pick is None and m.why.startswith("a job of 2 processes"), m.why
+  assert jaxclip.ghost_plan(loss, w, xs, method="auto").measured.startswith("a job of 2")
+
+
 def test_ghost_plan_reports_the_measured_pick(monkeypatch):
   loss, w, xs = _dense()
   calls = _fixed(monkeypatch, "vmap")

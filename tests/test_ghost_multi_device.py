@@ -3,7 +3,8 @@
 The GPT of ``tests.ghost_helpers`` under ``shard_map`` (with and without
 microbatches and ``check_vma``), a scan over layers under ``shard_map`` (one
 backward pass and two), and the GPT and an MLP under ``spmd_axis_name`` on
-Explicit and Auto meshes, gathering no examples. The checks (``md_*``) run
+Explicit and Auto meshes, gathering no examples, and under ``jit`` of arrays sharded
+on those meshes with no mesh set. The checks (``md_*``) run
 in a subprocess on 8 virtual CPU devices, as in ``test_per_example.py``.
 """
 
@@ -125,6 +126,20 @@ def md_ghost_under_spmd_axis_name_gathers_no_examples():
   for axis_type in (jax.sharding.AxisType.Explicit, jax.sharding.AxisType.Auto):
     for loss in (mlp_loss, jax.checkpoint(mlp_loss)):  # one pass, two passes
       _spmd(axis_type, loss, params, [x, y], ref, 30.0)
+
+
+def md_ghost_on_sharded_arrays_without_a_mesh_set():
+  # jit reads the mesh from the arrays' shardings (no jax.set_mesh): the engine's sharded
+  # zeros took a bare PartitionSpec, which an Explicit mesh refused outside a mesh context.
+  params, x, y = mlp_problem(batch=32, seed=9)
+  ref = jaxclip.per_example_clipped_grad(mlp_loss, 30.0, batch_argnums=(1, 2))(params, x, y)
+  for axis_type in (jax.sharding.AxisType.Explicit, jax.sharding.AxisType.Auto):
+    mesh = jax.make_mesh((N_DEVICES,), ("data",), axis_types=(axis_type,))
+    xs = [jax.device_put(a, NamedSharding(mesh, P("data"))) for a in (x, y)]
+    ps = jax.device_put(params, NamedSharding(mesh, P()))
+    for method in ("ghost", "auto"):
+      fn = jaxclip.per_example_clipped_grad(mlp_loss, 30.0, batch_argnums=(1, 2), method=method)
+      _check(jax.jit(fn)(ps, *xs), ref)
 
 
 test_multi_device = multi_device_checks(globals(), N_DEVICES)

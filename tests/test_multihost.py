@@ -9,7 +9,11 @@ computes under ``jax.jit``, on an Explicit and on an Auto mesh:
 
 * ``jaxclip.ops.global_norm`` and ``jaxclip.ops.clip_by_global_norm``;
 * one step of ``optax.chain(jaxclip.clip_by_global_norm(MAX_NORM),
-  optax.adam(LR))`` with a threshold that clips.
+  optax.adam(LR))`` with a threshold that clips;
+* one step of DP-SGD with the defaults (``per_example_clipped_grad(...,
+  method="auto")``, ``dp_noise(..., seed=None)``), the parameters replicated
+  and the batch split across the processes; and one with a noise seed per
+  process (a broken pipeline, which the agreement check must flag).
 
 It gathers the results to host with ``process_allgather`` and writes them, and
 the collectives in the compiled HLO of each function, to files the test reads.
@@ -106,6 +110,33 @@ def _flat(prefix: str, tree) -> dict[str, np.ndarray]:
   return {key(path): np.asarray(leaf) for path, leaf in jax.tree_util.tree_leaves_with_path(tree)}
 
 
+# DP-SGD's step across the processes: params replicated, the batch split over them.
+DP_CLIP = 1.0
+DP_BATCH = 16
+DP_SHAPES = {"w1": (8, 16), "w2": (16, 4)}
+
+
+def _dp_loss(p, x, y):
+  return jnp.sum((jnp.tanh(x @ p["w1"]) @ p["w2"] - y) ** 2)
+
+
+def _dp_data() -> tuple[dict, np.ndarray, np.ndarray]:
+  """The params, inputs and targets every process (and the test) builds."""
+  rng = np.random.default_rng(2)
+  params = {k: (rng.normal(size=v) / 2).astype(np.float32) for k, v in DP_SHAPES.items()}
+  x = rng.normal(size=(DP_BATCH, 8)).astype(np.float32)
+  return params, x, rng.normal(size=(DP_BATCH, 4)).astype(np.float32)
+
+
+def _dp_step_of(clipped_grad, tx):
+  def step(params, state, x, y):
+    grads, _ = clipped_grad(params, x, y)
+    updates, state = tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), grads, state
+
+  return step
+
+
 def _collective_counts(compiled) -> dict[str, int]:
   """How many collectives of each kind the compiled HLO holds."""
   return dict(collections.Counter(kind for kind, _ in hlo_collectives(compiled.as_text())))
@@ -138,13 +169,13 @@ def _single_process_results() -> dict[str, np.ndarray]:
 # ----------------------------------------------------------------------------
 
 
-def _global_tree(host: dict, mesh: jax.sharding.Mesh) -> dict:
+def _global_tree(host, mesh: jax.sharding.Mesh, specs=SPECS):
   """``host`` as global arrays on ``mesh``; each process makes its own shards."""
 
   def make(x, spec):
     return jax.make_array_from_callback(x.shape, NamedSharding(mesh, spec), lambda idx: x[idx])
 
-  return jax.tree.map(make, host, SPECS)
+  return jax.tree.map(make, host, specs)
 
 
 def _check_split_across_processes(tree: dict) -> None:
@@ -157,6 +188,24 @@ def _check_split_across_processes(tree: dict) -> None:
       assert not leaf.is_fully_addressable, (path, leaf.sharding)
       held = sum(s.data.size for s in leaf.addressable_shards)
       assert held == leaf.size // N_PROCESSES, (path, held, leaf.size)
+
+
+def _dp_results(mesh: jax.sharding.Mesh, report: dict, name: str) -> dict:
+  """One DP-SGD step with the defaults (``method="auto"``, ``dp_noise(seed=None)``, made by
+  every process), and one whose noise seed differs by process (a broken pipeline: the
+  processes' replicas of the parameters drift apart, which test_processes_agree would flag)."""
+  host_params, x, y = _dp_data()
+  params = _global_tree(host_params, mesh, {k: P() for k in DP_SHAPES})
+  x, y = _global_tree(x, mesh, P("data")), _global_tree(y, mesh, P("data"))
+  clipped_grad = jaxclip.per_example_clipped_grad(_dp_loss, DP_CLIP, method="auto")
+  results = {}
+  for key, seed in (("dp", None), ("broken", jax.process_index())):
+    tx = optax.chain(jaxclip.dp_noise(DP_CLIP, 1.0, seed=seed), optax.sgd(LR))
+    state = jax.jit(tx.init)(params)
+    new_params, grads, state = jax.jit(_dp_step_of(clipped_grad, tx))(params, state, x, y)
+    results[key] = {"params": new_params, "grads": grads, "key": state[0].dp_noise_key}
+  report.setdefault("measured", {})[name] = [m.why for m in clipped_grad.measured.values()]
+  return multihost_utils.process_allgather(results, tiled=True)
 
 
 def _run_worker(process_id: int, port: int, out: Path) -> None:
@@ -204,6 +253,8 @@ def _run_worker(process_id: int, port: int, out: Path) -> None:
         "updates": updates,
       }
       gathered = multihost_utils.process_allgather(results, tiled=True)
+    # No mesh set: jit reads the shardings from the arrays (a mesh set was not timed before).
+    gathered.update(_dp_results(mesh, report, name))
     arrays.update(_flat(name, gathered))
     report["collectives"][name] = {k: _collective_counts(c) for k, c in compiled.items()}
     report["collective_types"][name] = {k: _collective_types(c) for k, c in compiled.items()}
@@ -312,12 +363,49 @@ def multihost_results():
   return results
 
 
+def _agree(arrays: dict, first: dict, key: str) -> bool:
+  return bool(np.array_equal(arrays[key], first[key]))
+
+
 def test_processes_agree(multihost_results):
   (first, _), *others = multihost_results
   for arrays, _ in others:
     assert arrays.keys() == first.keys()
     for key in first:
-      np.testing.assert_array_equal(arrays[key], first[key], err_msg=key)
+      if "/broken/" not in key:  # the broken pipeline's replicas must differ (below)
+        np.testing.assert_array_equal(arrays[key], first[key], err_msg=key)
+
+
+@pytest.mark.parametrize("axis_type", AXIS_TYPES)
+def test_a_noise_seed_per_process_is_flagged(multihost_results, axis_type):
+  # The check above flags a broken pipeline: with a seed that differs by process, each
+  # process's replicas of the parameters get their own noise (the clipped sums still agree).
+  (first, _), (second, _) = multihost_results
+  broken = [k for k in first if k.startswith(f"{axis_type}/broken/")]
+  assert not _agree(second, first, f"{axis_type}/broken/key")
+  for key in broken:
+    assert _agree(second, first, key) == ("/grads/" in key), key
+
+
+@pytest.mark.parametrize("axis_type", AXIS_TYPES)
+def test_dp_step_with_the_defaults_across_processes(multihost_results, axis_type):
+  # method="auto" and dp_noise(seed=None), made by each process: the clipped sum equals one
+  # device's, the noise is there (z C = 1), every replica gets the same (process 0's key,
+  # test_processes_agree), and auto timed nothing (processes that picked different programs
+  # failed at their first collective).
+  arrays, report = multihost_results[0]
+  got = {k.split("/dp/", 1)[1]: v for k, v in arrays.items() if k.startswith(f"{axis_type}/dp/")}
+  params, x, y = _dp_data()
+  fn = jaxclip.per_example_clipped_grad(_dp_loss, DP_CLIP, method="vmap")
+  want, _ = jax.jit(fn)(params, x, y)
+  noise = []
+  for k in DP_SHAPES:
+    np.testing.assert_allclose(got[f"grads/{k}"], want[k], rtol=1e-5, atol=1e-6, err_msg=k)
+    noise.append(((params[k] - got[f"params/{k}"]) / LR - got[f"grads/{k}"]).ravel())
+  noise = np.concatenate(noise)
+  assert 0.7 < float(np.std(noise)) < 1.4, np.std(noise)
+  (why,) = report["measured"][axis_type]
+  assert why.startswith("a job of 2 processes"), why
 
 
 @pytest.mark.parametrize("axis_type", AXIS_TYPES)
@@ -326,6 +414,7 @@ def test_multihost_matches_single_process(multihost_results, axis_type):
     k.split("/", 1)[1]: v
     for k, v in multihost_results[0][0].items()
     if k.startswith(axis_type + "/")
+    and not k.startswith((f"{axis_type}/dp/", f"{axis_type}/broken/"))
   }
   expected = _single_process_results()
   assert float(expected["norm"]) > MAX_NORM  # the clip is active

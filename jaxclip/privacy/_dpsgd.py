@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Callable
 from typing import Any
 
@@ -27,13 +26,6 @@ from jaxclip.privacy._accountant import PrivacyAccountant
 from jaxclip.privacy._poisson import PoissonBatch
 
 _STATIC = "it fixes the run's accounting"
-
-
-def _os_key() -> jax.Array:
-  """A ``jax.random`` key of the default implementation, its bits from the OS's entropy."""
-  shape = jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0))).shape
-  words = np.frombuffer(os.urandom(4 * math.prod(shape)), np.uint32).reshape(shape)
-  return jax.random.wrap_key_data(jnp.asarray(words))
 
 
 def default_max_batch_size(
@@ -86,8 +78,10 @@ class DPSGD:
   **The key is secret.** The Poisson batches and the noise come from
   ``key``; whoever holds it can regenerate both, take the noise off the
   released updates and see which examples each step used. ``key=None`` (the
-  default) draws it from the operating system's entropy (``os.urandom``),
-  so two runs never share noise. A key passed in must be as secret as the
+  default) draws it from the operating system's entropy (:mod:`secrets`),
+  so two runs never share noise; in a job of several processes all take
+  process 0's key (as :func:`jaxclip.dp_noise` does), so that they draw the
+  same batches and noise. A key passed in must be as secret as the
   data (not ``jax.random.key(0)``); so are the noise states in checkpoints.
 
   Opacus's ``PrivacyEngine.make_private_with_epsilon`` does the same job for
@@ -207,7 +201,7 @@ class DPSGD:
         count_stddev, "count_stddev", lo=0, lo_open=True, scalar=True, finite=True, static=_STATIC
       )
     if key is None:
-      key = _os_key()
+      key = jax.random.wrap_key_data(_noise.secret_key_data())
     else:
       _validation.check_key(key)
       if not jnp.issubdtype(key.dtype, jax.dtypes.prng_key):

@@ -20,7 +20,11 @@ process would not be the program's own:
 * a loss closing over a value traced by an enclosing transformation (the
   candidates cannot be compiled apart from it);
 * ``axis_name`` or ``spmd_axis_name``, a mesh set with ``jax.set_mesh``, or
-  an input spread over several devices.
+  an input spread over several devices;
+* a job of several processes (``jax.distributed``): each process would time
+  its own candidates, and two processes that picked different programs
+  failed at their first collective (gloo: "Received data size doesn't match
+  expected size", ``tests/test_multihost.py``).
 
 Each function measures once, at its first trace, and every later trace runs
 the same pick, whatever the batch size: two neighbouring batches must go
@@ -76,6 +80,11 @@ class Measured:
 def unmeasurable(opts: Any, inputs: Any) -> str | None:
   """Why the candidates of a function with options ``opts`` cannot be timed on ``inputs``
   (its params, args and mask), or ``None``."""
+  if jax.process_count() > 1:  # each would time its own and might compile another program
+    return (
+      f"a job of {jax.process_count()} processes (each would time its own candidates, and "
+      "processes running different programs mismatch at their collectives)"
+    )
   if opts.axis_name is not None or opts.spmd_axis_name is not None:
     return "the batch is sharded over a mesh axis (axis_name or spmd_axis_name)"
   if not jax.sharding.get_abstract_mesh().empty:

@@ -32,12 +32,21 @@ def _is_key(seed: Any) -> bool:
   return isinstance(seed, jax.Array) and jnp.issubdtype(seed.dtype, jax.dtypes.prng_key)
 
 
-def _secret_key_data() -> jax.Array:
-  """Raw key data drawn from the operating system's entropy (:mod:`secrets`), never a
-  constant: as many random uint32 words as the default PRNG's key holds."""
+def secret_key_data() -> jax.Array:
+  """Raw key data (uint32) of the default PRNG drawn from the operating system's entropy
+  (:mod:`secrets`), never a constant. In a job of several processes every process draws and
+  all take process 0's (``multihost_utils.broadcast_one_to_all``, a collective every process
+  joins): a key drawn apart on each would give each process's replicas of the parameters
+  their own noise, and the replicas would drift apart."""
   shape = jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0))).shape
-  words = [secrets.randbits(32) for _ in range(int(np.prod(shape)))]
-  return jnp.asarray(np.asarray(words, np.uint32).reshape(shape))
+  words = np.asarray([secrets.randbits(32) for _ in range(int(np.prod(shape)))], np.uint32)
+  words = words.reshape(shape)
+  if jax.process_count() > 1:
+    from jax.experimental import multihost_utils
+
+    with jax.ensure_compile_time_eval():  # concrete even if made under a trace
+      words = np.asarray(multihost_utils.broadcast_one_to_all(words), np.uint32)
+  return jnp.asarray(words)
 
 
 def _check_seed(seed: Any) -> None:
@@ -115,7 +124,10 @@ def dp_noise(
   nothing: subtracting it recovers the clipped sum (Mironov, 2012). With
   ``seed=None`` (the default) the key is drawn from the operating system's
   entropy (Python's :mod:`secrets`) when the transform is made, so two
-  runs add independent noise; pass a seed (an int, or a
+  runs add independent noise. In a job of several processes
+  (``jax.distributed``) each process makes the transform, and all take
+  process 0's key (a collective), so that every replica of the parameters
+  gets the same noise; pass a seed (an int, or a
   ``jax.random.key``) drawn from a secret source to reproduce a run, never
   a constant in public code. The key lives in :class:`DPNoiseState`: a
   checkpoint holding it is as secret as the data.
@@ -219,7 +231,7 @@ def dp_noise(
   _check_seed(seed)
 
   if seed is None:
-    key_data = _secret_key_data()
+    key_data = secret_key_data()
   elif _is_key(seed):
     key_data = jax.random.key_data(seed)
   else:

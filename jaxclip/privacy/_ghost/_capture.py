@@ -240,5 +240,7 @@ def _batch_zeros(shape: tuple[int, ...], dtype: Any, like: jax.Array) -> jax.Arr
   sharding = jax.typeof(like).sharding
   spec = sharding.spec
   if spec and spec[0] is not None and not sharding.mesh.empty:
-    return jnp.zeros(shape, dtype, out_sharding=jax.P(spec[0], *[None] * (len(shape) - 1)))
+    # Under the value's own mesh: jit of Explicit-sharded arrays needs no mesh set.
+    with jax.sharding.use_abstract_mesh(sharding.mesh):
+      return jnp.zeros(shape, dtype, out_sharding=jax.P(spec[0], *[None] * (len(shape) - 1)))
   return jnp.zeros(shape, dtype)
