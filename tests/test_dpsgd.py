@@ -164,7 +164,7 @@ def test_per_layer_clip_noise_reads_the_whole_sensitivity():
 
 
 def test_dpsgd_keys_are_secret_and_drawn_from_the_os():
-  a, b = _dp(), _dp()  # no key: each from os.urandom
+  a, b = _dp(), _dp()  # no key: each from the OS's entropy
   assert not np.array_equal(a.batch(0).indices, b.batch(0).indices)
   zeros = {"w": jnp.zeros(64)}
   na = a.noise().update(zeros, a.noise().init(zeros))[0]["w"]

@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.experimental import multihost_utils
 
 from jaxclip._kernel import _numerics, _validation
 from jaxclip.privacy import _clip_batch
@@ -42,8 +43,6 @@ def secret_key_data() -> jax.Array:
   words = np.asarray([secrets.randbits(32) for _ in range(int(np.prod(shape)))], np.uint32)
   words = words.reshape(shape)
   if jax.process_count() > 1:
-    from jax.experimental import multihost_utils
-
     with jax.ensure_compile_time_eval():  # concrete even if made under a trace
       words = np.asarray(multihost_utils.broadcast_one_to_all(words), np.uint32)
   return jnp.asarray(words)
