@@ -204,6 +204,10 @@ def _dp_results(mesh: jax.sharding.Mesh, report: dict, name: str) -> dict:
     state = jax.jit(tx.init)(params)
     new_params, grads, state = jax.jit(_dp_step_of(clipped_grad, tx))(params, state, x, y)
     results[key] = {"params": new_params, "grads": grads, "key": state[0].dp_noise_key}
+  # dp_noise(seed=None) made inside a trace (its key broadcast at compile time): the same key
+  # on every process (test_processes_agree).
+  made_in_trace = jax.jit(lambda p: jaxclip.dp_noise(DP_CLIP, 1.0).init(p))(params)
+  results["made_in_trace"] = {"key": made_in_trace.dp_noise_key}
   report.setdefault("measured", {})[name] = [m.why for m in clipped_grad.measured.values()]
   return multihost_utils.process_allgather(results, tiled=True)
 
@@ -406,6 +410,10 @@ def test_dp_step_with_the_defaults_across_processes(multihost_results, axis_type
   assert 0.7 < float(np.std(noise)) < 1.4, np.std(noise)
   (why,) = report["measured"][axis_type]
   assert why.startswith("a job of 2 processes"), why
+  # the key of a dp_noise made inside a trace is a fresh secret one (and the same on every
+  # process: test_processes_agree)
+  made_in_trace = arrays[f"{axis_type}/made_in_trace/key"]
+  assert not np.array_equal(made_in_trace, arrays[f"{axis_type}/dp/key"])
 
 
 @pytest.mark.parametrize("axis_type", AXIS_TYPES)
@@ -413,8 +421,7 @@ def test_multihost_matches_single_process(multihost_results, axis_type):
   arrays = {
     k.split("/", 1)[1]: v
     for k, v in multihost_results[0][0].items()
-    if k.startswith(axis_type + "/")
-    and not k.startswith((f"{axis_type}/dp/", f"{axis_type}/broken/"))
+    if k.startswith(axis_type + "/") and k.split("/")[1] not in ("dp", "broken", "made_in_trace")
   }
   expected = _single_process_results()
   assert float(expected["norm"]) > MAX_NORM  # the clip is active

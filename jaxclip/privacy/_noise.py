@@ -36,16 +36,33 @@ def _is_key(seed: Any) -> bool:
 def secret_key_data() -> jax.Array:
   """Raw key data (uint32) of the default PRNG drawn from the operating system's entropy
   (:mod:`secrets`), never a constant. In a job of several processes every process draws and
-  all take process 0's (``multihost_utils.broadcast_one_to_all``, a collective every process
-  joins): a key drawn apart on each would give each process's replicas of the parameters
-  their own noise, and the replicas would drift apart."""
+  all take process 0's (:func:`_from_process_0`, a collective every process joins): a key
+  drawn apart on each would give each process's replicas of the parameters their own noise,
+  and the replicas would drift apart."""
   shape = jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0))).shape
   words = np.asarray([secrets.randbits(32) for _ in range(int(np.prod(shape)))], np.uint32)
   words = words.reshape(shape)
   if jax.process_count() > 1:
-    with jax.ensure_compile_time_eval():  # concrete even if made under a trace
-      words = np.asarray(multihost_utils.broadcast_one_to_all(words), np.uint32)
+    words = _from_process_0(words)
   return jnp.asarray(words)
+
+
+def _from_process_0(words: np.ndarray) -> np.ndarray:
+  """Process 0's ``words`` on every process: a sum over the processes of process 0's words and
+  the others' zeros, computed now even under a trace (``multihost_utils.broadcast_one_to_all``
+  sets a mesh, which JAX refuses inside ``jit``: a ``dp_noise`` made in a traced function
+  failed)."""
+  devices = np.asarray(jax.devices()).reshape(jax.process_count(), jax.local_device_count())
+  auto = (jax.sharding.AxisType.Auto,) * 2
+  mesh = jax.sharding.Mesh(devices, ("processes", "local"), axis_types=auto)
+  mine = words if jax.process_index() == 0 else np.zeros_like(words)
+  with jax.ensure_compile_time_eval():  # concrete even if made under a trace
+    rows = multihost_utils.host_local_array_to_global_array(
+      mine[None], mesh, jax.sharding.PartitionSpec("processes")
+    )
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    total = jax.jit(lambda r: jnp.sum(r, axis=0, dtype=r.dtype), out_shardings=replicated)(rows)
+    return np.asarray(total.addressable_data(0), np.uint32)
 
 
 def _check_seed(seed: Any) -> None:
