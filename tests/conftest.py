@@ -60,7 +60,6 @@ _SLOW_FIRST = {
   "tests/test_examples.py::test_clipping_study_tiny_run": 80,
   "tests/test_ghost_multi_device.py::test_multi_device": 75,
   "tests/test_kernel.py::test_per_leaf_clip_of_stacked_leaves_under_grad_and_vmap[real]": 36,
-  "tests/test_dp_noise.py::test_ghost_float16_sum_past_65504_is_finite[auto]": 33,
   "tests/test_distributed.py::test_multi_device": 32,
   "tests/test_distributed.py::test_collectives": 32,
   "tests/test_benchmarks.py::test_benchmark_quick_run": 32,
