@@ -208,6 +208,13 @@ def _dp_results(mesh: jax.sharding.Mesh, report: dict, name: str) -> dict:
   # on every process (test_processes_agree).
   made_in_trace = jax.jit(lambda p: jaxclip.dp_noise(DP_CLIP, 1.0).init(p))(params)
   results["made_in_trace"] = {"key": made_in_trace.dp_noise_key}
+  # ... and where the caller set a mesh (the sum's own mesh then differed from the context's:
+  # "context mesh ... should match the aval mesh" on the Explicit mesh), outside jit and in it
+  with jax.set_mesh(mesh):
+    made_under_a_mesh = jaxclip.dp_noise(DP_CLIP, 1.0).init(params)
+    made_in_trace = jax.jit(lambda p: jaxclip.dp_noise(DP_CLIP, 1.0).init(p))(params)
+  results["made_under_a_mesh"] = {"key": made_under_a_mesh.dp_noise_key}
+  results["made_in_trace_under_a_mesh"] = {"key": made_in_trace.dp_noise_key}
   report.setdefault("measured", {})[name] = [m.why for m in clipped_grad.measured.values()]
   return multihost_utils.process_allgather(results, tiled=True)
 
@@ -410,10 +417,11 @@ def test_dp_step_with_the_defaults_across_processes(multihost_results, axis_type
   assert 0.7 < float(np.std(noise)) < 1.4, np.std(noise)
   (why,) = report["measured"][axis_type]
   assert why.startswith("a job of 2 processes"), why
-  # the key of a dp_noise made inside a trace is a fresh secret one (and the same on every
-  # process: test_processes_agree)
-  made_in_trace = arrays[f"{axis_type}/made_in_trace/key"]
-  assert not np.array_equal(made_in_trace, arrays[f"{axis_type}/dp/key"])
+  # the key of a dp_noise made inside a trace, or under a mesh set by the caller, is a fresh
+  # secret one (and the same on every process: test_processes_agree)
+  keys = [v for k, v in arrays.items() if k.startswith(f"{axis_type}/made_")]
+  keys.append(arrays[f"{axis_type}/dp/key"])
+  assert len(keys) == 4 and len({tuple(np.ravel(k)) for k in keys}) == 4, keys
 
 
 @pytest.mark.parametrize("axis_type", AXIS_TYPES)
@@ -421,7 +429,9 @@ def test_multihost_matches_single_process(multihost_results, axis_type):
   arrays = {
     k.split("/", 1)[1]: v
     for k, v in multihost_results[0][0].items()
-    if k.startswith(axis_type + "/") and k.split("/")[1] not in ("dp", "broken", "made_in_trace")
+    if k.startswith(axis_type + "/")
+    and k.split("/")[1] not in ("dp", "broken")
+    and not k.split("/")[1].startswith("made_")
   }
   expected = _single_process_results()
   assert float(expected["norm"]) > MAX_NORM  # the clip is active

@@ -51,12 +51,13 @@ def _from_process_0(words: np.ndarray) -> np.ndarray:
   """Process 0's ``words`` on every process: a sum over the processes of process 0's words and
   the others' zeros, computed now even under a trace (``multihost_utils.broadcast_one_to_all``
   sets a mesh, which JAX refuses inside ``jit``: a ``dp_noise`` made in a traced function
-  failed)."""
+  failed), on a mesh of its own whatever mesh the caller set (``jax.set_mesh``)."""
   devices = np.asarray(jax.devices()).reshape(jax.process_count(), jax.local_device_count())
   auto = (jax.sharding.AxisType.Auto,) * 2
   mesh = jax.sharding.Mesh(devices, ("processes", "local"), axis_types=auto)
   mine = words if jax.process_index() == 0 else np.zeros_like(words)
-  with jax.ensure_compile_time_eval():  # concrete even if made under a trace
+  # concrete even if made under a trace, and on this mesh whatever mesh the caller set
+  with jax.ensure_compile_time_eval(), jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
     rows = multihost_utils.host_local_array_to_global_array(
       mine[None], mesh, jax.sharding.PartitionSpec("processes")
     )
