@@ -4,11 +4,12 @@ When a ``method="auto"`` function is traced, it times its candidates (the cost
 model's plan, ghost's rules, vmap's program) on stand-in inputs for the backend
 this process runs on and runs the fastest in that platform's branch; other
 platforms keep the cost model. Where a timing would not be the program's own
-(a loss closing over a traced value, a mesh axis, symbolic shapes, a typed key)
-it times nothing, says why, and the cost model decides. Medians within a few
-percent are a tie, broken by the least temporary memory; a candidate that fails
-to run is left out. ``ghost_plan`` reports the same measurement. The wiring is
-tested with a fixed pick; the timing with programs a thousand times apart.
+(a loss closing over a traced value, a mesh axis, symbolic shapes, a typed key),
+or with ``measure=False``, it times nothing, says why, and the cost model
+decides. Medians within a few percent are a tie, broken by the least temporary
+memory; a candidate that fails to run is left out. ``ghost_plan`` reports the
+same measurement. The wiring is tested with a fixed pick; the timing with
+programs a thousand times apart.
 """
 
 from __future__ import annotations
@@ -269,6 +270,28 @@ def test_nothing_is_timed_in_a_job_of_several_processes(monkeypatch):
   (m,) = fn.measured.values()
   assert m.pick is None and m.why.startswith("a job of 2 processes"), m.why
   assert jaxclip.ghost_plan(loss, w, xs, method="auto").measured.startswith("a job of 2")
+
+
+def test_measure_false_runs_the_cost_models_plan_with_nothing_timed(monkeypatch):
+  # The user's switch: one compile at the first trace, and the same program in every run and
+  # on every machine. Were a measurement made, it would pick vmap's program.
+  calls = _fixed(monkeypatch, "vmap")
+  loss, w, xs = _dense()
+  fn = jaxclip.per_example_clipped_grad(loss, 1.0, method="auto", measure=False)
+  assert PER_EXAMPLE not in jax.jit(fn).lower(w, xs).as_text()  # the dot rule
+  (m,) = fn.measured.values()
+  assert calls == [] and m.pick is None and m.why.startswith("measure=False"), m.why
+  _compare(loss, w, xs, method_="auto", measure=False)
+  # DPSGD passes it on; the default still measures.
+  run = jaxclip.DPSGD(1_000, 32.0, 10, 1.0, 1e-5, 1.0, key=jax.random.key(0), method="auto")
+  dp_fn = run.clipped_grad(loss, measure=False)
+  dp_fn(w, xs)
+  assert calls == [] and next(iter(dp_fn.measured.values())).pick is None
+  measured = jaxclip.per_example_clipped_grad(loss, 1.0, method="auto")
+  measured(w, xs)
+  assert calls == [("auto", "vmap")] and next(iter(measured.measured.values())).pick == "vmap"
+  with pytest.raises(TypeError, match="measure must be a bool, got 'no'"):
+    jaxclip.per_example_clipped_grad(loss, 1.0, method="auto", measure="no")
 
 
 def test_ghost_plan_reports_the_measured_pick(monkeypatch):

@@ -8,6 +8,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import numpy as np
 
 from jaxclip._kernel import _validation
 from jaxclip._kernel._typing import AxisName
@@ -33,6 +34,7 @@ class Options:
   group_size: int
   normalize: Any = None
   return_num_nonfinite: bool = False
+  measure: bool = True
 
   @classmethod
   def checked(
@@ -50,6 +52,10 @@ class Options:
       micro = _validation.check_size(micro, "microbatch_size", static="it fixes a shape")
     group = _validation.check_size(group, "group_size", static="it fixes a shape")
     kwargs.update(microbatch_size=micro, group_size=group)
+    measure = kwargs.get("measure", True)
+    if not isinstance(measure, (bool, np.bool_)):
+      raise TypeError(f"measure must be a bool, got {measure!r}.")
+    kwargs["measure"] = bool(measure)
     if micro is not None and micro % group:
       raise ValueError(
         f"microbatch_size={micro} must be a multiple of "

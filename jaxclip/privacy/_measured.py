@@ -12,8 +12,9 @@ lowered for that platform (of candidates within ``TIE`` of the fastest, the
 one of least temporary memory; a candidate that would not fit in the device's
 free memory or fails to run is left out, and one many times slower in its first
 two runs is not timed further); the branches for other platforms keep the cost model. It times
-nothing, and the cost model decides, where a timing on one device of this
-process would not be the program's own:
+nothing, and the cost model decides, where the user asks so (``measure=False``:
+one compile, the same program in every run) and where a timing on one device
+of this process would not be the program's own:
 
 * symbolic shapes (``jax.export``), or a typed PRNG key among the inputs (no
   stand-in is made for it);
@@ -80,6 +81,8 @@ class Measured:
 def unmeasurable(opts: Any, inputs: Any) -> str | None:
   """Why the candidates of a function with options ``opts`` cannot be timed on ``inputs``
   (its params, args and mask), or ``None``."""
+  if not opts.measure:
+    return "measure=False: the cost model's plan, nothing timed"
   if jax.process_count() > 1:  # each would time its own and might compile another program
     return (
       f"a job of {jax.process_count()} processes (each would time its own candidates, and "

@@ -56,6 +56,7 @@ def per_example_clipped_grad(
   group_size: int = 1,
   normalize: float | None = None,
   return_num_nonfinite: bool = False,
+  measure: bool = True,
 ) -> Callable[..., tuple[Any, ...]]:
   r"""Makes a function returning the sum of per-example gradients, each clipped.
 
@@ -170,6 +171,9 @@ def per_example_clipped_grad(
       (automatic clipping).
     return_num_nonfinite: Also return how many examples (groups) had a
       non-finite gradient norm and contributed zero.
+    measure: Under ``"auto"``, time the candidates at the first trace;
+      ``False``: the cost model's plan, nothing else compiled or timed (one
+      compile, the same program in every run and on every machine).
 
   Returns:
     A function ``(params, *args, example_mask=None) -> (clipped_grad_sum,
@@ -204,8 +208,9 @@ def per_example_clipped_grad(
     record (``platform``, ``pick``, ``why``) of its first trace, whose pick
     every later trace runs (any batch size: neighbouring batches must run one
     program): the candidates' median times and the one that runs, or
-    why none was timed (a loss closing over a value traced outside, a mesh
-    axis, symbolic shapes, a typed PRNG key), where the cost model decides.
+    why none was timed (``measure=False``, a loss closing over a value
+    traced outside, a mesh axis, symbolic shapes, a typed PRNG key), where
+    the cost model decides.
 
   Raises:
     ValueError: for a concrete negative or NaN ``l2_norm_clip``, a
@@ -217,7 +222,8 @@ def per_example_clipped_grad(
       symbolic batch not known to be its multiple), an unknown
       ``method``, or (with ``method="ghost"``) complex
       parameters or a loss that is not a real scalar.
-    TypeError: for a ``microbatch_size`` or ``group_size`` that is not an int.
+    TypeError: for a non-int ``microbatch_size`` or ``group_size``, or a
+      non-bool ``measure``.
 
   Examples:
     A loss of ``(params, x, y)`` for one example: ``x`` and ``y`` both carry
@@ -287,6 +293,7 @@ def per_example_clipped_grad(
     group_size=group_size,
     normalize=normalize,
     return_num_nonfinite=return_num_nonfinite,
+    measure=measure,
   )
   return clipped_grad_of(opts)
 
