@@ -22,6 +22,7 @@ to combine the norm kernel's partial sums across devices.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Hashable
 from typing import Any
 
@@ -244,6 +245,20 @@ def leaf_reduction_axes(
     _shard_axes(v, names, jax.tree_util.keystr(p) or "<root>")
     for v, (p, _) in zip(values, paths_leaves, strict=True)
   ]
+
+
+def typed_devices(x: Any) -> int:
+  """How many devices the mesh of JAX's type of ``x`` lays it out over, its manual axes
+  (inside ``shard_map``) left out: under ``jit`` of arrays sharded over several devices, with
+  no mesh set, the tracers' types name the arrays' mesh (1 where the type names none)."""
+  mesh = getattr(getattr(jax.typeof(x), "sharding", None), "mesh", None)
+  if mesh is None or mesh.empty:
+    return 1
+  manual = jax.sharding.AxisType.Manual
+  sizes = [
+    mesh.shape[n] for n, t in zip(mesh.axis_names, mesh.axis_types, strict=True) if t != manual
+  ]
+  return math.prod(sizes)
 
 
 # The layout key of a leaf whose values are all on the device that computes

@@ -21,7 +21,8 @@ of this process would not be the program's own:
 * a loss closing over a value traced by an enclosing transformation (the
   candidates cannot be compiled apart from it);
 * ``axis_name`` or ``spmd_axis_name``, a mesh set with ``jax.set_mesh``, or
-  an input spread over several devices;
+  an input spread over several devices (under ``jit`` with no mesh set: over
+  the mesh JAX's type of it names);
 * a job of several processes (``jax.distributed``): each process would time
   its own candidates, and two processes that picked different programs
   failed at their first collective (gloo: "Received data size doesn't match
@@ -43,6 +44,8 @@ from typing import Any
 
 import jax
 import numpy as np
+
+from jaxclip._kernel import _sharding
 
 # Rounds of timed steps (one of each candidate, the order turned each round): at least the
 # first for a median, then more while the timed steps took under BUDGET_S, up to the second.
@@ -98,10 +101,11 @@ def unmeasurable(opts: Any, inputs: Any) -> str | None:
       return "a typed PRNG key among the inputs"
     if not all(isinstance(d, int) for d in shape):
       return "symbolic shapes"
-    sharding = getattr(x, "sharding", None)
-    if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer):
-      if sharding is not None and len(sharding.device_set) > 1:
+    if isinstance(x, jax.core.Tracer):  # under jit: the devices its type names
+      if _sharding.typed_devices(x) > 1:
         return "an input spread over several devices"
+    elif isinstance(x, jax.Array) and len(x.sharding.device_set) > 1:
+      return "an input spread over several devices"
   return None
 
 
