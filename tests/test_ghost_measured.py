@@ -273,8 +273,8 @@ def test_nothing_is_timed_in_a_job_of_several_processes(monkeypatch):
 
 
 def test_measure_false_runs_the_cost_models_plan_with_nothing_timed(monkeypatch):
-  # The user's switch: one compile at the first trace, and the same program in every run and
-  # on every machine. Were a measurement made, it would pick vmap's program.
+  # The user's switch: one compile at the first trace, and the same plan in every run. Were a
+  # measurement made, it would pick vmap's program.
   calls = _fixed(monkeypatch, "vmap")
   loss, w, xs = _dense()
   fn = jaxclip.per_example_clipped_grad(loss, 1.0, method="auto", measure=False)

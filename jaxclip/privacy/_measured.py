@@ -13,7 +13,7 @@ one of least temporary memory; a candidate that would not fit in the device's
 free memory or fails to run is left out, and one many times slower in its first
 two runs is not timed further); the branches for other platforms keep the cost model. It times
 nothing, and the cost model decides, where the user asks so (``measure=False``:
-one compile, the same program in every run) and where a timing on one device
+one compile, the same plan in every run) and where a timing on one device
 of this process would not be the program's own:
 
 * symbolic shapes (``jax.export``), or a typed PRNG key among the inputs (no

@@ -173,7 +173,7 @@ def per_example_clipped_grad(
       non-finite gradient norm and contributed zero.
     measure: Under ``"auto"``, time the candidates at the first trace;
       ``False``: the cost model's plan, nothing else compiled or timed (one
-      compile, the same program in every run and on every machine).
+      compile, the same plan in every run and on every machine of a platform).
 
   Returns:
     A function ``(params, *args, example_mask=None) -> (clipped_grad_sum,
