@@ -137,19 +137,17 @@ def md_ghost_on_sharded_arrays_without_a_mesh_set():
     mesh = jax.make_mesh((N_DEVICES,), ("data",), axis_types=(axis_type,))
     xs = [jax.device_put(a, NamedSharding(mesh, P("data"))) for a in (x, y)]
     ps = jax.device_put(params, NamedSharding(mesh, P()))
-    for method in ("ghost", "auto"):
-      fn = jaxclip.per_example_clipped_grad(mlp_loss, 30.0, batch_argnums=(1, 2), method=method)
-      _check(jax.jit(fn)(ps, *xs), ref)
     # "auto" times nothing: its candidates timed on one device are not the program that runs
     # on eight. Under jit the tracers' types name the arrays' mesh (it timed them on one
-    # device before); called outside jit, the arrays' own shardings do (on an Explicit mesh
-    # JAX runs nothing outside jit with no mesh set, vmap's program neither).
-    calls = (jax.jit, lambda f: f) if axis_type == jax.sharding.AxisType.Auto else (jax.jit,)
-    for call in calls:
-      fn = jaxclip.per_example_clipped_grad(mlp_loss, 30.0, batch_argnums=(1, 2), method="auto")
-      _check(call(fn)(ps, *xs), ref)
-      (m,) = fn.measured.values()
-      assert m.pick is None and m.why == "an input spread over several devices", m.why
+    # device before); called outside jit, the arrays' own shardings do (JAX runs no program
+    # outside jit on an Explicit mesh's arrays with no mesh set, vmap's neither).
+    eager = axis_type == jax.sharding.AxisType.Auto
+    for method, jitted in [("ghost", True), ("auto", True)] + [("auto", False)] * eager:
+      fn = jaxclip.per_example_clipped_grad(mlp_loss, 30.0, batch_argnums=(1, 2), method=method)
+      _check((jax.jit(fn) if jitted else fn)(ps, *xs), ref)
+      if method == "auto":
+        (m,) = fn.measured.values()
+        assert m.pick is None and m.why == "an input spread over several devices", m.why
 
 
 test_multi_device = multi_device_checks(globals(), N_DEVICES)
