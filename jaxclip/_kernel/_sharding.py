@@ -254,11 +254,15 @@ def typed_devices(x: Any) -> int:
   mesh = getattr(getattr(jax.typeof(x), "sharding", None), "mesh", None)
   if mesh is None or mesh.empty:
     return 1
+  return math.prod(size for size, _ in _unmanual(mesh))
+
+
+def _unmanual(mesh: Any) -> list[tuple[int, Any]]:
+  """``(size, type)`` of each axis of ``mesh`` that is not manual (not inside ``shard_map``)."""
   manual = jax.sharding.AxisType.Manual
-  sizes = [
-    mesh.shape[n] for n, t in zip(mesh.axis_names, mesh.axis_types, strict=True) if t != manual
+  return [
+    (mesh.shape[n], t) for n, t in zip(mesh.axis_names, mesh.axis_types, strict=True) if t != manual
   ]
-  return math.prod(sizes)
 
 
 # The layout key of a leaf whose values are all on the device that computes
@@ -286,12 +290,7 @@ def layout(x: jax.Array) -> Any:
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
       return LOCAL if jax.device_count() == 1 else None
-  manual = jax.sharding.AxisType.Manual
-  spread = [
-    t
-    for n, t in zip(mesh.axis_names, mesh.axis_types, strict=True)
-    if t != manual and mesh.shape[n] > 1
-  ]
+  spread = [t for size, t in _unmanual(mesh) if size > 1]
   if not spread:
     return LOCAL
   if (
