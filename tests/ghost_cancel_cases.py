@@ -198,13 +198,15 @@ def dense(t, c, f, wrap=None):
   shape = lambda a: a.reshape(lead + (-1, a.shape[-1]))
   rows = lambda gen, **kw: lambda rng, dt: tuple(map(shape, gen(rng, t, c, f, dt, **kw)[:2]))
   flat = lambda x: x.reshape(-1, x.shape[-1])
-  # The second backward pass (remat) weights each example's output gradients inside the
-  # model's own backward pass, where no balancing reaches: rows within 2**110 there.
+  # The second backward pass (remat, float32 only) weights each example's output gradients
+  # inside the model's own backward pass, where no balancing reaches: rows within 2**110 there.
+  # In half precision a rematerialised model keeps one pass: rows over the whole range.
+  span = lambda dt: {"span": 110} if wrap == "remat" and dt == "float32" else {}
   return Model(
     loss,
     _zeros(c, f),
     rows(ordinary_rows),
-    rows(adversarial_rows, **({"span": 110} if wrap == "remat" else {})),
+    lambda rng, dt: rows(adversarial_rows, **span(dt))(rng, dt),
     lambda x, y: outer_sum(flat(x), flat(y)),
   )
 
@@ -259,9 +261,9 @@ def conv(positions, kernel, cin, cout):
     return outer_sum(rows, y.reshape(-1, cout)).reshape(*kernel, cin, cout)
 
   # The book-keeping balances a convolution's records example by example only (its patches
-  # share the input's entries): rows of one example farther apart than the range can still
-  # have their weighted output gradients flushed. Rows within 2**110 here.
-  adversarial = gen(adversarial_rows, span=110)
+  # share the input's entries), and drops an example whose rows lie so far apart that a flush
+  # could move the sum (_book.unbounded): rows over the whole range.
+  adversarial = gen(adversarial_rows)
   return Model(loss, _zeros(*kernel, cin, cout), gen(ordinary_rows), adversarial, truth)
 
 

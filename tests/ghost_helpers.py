@@ -27,6 +27,7 @@ import numpy as np
 
 import jaxclip
 from jaxclip.privacy import _ghost
+from jaxclip.privacy._ghost import _planning
 from jaxclip.privacy._ghost._jaxpr import _walk
 
 
@@ -73,7 +74,7 @@ def plan(loss_fn, params, *example):
   )
   infos = _ghost.input_infos([x.ndim for x in leaves], [True] * len(example))
   sites, _ = _walk.analysis(closed, infos)
-  return _ghost.make_plan(sites, len(leaves))
+  return _ghost.make_plan(sites, len(leaves), half=_planning.computes_in_half(closed))
 
 
 V, D, L, H, T = 40, 16, 2, 2, 8

@@ -44,7 +44,8 @@ def _mlp_loss(p, x, y):
 
 
 def _remat_loss(p, x, y):
-  """The MLP with its first layer rematerialised: ghost takes two backward passes."""
+  """The MLP with its first layer rematerialised: ghost takes two backward passes (in float32
+  and float64; one in half precision)."""
   h = jax.checkpoint(lambda w, b, x: jnp.tanh(x @ w + b))(p["w1"], p["b1"], x[:3])
   return (h @ p["w2"] - y) ** 2
 
@@ -264,7 +265,7 @@ def _check_case(model, mode, method, dtype, copies=1, measure=True):
 
 ALL_CASES = list(itertools.product(LOSSES, MODES, METHODS, DTYPES))
 # The inner loop's slice: every mode once, every method, dtype and model more than once (the
-# rematerialised model, whose ghost plan takes two backward passes, in half precision).
+# rematerialised model in half precision, whose ghost plan keeps one pass there).
 SLICE = [
   (tuple(LOSSES)[i % 3], MODES[i], METHODS[(i + i // 3) % 3], DTYPES[(i + i // 4) % 4])
   for i in range(len(MODES))
@@ -377,7 +378,7 @@ def test_optax_dropins_bounded(wrapper, dtype):
 
 
 # ----------------------------------------------------------------------------
-# Ghost norms' second backward pass (a rematerialised model)
+# A rematerialised model: ghost norms' second backward pass (float32), one pass (half)
 # ----------------------------------------------------------------------------
 
 
@@ -404,11 +405,17 @@ def test_two_pass_plan_selects_a_nonfinite_example_away(method):
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("mode", ["clip", "per_layer"])
-def test_two_pass_half_precision_large_sum(mode, dtype):
-  # As test_adversarial_half_precision_large_sum, through the second backward pass: a D of
-  # 1,020 examples whose sum that pass rounded to bfloat16/float16 before the noise.
+def test_rematerialised_half_precision_large_sum(mode, dtype):
+  # As test_adversarial_half_precision_large_sum, for the rematerialised model: in float32 its
+  # clipped sum is a second backward pass, which rounded a D of 1,020 examples' sum to
+  # bfloat16/float16 before the noise (before the pass summed in float32), and each example's
+  # weighted output gradients to the model's dtype (moves up to 2.2 C where rows cancel,
+  # tests/test_ghost_cancel.py). In half precision it keeps one pass, and says so.
   params = _params("remat", jnp.float32)
   assert jaxclip.ghost_plan(_remat_loss, params, *_batch("remat", jnp.float32, N)).passes == 2
+  dt = jnp.dtype(dtype)
+  plan = jaxclip.ghost_plan(_remat_loss, _params("remat", dt), *_batch("remat", dt, N))
+  assert plan.passes == 1 and "rematerialised" in plan.passes_note
   assert not _check_case("remat", mode, "ghost", dtype, copies=170)
 
 
@@ -416,15 +423,16 @@ def _scalar_remat_loss(p, x, y):
   return jnp.sum(jax.checkpoint(lambda w, x: x @ w)(p["w"], x) * y)
 
 
-def test_two_pass_sums_bfloat16_gradients_in_float32():
-  # Issue #48's bfloat16 case through the second backward pass: 1,018 unit gradients sum to
-  # 1,018, halfway between the bfloat16 numbers 1,016 and 1,020 (which it rounded to 1,016);
-  # one more example of clipped norm 0.01 then rounded the sum to 1,020, a move of 4. Summed
-  # in float32, the example moves it by its own norm.
+def test_rematerialised_bfloat16_gradients_sum_in_float32():
+  # Issue #48's bfloat16 case on a rematerialised layer (one pass in bfloat16; the second
+  # backward pass it took before summed in bfloat16): 1,018 unit gradients sum to 1,018,
+  # halfway between the bfloat16 numbers 1,016 and 1,020 (which it rounded to 1,016); one
+  # more example of clipped norm 0.01 then rounded the sum to 1,020, a move of 4. Summed in
+  # float32, the example moves it by its own norm.
   dt = jnp.bfloat16
   params = {"w": jnp.zeros((1, 1), dt)}
   x, y = jnp.ones((1018, 1), dt), jnp.ones((1018, 1), dt)
-  assert jaxclip.ghost_plan(_scalar_remat_loss, params, x, y).passes == 2
+  assert jaxclip.ghost_plan(_scalar_remat_loss, params, x, y).passes == 1
   fn = jax.jit(jaxclip.per_example_clipped_grad(_scalar_remat_loss, C, method="ghost"))
   base = fn(params, x, y)[0]["w"]
   assert base.dtype == jnp.float32 and float(base[0, 0]) == 1018.0
@@ -434,9 +442,9 @@ def test_two_pass_sums_bfloat16_gradients_in_float32():
   assert delta <= float(small[0, 0]) * (1 + 1e-6), delta
 
 
-def test_two_pass_float16_sum_of_many_unit_gradients_is_finite():
-  # Issue #48's float16 case through the second backward pass: 65,520 unit gradients summed
-  # in float16 are inf (65,519 gave 65,504); in float32, 65,520.
+def test_rematerialised_float16_sum_of_many_unit_gradients_is_finite():
+  # Issue #48's float16 case on a rematerialised layer (as above): 65,520 unit gradients
+  # summed in float16 are inf (65,519 gave 65,504); in float32, 65,520.
   dt = jnp.float16
   params = {"w": jnp.zeros((1, 1), dt)}
   fn = jax.jit(jaxclip.per_example_clipped_grad(_scalar_remat_loss, C, method="ghost"))

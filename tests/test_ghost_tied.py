@@ -18,7 +18,6 @@ import pytest
 
 import jaxclip
 from jaxclip.privacy import _ghost
-from jaxclip.privacy._ghost import _capture
 from tests.ghost_helpers import compare as _compare
 from tests.ghost_helpers import plan as _plan
 
@@ -111,14 +110,17 @@ def test_two_pass_tied_head_takes_its_own_term_in_the_backward_pass(where):
   assert jaxclip.ghost_plan(loss, params, tokens).rules["['e']"] == "tied"
 
 
-def test_two_pass_tied_head_in_bfloat16_within_its_rounding_of_float64():
-  # The half-precision two-pass plan evaluates its forward pass in float32 copies of the
-  # leaves (``wide``); the early head term reads the head's param in its own dtype.
+def test_rematerialised_tied_head_in_bfloat16_within_its_rounding_of_float64():
+  # In bfloat16 the rematerialised model keeps one pass (a second, weighted pass would round
+  # each example's weighted output gradients to bfloat16): the head's term and the cross term
+  # both come from the records, book-kept in float32.
   params, tokens = _tied_lm_problem(batch=16)
   loss = _tied_lm("outside")
+  assert _early_plan(loss, params, tokens)[0].two_pass  # float32: two passes
   half = jax.tree.map(lambda p: p.astype(jnp.bfloat16), params)
   plan, early, _ = _early_plan(loss, half, tokens)
-  assert plan.two_pass and early and _capture._has_half(half, plan.sites)
+  assert not plan.two_pass and plan.held_in_half and not early and len(plan.tied) == 1
+  assert jaxclip.ghost_plan(loss, half, tokens).passes_note is not None
   with jax.enable_x64(True):
     wide = jax.tree.map(lambda p: np.asarray(p, np.float64), half)  # the same values
     fn = lambda c: jaxclip.per_example_clipped_grad(loss, c, return_norms=True)

@@ -80,6 +80,8 @@ class GhostPlan:
       median times of its candidates and the one that runs
       (:func:`jaxclip.per_example_clipped_grad` times them the same way when
       traced), or why none was timed; ``None`` where nothing was measured.
+    passes_note: Why ``passes`` is ``1`` although a ghost rule's layer is
+      rematerialised (the loss computes in bfloat16 or float16), else ``None``.
   """
 
   leaves: tuple[GhostLeafPlan, ...]
@@ -88,6 +90,7 @@ class GhostPlan:
   method: str = "ghost"
   platform: str | None = None
   measured: str | None = None
+  passes_note: str | None = None
 
   @property
   def rules(self) -> dict[str, str]:
@@ -119,9 +122,19 @@ class GhostPlan:
       lines.append(self.measured)
     if self.passes == 2:
       lines.append("two backward passes (rematerialised layers): the norms, then the clipped sum")
+    if self.passes_note is not None:
+      lines.append(self.passes_note)
     if self.sum_passes > 1:
       lines.append(f"the clipped sum pulled back {self.sum_passes} times (per clip group)")
     return "\n".join(lines)
+
+
+HELD_IN_HALF = (
+  "one backward pass although layers are rematerialised: the loss computes in bfloat16 or "
+  "float16, where a second, weighted backward pass would round each example's weighted output "
+  "gradients to that dtype, beyond what its norm bounds; every layer's a and g are held until "
+  "the norms are known"
+)
 
 
 def ghost_plan(
@@ -186,7 +199,10 @@ def ghost_plan(
   primitive. Where a layer with a ghost rule is rematerialised
   (``jax.checkpoint``, flax ``nn.remat``), the model asks for memory over
   compute: :attr:`GhostPlan.passes` is then ``2`` (the norms in one backward
-  pass that keeps no layer's ``a`` and ``g``, the clipped sum in a second).
+  pass that keeps no layer's ``a`` and ``g``, the clipped sum in a second),
+  but where the loss computes in bfloat16 or float16: a second pass would round
+  each example's weighted output gradients to that dtype, so the plan keeps
+  one pass and says so (:attr:`GhostPlan.passes_note`).
 
   Args:
     loss_fn: As for :func:`jaxclip.per_example_clipped_grad`.
@@ -317,6 +333,7 @@ def ghost_plan(
     ),
     passes=passes,
     sum_passes=sum_passes,
+    passes_note=HELD_IN_HALF if chosen is not None and chosen.held_in_half else None,
     method=method,
     platform=platform if method == "auto" else None,
     measured=None if measured is None else measured.why,

@@ -169,8 +169,8 @@ def per_example_clipped_grad(
     normalize: ``None`` (default) to clip, or ``gamma >= 0`` (a number, may
       be traced) to scale each example by :math:`C / (\|g\| + \gamma)`
       (automatic clipping).
-    return_num_nonfinite: Also return how many examples (groups) had a
-      non-finite gradient norm and contributed zero.
+    return_num_nonfinite: Also return how many examples (groups) contributed zero: a non-finite
+      gradient norm (ghost norms: or records too far apart to bound, ``docs/privacy.md``).
     measure: Under ``"auto"``, time the candidates at the first trace;
       ``False``: the cost model's plan, nothing else compiled or timed (one
       compile, the same plan in every run and on every machine of a platform).

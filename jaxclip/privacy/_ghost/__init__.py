@@ -19,9 +19,8 @@ output. One backward pass gives every ``a`` and ``g``. A parameter used by one
 ``dot_general``, one embedding lookup (tied to an output head or not) or one
 convolution gets its per-example norm from ``a`` and ``g`` alone; every other
 parameter has its per-example gradient formed exactly, through its sites
-only. The clipped sum is then book-kept from the same ``a`` and ``g``, or,
-where a ghost site is rematerialised, taken by a second, weighted backward
-pass.
+only. The clipped sum is then book-kept from the same ``a`` and ``g``, or, where
+a ghost site is rematerialised (float32 models), by a second, weighted pass.
 
 The only way in for the rest of :mod:`jaxclip.privacy`:
 ``per_example_clipped_grad(method="ghost" | "auto")`` (:func:`trace`,
@@ -246,7 +245,7 @@ def trace(
   _batching.check_loss(loss_shape, shown=str(loss_shape))
   infos = input_infos([jnp.ndim(x) for x in leaves], batched)
   sites, unknown = _walk.analysis(closed, infos)
-  plan = make_plan(sites, len(leaves), unknown)
+  plan = make_plan(sites, len(leaves), unknown, half=_planning.computes_in_half(closed))
   return Traced(closed, out_shape, leaves, params_tree, arg_leaves, batched, plan)
 
 
@@ -266,32 +265,29 @@ def clipped_sum(
   """Per-example norms by ``plan``, each example's weight by ``clip``, then the weighted sum
   of per-example gradients.
 
-  Rows that are not real examples are the caller's to neutralise: it
-  replaces them by copies of a real example and gives them ``mask`` False,
-  so that they get weight 0. So does an example whose norm is not finite;
-  every example at weight 0 (in every group) is then *selected* away, not
-  multiplied by 0 (``0 * nan`` is ``nan``): its output gradients and its data
-  records are replaced before the book-keeping
-  (:func:`jaxclip.privacy._ghost._book.book_keep`), and a second backward
-  pass runs on a batch where such rows are copies of a kept example.
+  Rows that are not real examples are the caller's to neutralise: it replaces them by
+  copies of a real example and gives them ``mask`` False, so that they get weight 0. So
+  does an example whose norm is not finite, or which the book-keeping cannot bound
+  (:func:`jaxclip.privacy._ghost._book.unbounded`, counted as non-finite); every example
+  at weight 0 (in every group) is then *selected* away, not multiplied by 0 (``0 * nan``
+  is ``nan``): its output gradients and data records are replaced before the book-keeping
+  (:func:`jaxclip.privacy._ghost._book.book_keep`), or a second backward pass runs on a
+  batch where such rows are copies of a kept example.
 
   Args:
-    traced: From :func:`trace`, its batched ``arg_leaves`` holding the
-      examples on axis 0.
+    traced: From :func:`trace`, its batched ``arg_leaves`` holding the examples on axis 0.
     plan: The plan to run: ``traced.plan``, or :func:`plan_for`'s choice.
     clip: The call's clip (:class:`jaxclip.privacy._clip_factors.Clip`). With
       groups (per-layer clipping, ``clip.of_leaf``), the norms are
       ``(examples, groups)``, each example's norm over each group's leaves,
       and so are the weights: leaf ``i`` of example ``b`` is weighted by
       ``weights[b, clip.of_leaf[i]]`` (:func:`jaxclip.privacy._ghost._book.book_keep`).
-    mask: Which rows are real examples (boolean ``(examples,)``), or ``None``
-      for all.
+    mask: Which rows are real examples (boolean ``(examples,)``), or ``None`` for all.
     spmd_axis_name: Passed to ``vmap``.
 
   Returns:
-    ``(sum_b weights_b * grad_b leaves, norms, (num_clipped, num_nonfinite),
-    aux leaves)``, the sums in float32 (or wider), formed so by the
-    book-keeping or the second pass (half precision widened as it enters).
+    ``(sum_b weights_b * grad_b leaves, norms, (num_clipped, num_nonfinite), aux leaves)``,
+    the sums in float32 (or wider), half precision widened as it enters.
   """
   traced = dataclasses.replace(traced, plan=plan)
   leaf_groups = clip.of_leaf
@@ -309,6 +305,10 @@ def clipped_sum(
   weights, counts = scale_factors(norms, clip, mask, floor)
   if mask is not None:
     weights = jnp.where(_batching.rows(mask, weights), weights, 0)
+  if not plan.two_pass:  # an example the book-keeping cannot bound is dropped, as non-finite
+    drop = _batching.rows(_book.unbounded(cap, weights, norms, leaf_groups), norms)
+    weights, counts = scale_factors(jnp.where(drop, jnp.inf, norms), clip, mask, floor)
+    weights = weights if mask is None else jnp.where(_batching.rows(mask, weights), weights, 0)
   keep = weights != 0
   keep = jnp.any(keep, axis=1) if keep.ndim > 1 else keep
   sums = _instantiate.released_sums(cap, plan.instantiated, formed, weights, keep, leaf_groups)

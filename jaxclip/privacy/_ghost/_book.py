@@ -8,19 +8,16 @@ instead (:func:`two_pass`). With clip groups (per-layer clipping), each leaf
 takes its own group's weights. Where the model holds bfloat16 or float16
 values, the sum is formed in float32: the weighted output gradients, the
 pull-back through each site and through ``h`` are evaluated in float32
-(``wide``), so that nothing rounds it to half precision before the noise.
-The second backward pass does so too: its forward pass takes float32 copies
-of the leaves and evaluates each site in float32, its outputs rounded to
-their dtypes (``wide`` in :class:`jaxclip.privacy._ghost._forward.Forward`),
-so each site's sum over the batch, and the leaves' gradients, are float32.
-The second backward pass's float16 output gradients with weights above 1
-(automatic clipping) is scaled by a power of two into float16's range
-(:func:`_in_range`).
+(``wide``), so that nothing rounds it to half precision before the noise
+(nor overflows float16's range where automatic clipping weights above 1). A
+model that computes in half precision never takes the second backward pass
+(:func:`jaxclip.privacy._ghost._planning._probed`).
 """
 
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -66,61 +63,16 @@ def kept(cap: Captured, keep: jax.Array) -> Captured:
 
 def two_pass(cap: Captured, weights: jax.Array, leaf_groups: Sequence[int] | None) -> list[Any]:
   """The second, weighted backward pass; with clip groups, one per group (each group's leaves
-  taken from the pass weighted by its weights)."""
-  half = any(_is_float16(x) for x in cap.leaves)
-
-  def weighted(w):
-    w, scale = _in_range(w, half)
-    return [_rescaled(x, scale) for x in cap.weighted(w)]
-
+  taken from the pass weighted by its weights). Float32 (or wider) models only."""
   if leaf_groups is None:
-    return weighted(weights)
+    return cap.weighted(weights)
   out = [None] * len(cap.leaves)
   for k in sorted(set(leaf_groups)):
-    grads = weighted(weights[:, k])
+    grads = cap.weighted(weights[:, k])
     for i, g in enumerate(leaf_groups):
       if g == k:
         out[i] = grads[i]
   return out
-
-
-def _is_float16(x: Any) -> bool:
-  return jnp.result_type(x) == jnp.float16
-
-
-def _in_range(
-  weights: jax.Array, half: bool, gs: Sequence[jax.Array] = ()
-) -> tuple[jax.Array, jax.Array | None]:
-  """``(weights / s, s)`` for float16 book-keeping, ``s`` a power of two (at least 1);
-  ``(weights, None)`` otherwise.
-
-  Automatic clipping's weights exceed 1 (up to ``C / gamma``): multiplied into
-  float16 output gradients they could overflow float16's range (65504).
-  Scaled by a power of two, the pull-back stays in range and is scaled back
-  in float32 after (:func:`_rescaled`). With the output gradients ``gs``,
-  ``s`` brings the largest weighted entry to at most ``2**14`` (so the other
-  examples' weights keep float16's precision); without, the largest weight to
-  at most 1. For clipping's weights (at most 1) and output gradients below
-  ``2**14``, ``s`` is 1 and nothing changes.
-  """
-  if not half:
-    return weights, None
-  top = jnp.max(weights)
-  gs = [g for g in gs if all(d != 0 for d in g.shape[1:])]
-  if gs:
-    peak = [jnp.max(jnp.abs(g.astype(weights.dtype)).reshape(g.shape[0], -1), axis=1) for g in gs]
-    top = jnp.max(weights * jnp.max(jnp.stack(peak), axis=0)) / 2.0**14
-  exponent = jnp.minimum(jnp.ceil(jnp.log2(jnp.maximum(top, 1))), 127)
-  scale = jnp.exp2(exponent).astype(weights.dtype)
-  return weights / scale, scale
-
-
-def _rescaled(x: jax.Array, scale: jax.Array | None) -> jax.Array:
-  """``x * scale`` formed in float32 (or wider), in ``x``'s dtype; ``x`` for ``None``."""
-  if scale is None:
-    return x
-  acc = _numerics.accumulation_dtype(x.dtype)
-  return (x.astype(acc) * scale.astype(acc)).astype(x.dtype)
 
 
 def book_keep(
@@ -206,14 +158,66 @@ def _balance(
     return None
   if _dot.DOT.matches(site.eqn, site.roles, params[0]):
     return functools.partial(_dot.balanced, site)
-  lead = dvals[0].ndim - site.eqn.invars[1 - params[0]].aval.ndim
-  if _scale.SCALE.matches(site.eqn, site.roles, params[0]):
-    if dvals[0].shape == gs[0].shape:
-      return _scaling.balanced_entries
-    return lambda d, g: _scaling.balanced_examples(d, g, lead)
-  if _conv.CONV.matches(site.eqn, site.roles, params[0]):
-    return lambda d, g: _scaling.balanced_examples(d, g, lead)
-  return None
+  if _scale.SCALE.matches(site.eqn, site.roles, params[0]) and dvals[0].shape == gs[0].shape:
+    return _scaling.balanced_entries
+  lead = _by_example(site, dvals, gs)
+  return None if lead is None else lambda d, g: _scaling.balanced_examples(d, g, lead)
+
+
+def _by_example(site: Site, dvals: Sequence[Any], gs: Sequence[Any]) -> int | None:
+  """The records' leading axes (examples, then one per scan) where :func:`_balance` balances
+  a site example by example (a convolution, a scale across positions), else ``None``."""
+  params = site.param_positions()
+  if site.eqn is None or len(params) != 1 or len(dvals) != 1 or len(gs) != 1:
+    return None
+  if not jnp.issubdtype(dvals[0].dtype, jnp.floating) or dvals[0].shape == gs[0].shape:
+    return None
+  if not any(r.matches(site.eqn, site.roles, params[0]) for r in (_scale.SCALE, _conv.CONV)):
+    return None
+  return dvals[0].ndim - site.eqn.invars[1 - params[0]].aval.ndim
+
+
+def unbounded(
+  cap: Captured, weights: jax.Array, norms: jax.Array, leaf_groups: Sequence[int] | None
+) -> jax.Array:
+  """Which examples (``(examples,)``) a site balanced example by example could move by more
+  than ``2**-20`` of what they add: the book-keeping drops them (weight 0).
+
+  Balanced by powers of two (:func:`_scaling.balanced_examples`), such a site's records
+  ``d' = d 2**-k`` and weighted output gradients ``g' = w g 2**k`` of one example have largest
+  entries ``D`` and ``G``; XLA:CPU flushes a factor, product or partial sum below the normal
+  range (``2**-126`` in float32), so the pull-back loses at most ``n (max(D, G) + 1)
+  2**-126``, ``n`` the products (at most the sizes of ``d`` and ``g`` multiplied). Rows of one
+  example farther apart than the range (``|d| ~ 2**120`` against ``|g| ~ 2**-120`` in one
+  row, the other way round in another) leave ``D`` or ``G`` near ``2**120``: such a loss moved
+  a bfloat16 sum by ``1.9 C`` (``tests/test_ghost_cancel.py``). It is compared with the
+  example's own part of the sum, ``w ||grad||`` (at most its clip): an ordinary example is
+  dropped only where that part is below ``2**-60`` or so, where dropping it moves nothing.
+  """
+  out = jnp.zeros(weights.shape[:1], bool)
+  for u, site in enumerate(cap.sites):
+    lead = None if u in cap.tapped else _by_example(site, cap.drecs[u], cap.gs[u])
+    if lead is None:
+      continue
+    (d,), (g,) = cap.drecs[u], cap.gs[u]
+    md, mg = _per_lead_max(d, lead), _per_lead_max(g, lead)  # (examples, scan iterations)
+    w, part = weights, weights * norms
+    if leaf_groups is not None:  # the groups of the site's param input
+      groups = sorted({leaf_groups[i] for i in site.infos[0].deps})
+      w, part = jnp.max(w[:, groups], axis=1), jnp.min(part[:, groups], axis=1)
+    k = _scaling.halfway(md, mg)
+    big = jnp.maximum(_numerics.times_pow2(md, -k), _numerics.times_pow2(mg, k) * w[:, None])
+    n = math.prod(d.shape[1:]) * math.prod(g.shape[1:])  # at least the products
+    lost = (jnp.max(big, axis=1) + 1) * (n * 2.0**-106)  # 2**-126 n, against 2**-20 of part
+    out = out | ((part > 0) & ~(lost <= part))
+  return out
+
+
+def _per_lead_max(x: jax.Array, lead: int) -> jax.Array:
+  """The largest ``|x|`` (float32 or wider) per index of the ``lead`` leading axes, flattened
+  after the first."""
+  x = _numerics.upcast_for_accumulation(x)
+  return _scaling.largest(x, range(lead, x.ndim)).reshape(x.shape[0], -1)
 
 
 def mixed_boundaries(plan: Plan, leaf_groups: Sequence[int]) -> list[tuple[int, int]]:

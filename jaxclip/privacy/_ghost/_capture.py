@@ -28,7 +28,6 @@ from jaxclip.privacy._ghost._types import (
   Pair,
   Site,
   Stack,
-  is_half,
 )
 from jaxclip.privacy._ghost._wide import wide_bind, widened
 
@@ -162,14 +161,10 @@ def _site_gradients(
     it = iter(data_b)
     return [next(it) if b else x for x, b in zip(inputs.arg_leaves, inputs.batched, strict=True)]
 
-  # Two passes with half precision: the forward pass takes float32 copies of the leaves (see
-  # ``wide`` in :class:`Forward`), so the second backward pass sums in float32.
-  wide = bool(inputs.probed) and _has_half(inputs.leaves, sites)
-
   def losses(leaves, zs):
     def one(zs_b, data_b):
       walker = Forward(
-        zs_b, sites, inputs.tapped, inputs.probed, inputs.accumulated, wide, early=inputs.early
+        zs_b, sites, inputs.tapped, inputs.probed, inputs.accumulated, early=inputs.early
       )
       ins = list(zip(list(leaves) + merge(data_b), in_infos, strict=True))
       outs = walker.run(inputs.closed, ins)
@@ -199,8 +194,7 @@ def _site_gradients(
   if not inputs.probed:  # the zeros only
     loss, vjp, (aux, drecs) = jax.vjp(lambda zs: losses(inputs.leaves, zs), zs, has_aux=True)
     return drecs, lend(vjp(jnp.ones_like(loss))[0]), aux, None
-  leaves = [widened(x) for x in inputs.leaves] if wide else inputs.leaves
-  loss, vjp, (aux, drecs) = jax.vjp(losses, leaves, zs, has_aux=True)
+  loss, vjp, (aux, drecs) = jax.vjp(losses, inputs.leaves, zs, has_aux=True)
   gs = lend(vjp(jnp.ones_like(loss))[1])
   return drecs, gs, aux, lambda weights: vjp(_rounded_down(weights, loss.dtype))[0]
 
@@ -213,12 +207,6 @@ def _rounded_down(weights: jax.Array, dtype: Any) -> jax.Array:
     return out
   above = jnp.abs(out.astype(weights.dtype)) > jnp.abs(weights)
   return jnp.where(above, jnp.nextafter(out, jnp.zeros((), dtype)), out)
-
-
-def _has_half(leaves: Sequence[Any], sites: Sequence[Site]) -> bool:
-  """Whether a leaf, or a site's input or output, is bfloat16 or float16."""
-  avals = [v.aval for s in sites if s.eqn is not None for v in (*s.eqn.invars, *s.eqn.outvars)]
-  return any(is_half(x) for x in [*leaves, *avals, *(a for s in sites for a in s.out_avals)])
 
 
 def _params_pass(inputs: Inputs, sites: Sequence[Site], kind: type = ParamsPass) -> Any:

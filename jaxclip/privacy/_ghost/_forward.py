@@ -21,7 +21,6 @@ from jaxclip.privacy._ghost._jaxpr import _sites
 from jaxclip.privacy._ghost._jaxpr._walk import Analyzer, Walker
 from jaxclip.privacy._ghost._rules import _conv_taps
 from jaxclip.privacy._ghost._types import DATA, PARAM, Info, Pair, Site, Stack
-from jaxclip.privacy._ghost._wide import narrowed, wide_bind
 
 
 class Forward(Walker):
@@ -59,15 +58,6 @@ class Forward(Walker):
       (:meth:`jaxclip.privacy._ghost._rules._base.Rule.accumulates`). Where the input is
       the same value in every iteration of the site's scans, the zero is
       closed over by them, and the gradient is summed over the iterations.
-    wide: Whether the parameters' values come in float32 copies of
-      half-precision leaves (the two-pass plan's forward pass, whose second
-      backward pass gives the clipped sum): what depends on the parameters
-      alone is then evaluated in float32
-      (:func:`jaxclip.privacy._ghost._wide.wide_bind`), and each site in
-      float32 with its outputs rounded to their dtypes, so that the model's
-      values are those of its own dtypes while the parameters' gradients,
-      summed over the batch at each site, are float32
-      (:func:`jaxclip.privacy._ghost._wide.narrowed`).
   """
 
   def __init__(
@@ -77,7 +67,6 @@ class Forward(Walker):
     tapped: frozenset[int] = frozenset(),
     probed: Mapping[int, Callable[..., Any]] | None = None,
     accumulated: frozenset[int] = frozenset(),
-    wide: bool = False,
     early: Mapping[int, Callable[..., Any]] | None = None,
     **kwargs: Any,
   ):
@@ -86,25 +75,7 @@ class Forward(Walker):
     self.tapped = tapped
     self.probed = probed or {}
     self.accumulated = accumulated
-    self.wide = wide
     self.early = early or {}
-
-  def bind(self, eqn: Any, vals: list[Any], info: Info | None = None) -> list[Any]:
-    if not self.wide:
-      return _jax.bind(eqn, vals)
-    if info is not None and info.kind == PARAM:
-      return wide_bind(eqn, vals)
-    return _jax.bind(eqn, narrowed(vals, eqn.invars))
-
-  def bind_site(self, eqn: Any, vals: list[Any]) -> list[Any]:
-    """A site's outputs: with ``wide``, evaluated in float32 and rounded to their dtypes."""
-    if not self.wide:
-      return _jax.bind(eqn, vals)
-    return narrowed(wide_bind(eqn, vals), eqn.outvars)
-
-  def run(self, closed: Any, ins: Sequence[Pair]) -> list[Any]:
-    outs = super().run(closed, ins)
-    return narrowed(outs, closed.jaxpr.outvars) if self.wide else outs
 
   def site(self, eqn: Any, vals: list[Any], infos: list[Info], aval: Any = None) -> list[Any]:
     index = len(self.records)
@@ -113,14 +84,13 @@ class Forward(Walker):
     fn = self.probed.get(u) or (_param_gradient(eqn, roles) if u in self.accumulated else None)
     if eqn is not None and fn is not None:
       self.records.append([])
-      out = self.bind_site(eqn, vals)
+      out = _jax.bind(eqn, vals)
       floats = _sites.float_outs(eqn, aval)
       (z,) = self.zs[index]
-      narrow = narrowed(vals, eqn.invars) if self.wide else vals
       probed = _probe(
         fn,
         [out[j] for j in floats],
-        [v for v, r in zip(narrow, roles, strict=True) if r == PARAM],
+        [v for v, r in zip(vals, roles, strict=True) if r == PARAM],
         [v for v, r in zip(vals, roles, strict=True) if r == DATA],
         z,
       )
@@ -133,12 +103,12 @@ class Forward(Walker):
       vals = [
         v + next(zs).astype(v.dtype) if r == PARAM else v for v, r in zip(vals, roles, strict=True)
       ]
-      return self.bind_site(eqn, vals)
+      return _jax.bind(eqn, vals)
     self.records.append([v for v, r in zip(vals, roles, strict=True) if r == DATA])
     if eqn is None:  # the loss, which depends on the parameters alone
-      out = [vals[0].astype(aval.dtype)] if self.wide else list(vals)
+      out = list(vals)
     else:
-      out = self.bind_site(eqn, vals)
+      out = _jax.bind(eqn, vals)
     zs, early = list(self.zs[index]), self.early.get(u) if eqn is not None else None
     z_early = zs.pop() if early is not None else None
     if zs:  # none where the site takes another's output gradient (``borrowed``)
@@ -146,8 +116,7 @@ class Forward(Walker):
       for j, z in zip(floats, zs, strict=True):
         out[j] = out[j] + z
       if early is not None:
-        narrow = narrowed(vals, eqn.invars) if self.wide else vals
-        pvals = [v for v, r in zip(narrow, roles, strict=True) if r == PARAM]
+        pvals = [v for v, r in zip(vals, roles, strict=True) if r == PARAM]
         dvals = [v for v, r in zip(vals, roles, strict=True) if r == DATA]
         taken = _probe(early, [out[j] for j in floats], pvals, dvals, z_early, barrier=True)
         for j, x in zip(floats, taken, strict=True):
@@ -166,7 +135,6 @@ class Forward(Walker):
       self.tapped,
       self.probed,
       self.accumulated,
-      self.wide,
       self.early,
       base=base,
       stack=stack,

@@ -16,13 +16,13 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Mapping, Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax.numpy as jnp
 
-from jaxclip.privacy._ghost import _cost_model, _rules
+from jaxclip.privacy._ghost import _cost_model, _rules, _types
 from jaxclip.privacy._ghost._jaxpr import _internals as _jax
-from jaxclip.privacy._ghost._jaxpr import _sites
+from jaxclip.privacy._ghost._jaxpr import _sites, _walk
 from jaxclip.privacy._ghost._rules import _tied
 from jaxclip.privacy._ghost._rules._base import levels
 from jaxclip.privacy._ghost._rules._dot import DOT
@@ -36,6 +36,7 @@ def make_plan(
   num_leaves: int,
   unknown: Sequence[str] = (),
   instantiate: Mapping[int, str] | None = None,
+  half: bool = False,
 ) -> Plan:
   """Groups the leaves by shared uses and picks each group's rule.
 
@@ -43,8 +44,9 @@ def make_plan(
     sites: From :func:`jaxclip.privacy._ghost._jaxpr._walk.analysis`.
     num_leaves: The number of parameter leaves.
     unknown: From the same: the higher-order equations the engine cannot read.
-    instantiate: Leaves to instantiate although they have a ghost rule, each
-      with the reason (:func:`auto_plan`).
+    instantiate: Leaves to instantiate although they have a ghost rule, each with the
+      reason (:func:`auto_plan`).
+    half: Whether the loss computes in half precision (:func:`computes_in_half`, :func:`_probed`).
   """
   instantiate = dict(instantiate or {})
   sites = [dataclasses.replace(s, rules=_rules.rules_of(s)) for s in sites]
@@ -71,15 +73,21 @@ def make_plan(
     merged,
     cost,
     _tapped(sites, merged),
-    _probed(sites, ghost),
+    _probed(sites, ghost, half),
     tuple(unknown),
     num_leaves,
     tuple(sorted(instantiate.items())),
+    half=half,
   )
 
 
-def _probed(sites: Sequence[Site], ghost: Sequence[Ghost]) -> frozenset[int]:
-  """The ghost sites probed in the backward pass: all of them, if one is rematerialised.
+def computes_in_half(closed: Any) -> bool:
+  """Whether a loss's jaxpr holds a bfloat16 or float16 value (``half`` of :func:`make_plan`)."""
+  return bool(_walk.dtypes(closed) & set(_types.HALF))
+
+
+def _probed(sites: Sequence[Site], ghost: Sequence[Ghost], half: bool) -> frozenset[int]:
+  """The ghost sites probed in the backward pass: all, if one is rematerialised (not ``half``).
 
   Book-keeping the clipped sum in one pass holds every ghost site's ``a`` and
   ``g`` until the norms are known: under ``jax.checkpoint`` (flax
@@ -88,8 +96,13 @@ def _probed(sites: Sequence[Site], ghost: Sequence[Ghost]) -> frozenset[int]:
   activations to be recomputed gets two passes instead: the norms, taken
   where each site's ``a`` and ``g`` meet in the backward pass, then the
   gradient of the weighted sum of the losses.
+
+  Not where the loss computes a bfloat16 or float16 value (``half``): the second pass
+  weights each example's output gradients inside the model's backward pass, which rounds
+  them to its dtype beyond what the norm bounds where rows cancel (up to ``2.2 C``
+  measured, ``tests/test_ghost_cancel.py``); one pass book-keeps the sum in float32.
   """
-  if not any(sites[u].remat for u, _, _ in ghost):
+  if half or not any(sites[u].remat for u, _, _ in ghost):
     return frozenset()
   # A weight shared by a scan's iterations needs them all at once, and a
   # lookup of fixed rows has no data input to probe: both keep their records.
@@ -345,7 +358,7 @@ def auto_plan(plan: Plan, platform: str | None) -> tuple[Plan | None, str | None
     for leaf, c in sorted(costs.items())
     if leaf not in chosen
   )
-  kept = make_plan(plan.sites, plan.num_leaves, plan.unknown, chosen) if chosen else plan
+  kept = make_plan(plan.sites, plan.num_leaves, plan.unknown, chosen, plan.half) if chosen else plan
   return dataclasses.replace(kept, notes=notes), None
 
 

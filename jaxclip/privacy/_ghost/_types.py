@@ -247,6 +247,8 @@ class Plan:
       instantiated by choice (``method="auto"``, :func:`auto_plan`).
     notes: ``(leaf, reason)`` of each leaf that keeps its ghost rule under
       ``method="auto"``: the costs that kept it.
+    half: Whether the loss computes a bfloat16 or float16 value anywhere: a
+      rematerialised model then keeps one pass (``probed`` empty).
   """
 
   sites: tuple[Site, ...]
@@ -260,8 +262,15 @@ class Plan:
   num_leaves: int = 0
   chosen: tuple[tuple[int, str], ...] = ()
   notes: tuple[tuple[int, str], ...] = dataclasses.field(default=(), compare=False)
+  half: bool = False
 
   @property
   def two_pass(self) -> bool:
     """Whether the clipped sum is a second backward pass (see ``probed``)."""
     return bool(self.probed)
+
+  @property
+  def held_in_half(self) -> bool:
+    """Whether a rematerialised ghost site keeps its records for one pass because the loss
+    computes in half precision (:func:`jaxclip.privacy._ghost._planning._probed`)."""
+    return self.half and any(self.sites[u].remat for u, _, _ in self.ghost)

@@ -1,12 +1,10 @@
-"""Ghost norms: half-precision values widened to float32, and narrowed back.
+"""Ghost norms: half-precision values widened to float32.
 
 Where the model holds bfloat16 or float16 values, the engine evaluates what
-it sums in float32: :func:`widened` widens a value (exactly), :func:`wide_bind`
-evaluates an equation on widened values, and :func:`narrowed` rounds values
-back to their variables' dtypes (the two-pass plan's forward pass, in
-:class:`jaxclip.privacy._ghost._forward.Forward`; the parameters' pass, in
-:class:`jaxclip.privacy._ghost._capture.WideParamsPass`; the book-keeping, in
-:mod:`jaxclip.privacy._ghost._book`).
+it sums in float32: :func:`widened` widens a value (exactly) and
+:func:`wide_bind` evaluates an equation on widened values (the parameters'
+pass, in :class:`jaxclip.privacy._ghost._capture.WideParamsPass`; the
+book-keeping, in :mod:`jaxclip.privacy._ghost._book`).
 """
 
 from __future__ import annotations
@@ -24,15 +22,6 @@ from jaxclip.privacy._ghost._types import HALF, is_half
 def widened(x: Any) -> Any:
   """``x`` in float32 if it is bfloat16 or float16 (exact), else ``x``."""
   return x.astype(jnp.float32) if is_half(x) else x
-
-
-def narrowed(vals: Sequence[Any], avars: Sequence[Any]) -> list[Any]:
-  """Each value in its variable's half-precision dtype where it was widened (:func:`widened`);
-  the others as they are."""
-  return [
-    x.astype(v.aval.dtype) if x is not None and is_half(v.aval) and x.dtype != v.aval.dtype else x
-    for x, v in zip(vals, avars, strict=True)
-  ]
 
 
 class _Wide(NamedTuple):

@@ -346,3 +346,12 @@ def analysis(closed: Any, in_infos: Sequence[Info]) -> tuple[list[Site], tuple[s
   walker = Analyzer()
   walker.run(closed, [(None, i) for i in in_infos])
   return walker.sites, tuple(walker.unknown)
+
+
+def dtypes(jaxpr: Any) -> set[Any]:
+  """The dtype of every array of a ``Jaxpr`` or ``ClosedJaxpr``: its inputs, outputs and each
+  equation's, those of its sub-jaxprs included."""
+  j = getattr(jaxpr, "jaxpr", jaxpr)
+  own = [*j.invars, *j.constvars, *j.outvars, *(v for e in j.eqns for v in (*e.invars, *e.outvars))]
+  subs = [sub for e in j.eqns for sub in _jax.sub_jaxprs(e)]
+  return {getattr(v.aval, "dtype", None) for v in own}.union(*map(dtypes, subs)) - {None}
