@@ -176,7 +176,9 @@ def test_the_check_flags_a_convolution_whose_rows_lie_beyond_the_range(monkeypat
 def test_the_check_flags_the_second_backward_pass_in_half_precision(monkeypatch):
   """A rematerialised model in bfloat16 given two passes (as before it kept one): the second
   pass rounds each example's weighted output gradients to bfloat16, and rows that cancel move
-  the sum beyond the clip (up to 2.2 C in bfloat16 and 1.9 C in float16 measured)."""
+  the sum beyond the clip (up to 2.2 C in bfloat16 and 1.9 C in float16 measured when that
+  pass ran on float32 copies of the leaves, a machinery removed with it: here it also sums in
+  bfloat16)."""
   probed = _planning._probed
   monkeypatch.setattr(_planning, "_probed", lambda sites, ghost, half: probed(sites, ghost, False))
   assert gc.forms(cases.CONFIGS["remat gram"](), "bfloat16") == ["probed dot gram"]
