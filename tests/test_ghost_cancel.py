@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import itertools
 
-import jax.numpy as jnp
 import pytest
 
 from jaxclip.privacy import _ghost
@@ -168,7 +167,7 @@ def test_the_check_flags_a_convolution_whose_rows_lie_beyond_the_range(monkeypat
   """No example dropped by ``_book.unbounded`` (as before it was): a convolution's rows of one
   example at the two ends of the range (balanced example by example only) have weighted
   output gradients flushed, and the sum moves by 1.9 C in bfloat16."""
-  monkeypatch.setattr(_book, "unbounded", lambda cap, w, *args: jnp.zeros(w.shape[:1], bool))
+  monkeypatch.setattr(_book, "unbounded", lambda *args: None)
   bad = _check("conv2d gram", "bfloat16", 48, seed=2)
   assert any("moved" in b for b in bad), bad
 

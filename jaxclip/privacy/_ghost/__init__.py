@@ -305,8 +305,8 @@ def clipped_sum(
   weights, counts = scale_factors(norms, clip, mask, floor)
   if mask is not None:
     weights = jnp.where(_batching.rows(mask, weights), weights, 0)
-  if not plan.two_pass:  # an example the book-keeping cannot bound is dropped, as non-finite
-    drop = _batching.rows(_book.unbounded(cap, weights, norms, leaf_groups), norms)
+  drop = None if plan.two_pass else _book.unbounded(cap, weights, norms, leaf_groups)
+  if drop is not None:  # an example the book-keeping cannot bound is dropped, as non-finite
     weights, counts = scale_factors(jnp.where(drop, jnp.inf, norms), clip, mask, floor)
     weights = weights if mask is None else jnp.where(_batching.rows(mask, weights), weights, 0)
   keep = weights != 0

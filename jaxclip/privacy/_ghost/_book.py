@@ -179,9 +179,10 @@ def _by_example(site: Site, dvals: Sequence[Any], gs: Sequence[Any]) -> int | No
 
 def unbounded(
   cap: Captured, weights: jax.Array, norms: jax.Array, leaf_groups: Sequence[int] | None
-) -> jax.Array:
-  """Which examples (``(examples,)``) a site balanced example by example could move by more
-  than ``2**-20`` of what they add: the book-keeping drops them (weight 0).
+) -> jax.Array | None:
+  """Which examples a site balanced example by example could move by more than ``2**-20`` of
+  what they add (``(examples,)``, shaped to broadcast against ``norms``): the book-keeping
+  drops them (weight 0). ``None`` where no site is balanced so.
 
   Balanced by powers of two (:func:`_scaling.balanced_examples`), such a site's records
   ``d' = d 2**-k`` and weighted output gradients ``g' = w g 2**k`` of one example have largest
@@ -194,13 +195,14 @@ def unbounded(
   example's own part of the sum, ``w ||grad||`` (at most its clip): an ordinary example is
   dropped only where that part is below ``2**-60`` or so, where dropping it moves nothing.
   """
-  out = jnp.zeros(weights.shape[:1], bool)
+  out = None
   for u, site in enumerate(cap.sites):
     lead = None if u in cap.tapped else _by_example(site, cap.drecs[u], cap.gs[u])
     if lead is None:
       continue
     (d,), (g,) = cap.drecs[u], cap.gs[u]
-    md, mg = _per_lead_max(d, lead), _per_lead_max(g, lead)  # (examples, scan iterations)
+    tops = _scaling.example_tops(d, g, lead)
+    md, mg = (x.reshape(d.shape[0], -1) for x in tops)  # (examples, scan iterations)
     w, part = weights, weights * norms
     if leaf_groups is not None:  # the groups of the site's param input
       groups = sorted({leaf_groups[i] for i in site.infos[0].deps})
@@ -209,15 +211,9 @@ def unbounded(
     big = jnp.maximum(_numerics.times_pow2(md, -k), _numerics.times_pow2(mg, k) * w[:, None])
     n = math.prod(d.shape[1:]) * math.prod(g.shape[1:])  # at least the products
     lost = (jnp.max(big, axis=1) + 1) * (n * 2.0**-106)  # 2**-126 n, against 2**-20 of part
-    out = out | ((part > 0) & ~(lost <= part))
-  return out
-
-
-def _per_lead_max(x: jax.Array, lead: int) -> jax.Array:
-  """The largest ``|x|`` (float32 or wider) per index of the ``lead`` leading axes, flattened
-  after the first."""
-  x = _numerics.upcast_for_accumulation(x)
-  return _scaling.largest(x, range(lead, x.ndim)).reshape(x.shape[0], -1)
+    drop = (part > 0) & ~(lost <= part)
+    out = drop if out is None else out | drop
+  return None if out is None else _batching.rows(out, norms)
 
 
 def mixed_boundaries(plan: Plan, leaf_groups: Sequence[int]) -> list[tuple[int, int]]:

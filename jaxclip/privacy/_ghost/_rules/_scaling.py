@@ -99,13 +99,20 @@ def balanced_examples(d: jax.Array, g: jax.Array, lead: int) -> tuple[jax.Array,
   Where the largest entry of either is zero or not finite, ``k = 0``. Float32 (or wider)
   values, half precision widened. Rows farther apart than the dtype's range within one example
   can still flush: only :func:`jaxclip.privacy._ghost._rules._dot.balanced` (a
-  ``dot_general``) goes row by row.
+  ``dot_general``) goes row by row; the book-keeping drops an example where that could
+  move its sum (:func:`jaxclip.privacy._ghost._book.unbounded`, from :func:`example_tops`).
   """
   d, g = _numerics.upcast_for_accumulation(d), _numerics.upcast_for_accumulation(g)
-  top = lambda x: largest(x, range(lead, x.ndim)).reshape(x.shape[:lead])
-  k = halfway(top(d), top(g))
+  k = halfway(*example_tops(d, g, lead))
   at = lambda x: k.reshape(k.shape + (1,) * (x.ndim - lead))
   return _numerics.times_pow2(d, -at(d)), _numerics.times_pow2(g, at(g))
+
+
+def example_tops(d: jax.Array, g: jax.Array, lead: int) -> tuple[jax.Array, jax.Array]:
+  """The largest ``|d|`` and ``|g|`` (float32 or wider) per index of the ``lead`` leading
+  axes: what :func:`balanced_examples` balances."""
+  top = lambda x: largest(x, range(lead, x.ndim)).reshape(x.shape[:lead])
+  return top(_numerics.upcast_for_accumulation(d)), top(_numerics.upcast_for_accumulation(g))
 
 
 def balanced_entries(d: jax.Array, g: jax.Array) -> tuple[jax.Array, jax.Array]:
