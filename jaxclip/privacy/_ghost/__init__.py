@@ -302,13 +302,13 @@ def clipped_sum(
     info = jnp.finfo(_numerics.tree_accumulation_dtype(traced.leaves))
     parts = 2 * (len(plan.sites) + len(traced.leaves)) + 1
     floor = math.sqrt(parts * float(info.tiny) / float(info.eps))
+  masked = lambda w: w if mask is None else jnp.where(_batching.rows(mask, w), w, 0)
   weights, counts = scale_factors(norms, clip, mask, floor)
-  if mask is not None:
-    weights = jnp.where(_batching.rows(mask, weights), weights, 0)
+  weights = masked(weights)
   drop = None if plan.two_pass else _book.unbounded(cap, weights, norms, leaf_groups)
   if drop is not None:  # an example the book-keeping cannot bound is dropped, as non-finite
     weights, counts = scale_factors(jnp.where(drop, jnp.inf, norms), clip, mask, floor)
-    weights = weights if mask is None else jnp.where(_batching.rows(mask, weights), weights, 0)
+    weights = masked(weights)
   keep = weights != 0
   keep = jnp.any(keep, axis=1) if keep.ndim > 1 else keep
   sums = _instantiate.released_sums(cap, plan.instantiated, formed, weights, keep, leaf_groups)

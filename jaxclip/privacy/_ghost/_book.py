@@ -151,30 +151,35 @@ def _balance(
   only for batches at risk cost more: a check's pass, and ``linen_cnn``'s step ran 9x slower on
   XLA:CPU with the pull-back inside a conditional.
   """
-  params = site.param_positions()
-  if site.eqn is None or len(params) != 1 or len(dvals) != 1 or len(gs) != 1:
+  pos = _paired(site, dvals, gs)
+  if pos is None:
     return None
-  if not jnp.issubdtype(dvals[0].dtype, jnp.floating):
-    return None
-  if _dot.DOT.matches(site.eqn, site.roles, params[0]):
+  if _dot.DOT.matches(site.eqn, site.roles, pos):
     return functools.partial(_dot.balanced, site)
-  if _scale.SCALE.matches(site.eqn, site.roles, params[0]) and dvals[0].shape == gs[0].shape:
+  if _scale.SCALE.matches(site.eqn, site.roles, pos) and dvals[0].shape == gs[0].shape:
     return _scaling.balanced_entries
   lead = _by_example(site, dvals, gs)
   return None if lead is None else lambda d, g: _scaling.balanced_examples(d, g, lead)
 
 
-def _by_example(site: Site, dvals: Sequence[Any], gs: Sequence[Any]) -> int | None:
-  """The records' leading axes (examples, then one per scan) where :func:`_balance` balances
-  a site example by example (a convolution, a scale across positions), else ``None``."""
+def _paired(site: Site, dvals: Sequence[Any], gs: Sequence[Any]) -> int | None:
+  """The param position of a site of one param input, one floating-point data record and one
+  output gradient (what :func:`_balance` can balance), else ``None``."""
   params = site.param_positions()
   if site.eqn is None or len(params) != 1 or len(dvals) != 1 or len(gs) != 1:
     return None
-  if not jnp.issubdtype(dvals[0].dtype, jnp.floating) or dvals[0].shape == gs[0].shape:
+  return params[0] if jnp.issubdtype(dvals[0].dtype, jnp.floating) else None
+
+
+def _by_example(site: Site, dvals: Sequence[Any], gs: Sequence[Any]) -> int | None:
+  """The records' leading axes (examples, then one per scan) where :func:`_balance` balances
+  a site example by example (a convolution, a scale across positions), else ``None``."""
+  pos = _paired(site, dvals, gs)
+  if pos is None or dvals[0].shape == gs[0].shape:
     return None
-  if not any(r.matches(site.eqn, site.roles, params[0]) for r in (_scale.SCALE, _conv.CONV)):
+  if not any(r.matches(site.eqn, site.roles, pos) for r in (_scale.SCALE, _conv.CONV)):
     return None
-  return dvals[0].ndim - site.eqn.invars[1 - params[0]].aval.ndim
+  return dvals[0].ndim - site.eqn.invars[1 - pos].aval.ndim
 
 
 def unbounded(
